@@ -1,0 +1,414 @@
+"""The operations of API.md: resolve the backend, then call it.
+
+Argument validation runs before anything is sent: the built-in backends do it in C++
+(``mcrdl._C.validate`` / ``MpiComm``); third-party backends that do not validate get a
+validating wrapper (:class:`_Validated`). The hot path here is one dict lookup.
+
+"auto" (until the tuning suite lands) resolves by a fixed rule: "mpi" when it is
+initialized, else "gloo", else the first initialized backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from . import _C
+from .backends import registry
+from .backends.base import Backend, InitContext
+from .bootstrap import Bootstrap
+from .errors import BackendUnavailableError, DesyncError, InvalidArgumentError
+from .groups import Group, check_ranks
+from .launch import LaunchInfo, detect
+from .ops import ReduceOp, to_reduce_op
+
+log = logging.getLogger("mcrdl")
+if os.environ.get("MCRDL_LOG_LEVEL"):
+    log.setLevel(os.environ["MCRDL_LOG_LEVEL"].upper())
+
+#: The fixed rule behind "auto" until tuning tables exist, in order of preference.
+AUTO_PREFERENCE = ("mpi", "gloo")
+
+SUM = ReduceOp.SUM
+
+
+class _State:
+    def __init__(self) -> None:
+        self.launch: LaunchInfo | None = None
+        self.bootstrap: Bootstrap | None = None
+        self.timeout = 300.0
+        self.tuning_table: str | None = None
+        self.backends: dict[str, Backend] = {}  # initialized, in init order
+        self.groups: list[Group] = []  # every group, world first
+        self.world: Group | None = None
+
+
+_state = _State()
+#: name -> backend object for every initialized backend, plus "auto". The hot path.
+_active: dict[str, Backend] = {}
+
+
+def _unavailable(name: object) -> Backend:
+    if not _state.backends:
+        raise BackendUnavailableError(
+            f"mcrdl is not initialized (backend {name!r} requested): call mcrdl.init() first"
+        )
+    raise BackendUnavailableError(registry.describe_unavailable(
+        name, _state.launch, tuple(_state.backends)))
+
+
+def _backend(name: object) -> Backend:
+    try:
+        return _active[name]
+    except (KeyError, TypeError):
+        return _unavailable(name)
+
+
+def _op(op: object) -> ReduceOp:
+    return op if op.__class__ is ReduceOp else to_reduce_op(op)
+
+
+# -- lifecycle -------------------------------------------------------------------------
+
+def init(backends: str | Sequence[str] | None = None, *, timeout: float | None = None,
+         tuning_table: str | None = None) -> None:
+    """Initialize mcrdl and the given backends (collective over the world).
+
+    ``backends``: None (every backend usable here), a name, or a list of names; calling
+    init again with more backends adds them. ``timeout`` (seconds) bounds every wait;
+    default ``$MCRDL_TIMEOUT`` or 300. ``tuning_table`` (or ``$MCRDL_TUNING_TABLE``) is
+    recorded for "auto"; until tuning tables are supported "auto" uses AUTO_PREFERENCE.
+    """
+    if timeout is None:
+        timeout = float(os.environ.get("MCRDL_TIMEOUT", _state.timeout))
+    if not (isinstance(timeout, (int, float)) and timeout > 0):
+        raise InvalidArgumentError(f"init: 'timeout' is {timeout!r}; expected seconds > 0")
+    launch = _state.launch or detect()
+    avail = registry.availability(launch)
+    if backends is None:
+        names = [n for n, why in avail.items() if why is None]
+    elif isinstance(backends, str):
+        names = [backends]
+    else:
+        names = list(backends)
+    for n in names:
+        if n == "auto":
+            continue
+        if not isinstance(n, str) or n not in avail or avail[n] is not None:
+            raise BackendUnavailableError(
+                registry.describe_unavailable(n, launch, tuple(_state.backends)))
+    names = [n for n in dict.fromkeys(names) if n != "auto"]
+
+    if _state.bootstrap is None:
+        _state.launch = launch
+        _state.bootstrap = Bootstrap(launch, timeout)
+        _state.world = Group(range(_state.bootstrap.size), _state.bootstrap.rank, 0)
+        _state.groups = [_state.world]
+    _state.timeout = float(timeout)
+    _state.tuning_table = tuning_table or os.environ.get("MCRDL_TUNING_TABLE")
+    views = _state.bootstrap.allgather_obj(names)
+    if any(v != names for v in views):
+        raise DesyncError("init: ranks asked for different backends:\n" + "\n".join(
+            f"  rank {r}: {v}" for r, v in enumerate(views)))
+
+    for b in _state.backends.values():
+        b.set_timeout(_state.timeout)
+    for n in names:
+        if n in _state.backends:
+            continue
+        cls = registry.backend_class(n)
+        ctx = InitContext(_state.bootstrap, _state.timeout, _state.world)
+        backend = cls(ctx)
+        for g in _state.groups[1:]:
+            backend.add_group(g)
+        if not cls.validates_arguments:
+            backend = _Validated(backend)
+        _state.backends[n] = backend
+        _active[n] = backend
+    _resolve_auto()
+    log.info("mcrdl: initialized %s on rank %d of %d", list(_state.backends),
+             _state.world.rank, _state.world.size)
+
+
+def _resolve_auto() -> None:
+    for n in AUTO_PREFERENCE + tuple(_state.backends):
+        if n in _state.backends:
+            _active["auto"] = _state.backends[n]
+            return
+    _active.pop("auto", None)
+
+
+def finalize() -> None:
+    """Tear down every backend (outstanding ops are abandoned) and the bootstrap."""
+    for b in reversed(list(_state.backends.values())):
+        b.finalize()
+    _active.clear()
+    _state.backends.clear()
+    if _state.bootstrap is not None:
+        _state.bootstrap.close()
+    _state.__init__()
+
+
+def is_initialized() -> bool:
+    return bool(_state.backends)
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this process (before or after init)."""
+    launch = _state.launch or detect()
+    return [n for n, why in registry.availability(launch).items() if why is None]
+
+
+def get_backends() -> list[str]:
+    """Initialized backends, in init order."""
+    return list(_state.backends)
+
+
+def _check_query(backend: object, group: Group | None) -> None:
+    if backend != "auto":
+        _backend(backend)
+    elif not _state.backends:
+        _unavailable(backend)
+    if group is not None and not isinstance(group, Group):
+        raise InvalidArgumentError(
+            f"'group' must be a mcrdl Group or None, got {type(group).__name__}")
+
+
+def get_rank(backend: str = "auto", group: Group | None = None) -> int:
+    """This process's rank in `group` (world when None); -1 if not a member."""
+    _check_query(backend, group)
+    return _state.world.rank if group is None else group.rank
+
+
+def get_size(backend: str = "auto", group: Group | None = None) -> int:
+    """Number of ranks in `group` (world when None)."""
+    _check_query(backend, group)
+    return _state.world.size if group is None else group.size
+
+
+get_world_size = get_size
+
+
+def new_group(ranks: Sequence[int]) -> Group:
+    """Create a group of world ranks (collective over the world: every rank calls it,
+    in the same order, with the same ranks). Group rank i is ``ranks[i]``."""
+    if not _state.backends:
+        _unavailable("auto")
+    ranks = check_ranks(ranks, _state.world.size)
+    views = _state.bootstrap.allgather_obj(ranks)
+    if any(v != ranks for v in views):
+        raise DesyncError("new_group: ranks passed different member lists:\n" + "\n".join(
+            f"  rank {r}: {list(v)}" for r, v in enumerate(views)))
+    group = Group(ranks, _state.world.rank, len(_state.groups))
+    for b in _state.backends.values():
+        b.add_group(group)
+    _state.groups.append(group)
+    return group
+
+
+def synchronize(backends: str | Sequence[str] | None = None) -> None:
+    """Wait for every outstanding op of the given backends (all when None)."""
+    if backends is None:
+        targets = list(_state.backends.values())
+    else:
+        names = [backends] if isinstance(backends, str) else list(backends)
+        targets = list(dict.fromkeys(_backend(n) for n in names))
+    for b in targets:
+        b.synchronize(_state.timeout)
+
+
+# -- operations --------------------------------------------------------------------------
+
+def all_reduce(backend, tensor, op=SUM, group=None, async_op=False):
+    """Reduce `tensor` across the group, in place on every rank."""
+    return _backend(backend).all_reduce(tensor, _op(op), group, async_op)
+
+
+def reduce(backend, tensor, dst=0, op=SUM, group=None, async_op=False):
+    """Reduce `tensor` to group rank `dst`; other ranks' tensors are unchanged."""
+    return _backend(backend).reduce(tensor, dst, _op(op), group, async_op)
+
+
+def bcast(backend, tensor, src=0, group=None, async_op=False):
+    """Broadcast `tensor` from group rank `src` to every rank."""
+    return _backend(backend).bcast(tensor, src, group, async_op)
+
+
+broadcast = bcast
+
+
+def all_gather(backend, output, input, group=None, async_op=False):
+    """Gather every rank's `input` into `output` (one tensor of size blocks, or a list)."""
+    return _backend(backend).all_gather(output, input, group, async_op)
+
+
+def gather(backend, output, input, dst=0, group=None, async_op=False):
+    """Gather every rank's `input` into `output` on group rank `dst` (None elsewhere)."""
+    return _backend(backend).gather(output, input, dst, group, async_op)
+
+
+def scatter(backend, output, input, src=0, group=None, async_op=False):
+    """Scatter block i of `input` (on group rank `src`) into `output` of rank i."""
+    return _backend(backend).scatter(output, input, src, group, async_op)
+
+
+def reduce_scatter(backend, output, input, op=SUM, group=None, async_op=False):
+    """Reduce `input` (size blocks) across ranks; rank i gets block i in `output`."""
+    return _backend(backend).reduce_scatter(output, input, _op(op), group, async_op)
+
+
+def all_to_all_single(backend, output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    """Exchange rows (dim 0) of `input`: split i goes to rank i; equal splits when None."""
+    return _backend(backend).all_to_all_single(output, input, output_split_sizes,
+                                               input_split_sizes, group, async_op)
+
+
+def all_to_all(backend, output_list, input_list, group=None, async_op=False):
+    """Send input_list[i] to rank i, receive output_list[i] from rank i."""
+    return _backend(backend).all_to_all(output_list, input_list, group, async_op)
+
+
+def gatherv(backend, output, input, counts, displs=None, dst=0, group=None, async_op=False):
+    """Gather `counts[i]` elements from rank i at element `displs[i]` of `output` on `dst`."""
+    return _backend(backend).gatherv(output, input, counts, displs, dst, group, async_op)
+
+
+def scatterv(backend, output, input, counts, displs=None, src=0, group=None, async_op=False):
+    """Scatter `counts[i]` elements at element `displs[i]` of `input` (on `src`) to rank i."""
+    return _backend(backend).scatterv(output, input, counts, displs, src, group, async_op)
+
+
+def all_gatherv(backend, output, input, counts, displs=None, group=None, async_op=False):
+    """All-gather variable blocks: rank i's `input` lands at element `displs[i]`."""
+    return _backend(backend).all_gatherv(output, input, counts, displs, group, async_op)
+
+
+def all_to_allv(backend, output, input, send_counts, recv_counts, send_displs=None,
+                recv_displs=None, group=None, async_op=False):
+    """All-to-all with element counts/displacements per rank (flattened tensors)."""
+    return _backend(backend).all_to_allv(output, input, send_counts, recv_counts, send_displs,
+                                         recv_displs, group, async_op)
+
+
+def send(backend, tensor, dst, tag=0, group=None, async_op=False):
+    """Send `tensor` to group rank `dst` with `tag` (0..32767)."""
+    return _backend(backend).send(tensor, dst, tag, group, async_op)
+
+
+def recv(backend, tensor, src, tag=0, group=None, async_op=False):
+    """Receive into `tensor` from group rank `src` with `tag`."""
+    return _backend(backend).recv(tensor, src, tag, group, async_op)
+
+
+def barrier(backend, group=None, async_op=False):
+    """Block until every rank of the group reached the barrier."""
+    return _backend(backend).barrier(group, async_op)
+
+
+# -- argument validation for third-party backends ----------------------------------------
+
+class _Validated:
+    """Wraps a backend that does not validate: runs mcrdl's checks, then delegates."""
+
+    def __init__(self, inner: Backend):
+        self._inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def _size_rank(self, group):
+        if group is None:
+            return _state.world.size, _state.world.rank
+        if not isinstance(group, Group) or not group.is_member:
+            from .groups import bad_group_error
+
+            raise bad_group_error(group)
+        return group.size, group.rank
+
+    def all_reduce(self, tensor, op, group, async_op):
+        self._size_rank(group)
+        _C.validate("all_reduce", tensor, op)
+        return self._inner.all_reduce(tensor, op, group, async_op)
+
+    def reduce(self, tensor, dst, op, group, async_op):
+        size, _ = self._size_rank(group)
+        _C.validate("reduce", tensor, dst, op, size)
+        return self._inner.reduce(tensor, dst, op, group, async_op)
+
+    def bcast(self, tensor, src, group, async_op):
+        size, _ = self._size_rank(group)
+        _C.validate("bcast", tensor, src, size)
+        return self._inner.bcast(tensor, src, group, async_op)
+
+    def all_gather(self, output, input, group, async_op):
+        size, _ = self._size_rank(group)
+        _C.validate("all_gather", output, input, size)
+        return self._inner.all_gather(output, input, group, async_op)
+
+    def gather(self, output, input, dst, group, async_op):
+        size, rank = self._size_rank(group)
+        _C.validate("gather", output, input, dst, rank, size)
+        return self._inner.gather(output, input, dst, group, async_op)
+
+    def scatter(self, output, input, src, group, async_op):
+        size, rank = self._size_rank(group)
+        _C.validate("scatter", output, input, src, rank, size)
+        return self._inner.scatter(output, input, src, group, async_op)
+
+    def reduce_scatter(self, output, input, op, group, async_op):
+        size, _ = self._size_rank(group)
+        _C.validate("reduce_scatter", output, input, op, size)
+        return self._inner.reduce_scatter(output, input, op, group, async_op)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
+                          async_op):
+        size, _ = self._size_rank(group)
+        _C.validate("all_to_all_single", output, input, output_split_sizes, input_split_sizes,
+                    size)
+        return self._inner.all_to_all_single(output, input, output_split_sizes,
+                                             input_split_sizes, group, async_op)
+
+    def all_to_all(self, output_list, input_list, group, async_op):
+        size, _ = self._size_rank(group)
+        _C.validate("all_to_all", output_list, input_list, size)
+        return self._inner.all_to_all(output_list, input_list, group, async_op)
+
+    def gatherv(self, output, input, counts, displs, dst, group, async_op):
+        size, rank = self._size_rank(group)
+        displs = _C.validate("gatherv", output, input, counts, displs, dst, rank, size)
+        return self._inner.gatherv(output, input, counts, displs, dst, group, async_op)
+
+    def scatterv(self, output, input, counts, displs, src, group, async_op):
+        size, rank = self._size_rank(group)
+        displs = _C.validate("scatterv", output, input, counts, displs, src, rank, size)
+        return self._inner.scatterv(output, input, counts, displs, src, group, async_op)
+
+    def all_gatherv(self, output, input, counts, displs, group, async_op):
+        size, rank = self._size_rank(group)
+        displs = _C.validate("all_gatherv", output, input, counts, displs, rank, size)
+        return self._inner.all_gatherv(output, input, counts, displs, group, async_op)
+
+    def all_to_allv(self, output, input, send_counts, recv_counts, send_displs, recv_displs,
+                    group, async_op):
+        size, _ = self._size_rank(group)
+        sd, rd = _C.validate("all_to_allv", output, input, send_counts, recv_counts,
+                             send_displs, recv_displs, size)
+        return self._inner.all_to_allv(output, input, send_counts, recv_counts, sd, rd, group,
+                                       async_op)
+
+    def send(self, tensor, dst, tag, group, async_op):
+        size, rank = self._size_rank(group)
+        _C.validate("send", tensor, dst, tag, rank, size)
+        return self._inner.send(tensor, dst, tag, group, async_op)
+
+    def recv(self, tensor, src, tag, group, async_op):
+        size, rank = self._size_rank(group)
+        _C.validate("recv", tensor, src, tag, rank, size)
+        return self._inner.recv(tensor, src, tag, group, async_op)
+
+    def barrier(self, group, async_op):
+        self._size_rank(group)
+        return self._inner.barrier(group, async_op)

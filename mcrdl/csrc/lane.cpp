@@ -1,0 +1,166 @@
+#include "lane.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <sstream>
+
+namespace mcrdl {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Polling back-off shared by waiters and lane threads: spin briefly (lowest latency),
+// then yield (oversubscribed ranks on few cores), then sleep in short slices.
+class Backoff {
+ public:
+  void pause() {
+    ++n_;
+    if (n_ < 64) return;
+    if (n_ < 20000) {
+      sched_yield();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  void reset() { n_ = 0; }
+
+ private:
+  uint64_t n_ = 0;
+};
+
+}  // namespace
+
+bool Work::progress() {
+  if (state_.load(std::memory_order_acquire) != kPending) return true;
+  std::unique_lock<std::mutex> claim(claim_, std::try_to_lock);
+  if (!claim.owns_lock()) return false;
+  if (state_.load(std::memory_order_acquire) != kPending) return true;
+  try {
+    if (!test()) return false;
+    if (finish) finish();
+    complete(kDone);
+  } catch (const Error& e) {
+    err_kind_ = e.kind();
+    err_ = e.what();
+    complete(kFailed);
+  } catch (const std::exception& e) {
+    err_kind_ = ErrorKind::Runtime;
+    err_ = std::string(op_) + " on backend '" + backend_ + "' failed: " + e.what();
+    complete(kFailed);
+  }
+  return true;
+}
+
+void Work::complete(int state) {
+  test = nullptr;  // release captured buffers early
+  finish = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    state_.store(state, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+void Work::abandon(ErrorKind kind, const std::string& why) {
+  std::lock_guard<std::mutex> claim(claim_);
+  if (state_.load() != kPending) return;
+  err_kind_ = kind;
+  err_ = why;
+  complete(kFailed);
+}
+
+void Work::wait(double timeout_s) {
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  if (!progress()) {
+    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(timeout_s));
+    Backoff backoff;
+    uint32_t iter = 0;
+    while (!progress()) {
+      if ((++iter & 63) == 0 && Clock::now() > deadline) {
+        std::ostringstream s;
+        s << op_ << " on backend '" << backend_ << "' (group " << group_ << ", sequence number "
+          << seq_ << ") did not complete within " << timeout_s
+          << " s; a rank of the group may never have called it, may be stuck, or may have died "
+             "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
+        throw Error(ErrorKind::Timeout, s.str());
+      }
+      backoff.pause();
+    }
+  }
+  if (state_.load(std::memory_order_acquire) == kFailed) throw Error(err_kind_, err_);
+}
+
+Lane::Lane(std::string name) : name_(std::move(name)) { thread_ = std::thread([this] { loop(); }); }
+
+Lane::~Lane() { shutdown("the lane was destroyed"); }
+
+void Lane::track(std::shared_ptr<Work> w) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (stop_) {
+      w->abandon(ErrorKind::BackendUnavailable,
+                 w->op() + ": backend '" + w->backend() + "' was finalized");
+      return;
+    }
+    inflight_.push_back(std::move(w));
+  }
+  cv_.notify_one();
+}
+
+size_t Lane::in_flight() {
+  std::lock_guard<std::mutex> g(mu_);
+  return inflight_.size();
+}
+
+void Lane::synchronize(double timeout_s) {
+  std::vector<std::shared_ptr<Work>> snapshot;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    snapshot = inflight_;
+  }
+  for (auto& w : snapshot) w->wait(timeout_s);
+}
+
+void Lane::shutdown(const std::string& why) {
+  std::vector<std::shared_ptr<Work>> left;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (stop_ && !thread_.joinable()) return;
+    stop_ = true;
+    left.swap(inflight_);
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  for (auto& w : left) w->abandon(ErrorKind::BackendUnavailable, w->op() + ": " + why);
+}
+
+void Lane::loop() {
+  Backoff backoff;
+  std::vector<std::shared_ptr<Work>> snapshot;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [this] { return stop_ || !inflight_.empty(); });
+      if (stop_) return;
+      snapshot = inflight_;
+    }
+    bool any_done = false;
+    for (auto& w : snapshot) any_done |= w->progress();
+    if (any_done) {
+      std::lock_guard<std::mutex> g(mu_);
+      auto& v = inflight_;
+      v.erase(std::remove_if(v.begin(), v.end(),
+                             [](const std::shared_ptr<Work>& w) { return w->finished(); }),
+              v.end());
+      backoff.reset();
+    } else {
+      backoff.pause();
+    }
+  }
+}
+
+}  // namespace mcrdl

@@ -1,0 +1,90 @@
+// Work handles and host execution lanes (DESIGN.md "Deadlock-free mixing").
+//
+// A Work is one posted operation. Whoever needs it done (the caller of a blocking op,
+// a thread in Work.wait, or the backend's lane thread) drives it with progress(); a
+// try-lock makes exactly one thread test it at a time and run its finish step once.
+// A Lane is a backend's dedicated progress thread: it drives every async op of that
+// backend in the background, so waiting on one backend never stalls another.
+#pragma once
+
+#include "common.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+namespace mcrdl {
+
+class Work {
+ public:
+  Work(const char* op, const std::string& backend, const std::string& group, uint64_t seq,
+       double timeout_s)
+      : op_(op), backend_(backend), group_(group), seq_(seq), timeout_s_(timeout_s) {}
+
+  // Progress the op once: true when it is complete (successfully or not).
+  std::function<bool()> test;
+  // Runs once after completion (copy-back, cast-back, averaging); may throw Error.
+  std::function<void()> finish;
+
+  bool progress();
+  bool is_completed() { return progress(); }
+  // Blocks (the GIL must be released by the caller) until done; throws Error on
+  // failure, CommTimeout-kind Error past the deadline. timeout < 0: the default.
+  void wait(double timeout_s = -1.0);
+  // Fail the op without completing it (lane shut down, backend failed).
+  void abandon(ErrorKind kind, const std::string& why);
+
+  const std::string& op() const { return op_; }
+  const std::string& backend() const { return backend_; }
+  const std::string& group() const { return group_; }
+  uint64_t seq() const { return seq_; }
+  bool failed() const { return state_.load(std::memory_order_acquire) == kFailed; }
+  bool finished() const { return state_.load(std::memory_order_acquire) != kPending; }
+
+ private:
+  enum : int { kPending = 0, kDone = 1, kFailed = 2 };
+  void complete(int state);
+
+  std::string op_, backend_, group_;
+  uint64_t seq_;
+  double timeout_s_;
+  std::atomic<int> state_{kPending};
+  std::mutex claim_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  ErrorKind err_kind_ = ErrorKind::Runtime;
+  std::string err_;
+};
+
+class Lane {
+ public:
+  explicit Lane(std::string name);
+  ~Lane();
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+
+  // Hand an async op to the lane thread, which progresses it until completion.
+  void track(std::shared_ptr<Work> w);
+  // Wait for every op tracked so far (GIL released by the caller).
+  void synchronize(double timeout_s);
+  size_t in_flight();
+  // Stop the thread; ops still in flight are abandoned with `why`.
+  void shutdown(const std::string& why);
+  const std::string& name() const { return name_; }
+
+ private:
+  void loop();
+
+  std::string name_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::shared_ptr<Work>> inflight_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace mcrdl

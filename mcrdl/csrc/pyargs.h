@@ -1,0 +1,92 @@
+// Conversion of Python arguments into C++ values, raising InvalidArgumentError (never a
+// bare TypeError) with the op and argument named.
+#pragma once
+
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "validate.h"
+
+namespace mcrdl {
+
+namespace py = pybind11;
+
+inline std::string type_name(py::handle h) { return Py_TYPE(h.ptr())->tp_name; }
+
+inline at::Tensor to_tensor(py::handle h, const char* op, const char* arg) {
+  if (!THPVariable_Check(h.ptr()))
+    throw_invalid(std::string(op) + ": '" + arg + "' must be a torch.Tensor, got " +
+                  (h.is_none() ? std::string("None") : type_name(h)));
+  return THPVariable_Unpack(h.ptr());
+}
+
+inline const at::Tensor* to_tensor_opt(py::handle h, const char* op, const char* arg,
+                                       at::Tensor& storage) {
+  if (h.is_none()) return nullptr;
+  storage = to_tensor(h, op, arg);
+  return &storage;
+}
+
+inline int64_t to_int(py::handle h, const char* op, const char* arg) {
+  if (PyBool_Check(h.ptr()) || !PyIndex_Check(h.ptr()))
+    throw_invalid(std::string(op) + ": '" + arg + "' must be an int, got " + type_name(h));
+  return py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr())).cast<int64_t>();
+}
+
+inline std::vector<at::Tensor> to_tensor_list(py::handle h, const char* op, const char* arg) {
+  if (!PyList_Check(h.ptr()) && !PyTuple_Check(h.ptr()))
+    throw_invalid(std::string(op) + ": '" + arg + "' must be a list of tensors, got " +
+                  type_name(h));
+  std::vector<at::Tensor> v;
+  size_t i = 0;
+  for (auto item : py::reinterpret_borrow<py::sequence>(h)) {
+    std::string name = std::string(arg) + "[" + std::to_string(i++) + "]";
+    v.push_back(to_tensor(item, op, name.c_str()));
+  }
+  return v;
+}
+
+// A tensor of `size` blocks, a list of tensors, or (allow_none) None.
+inline BlockArg to_blocks(py::handle h, const char* op, const char* arg, bool allow_none) {
+  BlockArg b;
+  if (h.is_none()) {
+    if (!allow_none)
+      throw_invalid(std::string(op) + ": '" + arg + "' is None; expected a tensor or a list");
+    return b;
+  }
+  if (THPVariable_Check(h.ptr())) {
+    b.tensor = THPVariable_Unpack(h.ptr());
+    return b;
+  }
+  b.is_list = true;
+  b.list = to_tensor_list(h, op, arg);
+  return b;
+}
+
+inline std::optional<Counts> to_counts(py::handle h, const char* op, const char* arg,
+                                       bool allow_none) {
+  if (h.is_none()) {
+    if (!allow_none)
+      throw_invalid(std::string(op) + ": '" + arg + "' is None; expected a sequence of ints");
+    return std::nullopt;
+  }
+  if (THPVariable_Check(h.ptr())) {
+    at::Tensor t = THPVariable_Unpack(h.ptr());
+    if (t.dim() != 1 || at::isFloatingType(t.scalar_type()))
+      throw_invalid(std::string(op) + ": '" + arg + "' must be a 1-D integer sequence");
+    py::list l = py::reinterpret_steal<py::list>(PySequence_List(h.ptr()));
+    return to_counts(l, op, arg, false);
+  }
+  if (!PySequence_Check(h.ptr()) || PyUnicode_Check(h.ptr()))
+    throw_invalid(std::string(op) + ": '" + arg + "' must be a sequence of ints, got " +
+                  type_name(h));
+  Counts c;
+  size_t i = 0;
+  for (auto item : py::reinterpret_borrow<py::sequence>(h)) {
+    std::string name = std::string(arg) + "[" + std::to_string(i++) + "]";
+    c.push_back(to_int(item, op, name.c_str()));
+  }
+  return c;
+}
+
+}  // namespace mcrdl

@@ -1,0 +1,55 @@
+// Local argument validation shared by every backend (API.md "Errors": always on, before
+// anything is sent). Each op has one validate_<op> function; the MPI backend calls it
+// from C++, other backends call it through the mcrdl._C binding.
+#pragma once
+
+#include "common.h"
+
+#include <optional>
+
+namespace mcrdl {
+
+// An argument given either as one tensor holding `size` blocks along dim 0 or as a
+// list of `size` tensors shaped like the per-rank tensor (API.md "Shapes").
+struct BlockArg {
+  bool is_list = false;
+  at::Tensor tensor;
+  std::vector<at::Tensor> list;
+  bool present() const { return is_list || tensor.defined(); }
+};
+
+using Counts = std::vector<int64_t>;
+
+void check_tensor(const char* op, const char* arg, const at::Tensor& t);
+void check_reduce_op(const char* op, int code, at::ScalarType dtype);
+void check_rank(const char* op, const char* arg, int64_t rank, int size);
+
+void validate_all_reduce(const at::Tensor& t, int rop);
+void validate_reduce(const at::Tensor& t, int64_t dst, int rop, int size);
+void validate_bcast(const at::Tensor& t, int64_t src, int size);
+void validate_all_gather(const BlockArg& out, const at::Tensor& in, int size);
+void validate_gather(const BlockArg& out, const at::Tensor& in, int64_t dst, int rank, int size);
+void validate_scatter(const at::Tensor& out, const BlockArg& in, int64_t src, int rank, int size);
+void validate_reduce_scatter(const at::Tensor& out, const BlockArg& in, int rop, int size);
+// Returns the (input, output) split sizes in rows, filled in when not given.
+std::pair<Counts, Counts> validate_all_to_all_single(const at::Tensor& out, const at::Tensor& in,
+                                                     const std::optional<Counts>& out_splits,
+                                                     const std::optional<Counts>& in_splits,
+                                                     int size);
+void validate_all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
+                         int size);
+// The v variants return the displacements, filled in (packed) when not given.
+Counts validate_gatherv(const at::Tensor* out, const at::Tensor& in, const Counts& counts,
+                        const std::optional<Counts>& displs, int64_t dst, int rank, int size);
+Counts validate_scatterv(const at::Tensor& out, const at::Tensor* in, const Counts& counts,
+                         const std::optional<Counts>& displs, int64_t src, int rank, int size);
+Counts validate_all_gatherv(const at::Tensor& out, const at::Tensor& in, const Counts& counts,
+                            const std::optional<Counts>& displs, int rank, int size);
+std::pair<Counts, Counts> validate_all_to_allv(const at::Tensor& out, const at::Tensor& in,
+                                               const Counts& send_counts, const Counts& recv_counts,
+                                               const std::optional<Counts>& send_displs,
+                                               const std::optional<Counts>& recv_displs, int size);
+void validate_p2p(const char* op, const at::Tensor& t, int64_t peer, int64_t tag, int rank,
+                  int size);
+
+}  // namespace mcrdl

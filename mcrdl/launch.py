@@ -1,0 +1,93 @@
+"""Discovery of rank, size and node layout from the launcher (mpiexec, torchrun, srun)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Environment variables that mean "an MPI process manager started this process".
+_MPI_MARKERS = (
+    "PMI_RANK",  # MPICH hydra, Intel MPI, Cray PMI, srun --mpi=pmi2
+    "PMI_FD",
+    "PMIX_RANK",  # Open MPI 5, srun --mpi=pmix
+    "OMPI_COMM_WORLD_RANK",  # Open MPI
+    "MV2_COMM_WORLD_RANK",  # MVAPICH
+    "MPI_LOCALRANKID",
+)
+
+
+def _env_int(*names: str) -> int | None:
+    for n in names:
+        v = os.environ.get(n)
+        if v not in (None, ""):
+            try:
+                return int(v)
+            except ValueError:
+                continue
+    return None
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """How this process was started.
+
+    ``launcher`` is one of ``"mpi"``, ``"torchrun"``, ``"slurm"`` or ``"single"``;
+    ``mpi_world`` tells whether an MPI world exists (MPI ops can be used);
+    ``why_no_mpi`` says why not when it does not.
+    """
+
+    launcher: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    mpi_world: bool
+    why_no_mpi: str = ""
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks per (possibly simulated) node: MCRDL_RANKS_PER_NODE or the launcher's."""
+        rpn = _env_int("MCRDL_RANKS_PER_NODE")
+        return rpn if rpn and rpn > 0 else self.local_size
+
+
+def detect() -> LaunchInfo:
+    """Inspect the environment; never initializes MPI or opens sockets."""
+    env = os.environ
+    has_mpi = any(m in env for m in _MPI_MARKERS)
+    if has_mpi:
+        rank = _env_int("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+                        "SLURM_PROCID") or 0
+        size = _env_int("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE",
+                        "SLURM_NTASKS") or 1
+        local_rank = _env_int("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                              "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID") or 0
+        local_size = _env_int("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                              "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE") or size
+        return LaunchInfo("mpi", rank, size, local_rank, local_size, True)
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
+        size = _env_int("WORLD_SIZE") or 1
+        return LaunchInfo(
+            "torchrun",
+            _env_int("RANK") or 0,
+            size,
+            _env_int("LOCAL_RANK") or 0,
+            _env_int("LOCAL_WORLD_SIZE") or size,
+            False,
+            "the process was started by torchrun (RANK/WORLD_SIZE set) without an MPI world; "
+            "launch with 'mpiexec -n N' (or srun with PMI) to use MPI",
+        )
+    if "SLURM_PROCID" in env and (_env_int("SLURM_NTASKS") or 1) > 1:
+        size = _env_int("SLURM_NTASKS") or 1
+        return LaunchInfo(
+            "slurm",
+            _env_int("SLURM_PROCID") or 0,
+            size,
+            _env_int("SLURM_LOCALID") or 0,
+            _env_int("SLURM_NTASKS_PER_NODE") or size,
+            False,
+            "srun started this process without an MPI process-management interface; "
+            "use 'srun --mpi=pmix' (or pmi2) to use MPI",
+        )
+    # A plain 'python script.py': a world of one; MPI runs as a singleton.
+    return LaunchInfo("single", 0, 1, 0, 1, True)

@@ -1,0 +1,88 @@
+"""Build of mcrdl and its C++ core ``mcrdl._C``.
+
+``mcrdl._C`` links against torch (tensors) and the MPI library that mpi4py uses.
+The MPI is found, in order, from ``$MCRDL_MPICC``/``$MPICC``, the ``mpicc`` beside
+the running Python (the ``mpich`` wheel installs one under ``sys.prefix``), or
+``mpicc`` on PATH; its ``-show`` output gives the include and link flags.
+
+Build without isolation so torch and mpi4py are the ones installed in the
+environment (see README): ``pip install --no-build-isolation -e .``.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from setuptools import setup
+
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as exc:  # pragma: no cover - build-time guidance
+    raise SystemExit(
+        "mcrdl's C++ core builds against torch: install it first "
+        "(pip install -c constraints-cpu.txt torch), then build with "
+        "pip install --no-build-isolation ."
+    ) from exc
+
+
+def _find_mpicc() -> str:
+    for env in ("MCRDL_MPICC", "MPICC"):
+        if os.environ.get(env):
+            return os.environ[env]
+    beside = os.path.join(sys.prefix, "bin", "mpicc")
+    if os.path.exists(beside):
+        return beside
+    found = shutil.which("mpicc")
+    if found:
+        return found
+    raise SystemExit(
+        "mcrdl: no MPI compiler wrapper found. Install an MPI first "
+        "(pip install mpich mpi4py, or load your site's MPI module), or set MPICC."
+    )
+
+
+def _mpi_flags() -> tuple[list[str], list[str], list[str], list[str]]:
+    mpicc = _find_mpicc()
+    for flag in ("-show", "--showme"):
+        try:
+            out = subprocess.run([mpicc, flag], capture_output=True, text=True, check=True).stdout
+            break
+        except (subprocess.CalledProcessError, OSError):
+            continue
+    else:
+        raise SystemExit(f"mcrdl: '{mpicc} -show' failed; set MPICC to a working MPI wrapper")
+    inc, libdirs, libs, link = [], [], [], []
+    for tok in shlex.split(out)[1:]:
+        if tok.startswith("-I"):
+            inc.append(tok[2:])
+        elif tok.startswith("-L"):
+            libdirs.append(tok[2:])
+        elif tok.startswith("-l"):
+            libs.append(tok[2:])
+        elif tok.startswith("-Wl"):
+            link.append(tok)
+    for d in libdirs:  # find libmpi at run time without LD_LIBRARY_PATH
+        link.append(f"-Wl,-rpath,{d}")
+    return inc, libdirs, libs, link
+
+
+inc, libdirs, libs, link = _mpi_flags()
+sources = [os.path.join("mcrdl", "csrc", f) for f in
+           ("module.cpp", "lane.cpp", "validate.cpp", "mpi_comm.cpp")]
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "mcrdl._C",
+            sources,
+            include_dirs=inc,
+            library_dirs=libdirs,
+            libraries=libs,
+            extra_compile_args=["-O2", "-std=c++20", "-Wno-c++20-extensions"],
+            extra_link_args=link,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+)
