@@ -12,6 +12,8 @@ See API.md for the contract::
     w.wait()
 """
 
+import torch  # noqa: F401, I001  (loads libtorch, which mcrdl._C links against)
+
 from . import errors  # noqa: I001  (before _C: the extension looks the classes up)
 from . import _C
 from .api import (

@@ -105,9 +105,17 @@ class Bootstrap:
         return dist.PrefixStore("mcrdl", store)
 
     def close(self) -> None:
+        """Collective: rank 0 hosts the store, so it leaves only after every rank is done."""
         if self._comm is not None:
+            self._comm.Barrier()
             self._comm.Free()
             self._comm = None
+        elif self._store is not None and self.size > 1:
+            self.allgather_obj(None)
+            if self.rank == 0:
+                self._store.wait([f"bootstrap/closed/{r}" for r in range(1, self.size)])
+            else:
+                self._store.set(f"bootstrap/closed/{self.rank}", b"1")
         self._store = None
 
 

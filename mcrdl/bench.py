@@ -1,0 +1,449 @@
+"""mcrdl-bench: nccl-tests style bandwidth/latency benchmark of mcrdl collectives.
+
+Run it under any launcher mcrdl understands; every rank runs the same sweep and rank 0
+prints one table per (operation, backend)::
+
+    mpiexec -n 4 mcrdl-bench --op all_reduce all_gather --max-bytes 64M
+    mpiexec -n 2 python -m mcrdl.bench --backend mpi gloo --dtype float64 --json out.json
+    torchrun --nproc-per-node 4 -m mcrdl.bench --op bcast --backend gloo
+
+Columns (as in nccl-tests):
+
+- ``size(B)``: bytes of the largest buffer one rank touches. That is the reduced or
+  broadcast tensor (all_reduce, reduce, bcast); the gathered output, i.e. n x the
+  per-rank input (all_gather, gather and their v variants); the scattered input, i.e.
+  n x the per-rank output (reduce_scatter, scatter, scatterv); the per-rank send buffer
+  (all_to_all, all_to_all_single, all_to_allv). For the operations that split a buffer
+  into n blocks the element count is rounded down to a multiple of n (at least n).
+- ``count(elements)``: ``size / element size``.
+- ``time(us)``: every rank times each iteration (a barrier on the same backend, not
+  timed, precedes each one); after the timed loop one ``all_reduce(MAX)`` through mcrdl
+  gives the per-iteration maximum over ranks, and the column is the median of those.
+- ``algbw(GB/s)``: ``size / time`` (GB = 1e9 bytes).
+- ``busbw(GB/s)``: ``algbw x factor``; factor ``2(n-1)/n`` for all_reduce, ``(n-1)/n``
+  for all_gather, reduce_scatter and all_to_all*, ``1`` for bcast, reduce, gather and
+  scatter; barrier moves no data and reports 0.
+
+``--json PATH`` writes the same results (unrounded) for machines to read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+import mcrdl
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+# op name -> bus bandwidth factor as a function of the group size n (nccl-tests).
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_gatherv": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_to_allv": lambda n: (n - 1) / n,
+    "bcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "gather": lambda n: 1.0,
+    "gatherv": lambda n: 1.0,
+    "scatter": lambda n: 1.0,
+    "scatterv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+OPS = tuple(BUS_FACTORS)
+# Operations whose buffer is split into one block per rank.
+BLOCKED_OPS = frozenset(OPS) - {"all_reduce", "bcast", "reduce", "barrier"}
+DEFAULT_BACKENDS = ("mpi", "gloo")
+GPU_BACKENDS = frozenset({"nccl", "rccl"})
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: an integer with an optional K, M or G suffix (powers of 1024)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: expected a non-negative integer with an optional "
+            "suffix K, M or G (powers of 1024), e.g. 8, 4K, 64M, 1G"
+        )
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+
+
+def format_size(nbytes: int) -> str:
+    """``nbytes`` with the largest exact binary suffix (``4096`` -> ``"4K"``)."""
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return str(nbytes)
+
+
+def size_range(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
+    """Geometric sweep ``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` inclusive."""
+    sizes = []
+    size = min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def element_count(op: str, nbytes: int, itemsize: int, nranks: int) -> int:
+    """Elements of the buffer ``size(B)`` describes for ``op`` (see the module docstring)."""
+    if op == "barrier":
+        return 0
+    count = max(nbytes // itemsize, 1)
+    if op in BLOCKED_OPS:
+        count = max(count - count % nranks, nranks)
+    return count
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mcrdl-bench",
+        description=(
+            "nccl-tests style benchmark of mcrdl collectives. Run under mpiexec, "
+            "torchrun or srun; rank 0 prints the tables."
+        ),
+        epilog=(
+            "size(B) is the bytes of the largest buffer one rank touches: the reduced or "
+            "broadcast tensor; the gathered OUTPUT for all_gather/gather (n x the per-rank "
+            "input, as nccl-tests); the scattered INPUT for reduce_scatter/scatter (n x the "
+            "per-rank output); the per-rank send buffer for all_to_all*. Split buffers are "
+            "rounded down to a multiple of n elements. time(us) is the median over "
+            "iterations of the per-iteration maximum over ranks; algbw = size/time; "
+            "busbw = algbw x 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, "
+            "all_to_all*), 1 (bcast, reduce, gather, scatter)."
+        ),
+    )
+    parser.add_argument(
+        "--op",
+        nargs="+",
+        choices=OPS,
+        default=["all_reduce"],
+        metavar="OP",
+        help=f"operations to run (default all_reduce); any of: {', '.join(OPS)}",
+    )
+    parser.add_argument(
+        "--backend",
+        nargs="+",
+        metavar="NAME",
+        help="backends to run (default: every usable one among mpi, gloo)",
+    )
+    parser.add_argument(
+        "--min-bytes",
+        type=parse_size,
+        default=8,
+        metavar="SIZE",
+        help="smallest size, suffixes K/M/G allowed (default 8)",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=parse_size,
+        default=64 << 20,
+        metavar="SIZE",
+        help="largest size, suffixes K/M/G allowed (default 64M)",
+    )
+    parser.add_argument(
+        "--factor",
+        type=int,
+        default=2,
+        help="multiplicative step between sizes, integer >= 2 (default 2)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default="float32",
+        help="element type (default float32)",
+    )
+    parser.add_argument(
+        "--iters", type=_positive_int, default=20, help="timed iterations (default 20)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=5,
+        help="untimed iterations before timing (default 5)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the command line; exits with status 2 and a message on error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.min_bytes < 1:
+        parser.error("--min-bytes must be at least 1 byte")
+    if args.min_bytes > args.max_bytes:
+        parser.error(
+            f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})"
+        )
+    if args.factor < 2:
+        parser.error(f"--factor must be an integer >= 2, got {args.factor}")
+    usable = mcrdl.available_backends()
+    if args.backend is None:
+        args.backend = [name for name in DEFAULT_BACKENDS if name in usable]
+        if not args.backend:
+            parser.error(
+                f"none of the default backends {', '.join(DEFAULT_BACKENDS)} is usable here "
+                f"(usable: {', '.join(usable) or 'none'}); pass --backend"
+            )
+    unusable = [name for name in args.backend if name != "auto" and name not in usable]
+    if unusable:
+        parser.error(
+            f"backend(s) {', '.join(unusable)} not usable here; usable: "
+            f"{', '.join(usable) or 'none'} (and auto)"
+        )
+    return args
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of mcrdl, torch, mpi4py and the MPI library (when MPI is loaded)."""
+    versions = {
+        "mcrdl": getattr(mcrdl, "__version__", "unknown"),
+        "torch": torch.__version__,
+    }
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        versions["mpi"] = "not loaded"
+    else:
+        versions["mpi4py"] = sys.modules["mpi4py"].__version__
+        versions["mpi"] = " ".join(mpi.Get_library_version().splitlines()[0].split())
+    return versions
+
+
+def make_call(
+    op: str,
+    backend: str,
+    count: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: int,
+    nranks: int,
+) -> Callable[[], None]:
+    """A no-argument closure that runs ``op`` once on preallocated buffers."""
+
+    def buf(numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    reduce_op = mcrdl.ReduceOp.BOR if dtype is torch.bool else mcrdl.ReduceOp.SUM
+    block = count // nranks
+    blocks = [block] * nranks
+    root = rank == 0
+    if op == "all_reduce":
+        t = buf(count)
+        return lambda: mcrdl.all_reduce(backend, t, op=reduce_op)
+    if op == "reduce":
+        t = buf(count)
+        return lambda: mcrdl.reduce(backend, t, dst=0, op=reduce_op)
+    if op == "bcast":
+        t = buf(count)
+        return lambda: mcrdl.bcast(backend, t, src=0)
+    if op == "barrier":
+        return lambda: mcrdl.barrier(backend)
+    if op == "all_gather":
+        inp, out = buf(block), buf(count)
+        return lambda: mcrdl.all_gather(backend, out, inp)
+    if op == "all_gatherv":
+        inp, out = buf(block), buf(count)
+        return lambda: mcrdl.all_gatherv(backend, out, inp, blocks)
+    if op == "gather":
+        inp, out = buf(block), buf(count) if root else None
+        return lambda: mcrdl.gather(backend, out, inp, dst=0)
+    if op == "gatherv":
+        inp, out = buf(block), buf(count) if root else None
+        return lambda: mcrdl.gatherv(backend, out, inp, blocks, dst=0)
+    if op == "scatter":
+        inp, out = buf(count) if root else None, buf(block)
+        return lambda: mcrdl.scatter(backend, out, inp, src=0)
+    if op == "scatterv":
+        inp, out = buf(count) if root else None, buf(block)
+        return lambda: mcrdl.scatterv(backend, out, inp, blocks, src=0)
+    if op == "reduce_scatter":
+        inp, out = buf(count), buf(block)
+        return lambda: mcrdl.reduce_scatter(backend, out, inp, op=reduce_op)
+    if op == "all_to_all_single":
+        inp, out = buf(count), buf(count)
+        return lambda: mcrdl.all_to_all_single(backend, out, inp)
+    if op == "all_to_all":
+        inputs = [buf(block) for _ in range(nranks)]
+        outputs = [buf(block) for _ in range(nranks)]
+        return lambda: mcrdl.all_to_all(backend, outputs, inputs)
+    if op == "all_to_allv":
+        inp, out = buf(count), buf(count)
+        return lambda: mcrdl.all_to_allv(backend, out, inp, blocks, blocks)
+    raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+
+
+def time_call(
+    call: Callable[[], None], backend: str, device: torch.device, iters: int, warmup: int
+) -> float:
+    """Median over iterations of the per-iteration max over ranks, in seconds."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        mcrdl.barrier(backend)
+        call()
+    sync()
+    times = [0.0] * iters
+    for i in range(iters):
+        mcrdl.barrier(backend)
+        start = time.perf_counter()
+        call()
+        sync()
+        times[i] = time.perf_counter() - start
+    worst = torch.tensor(times, dtype=torch.float64, device=device)
+    mcrdl.all_reduce(backend, worst, op=mcrdl.ReduceOp.MAX)
+    return statistics.median(worst.tolist())
+
+
+def _device_for(backend: str) -> torch.device:
+    if backend in GPU_BACKENDS:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+_HEADER = (
+    f"#{'size(B)':>13} {'count(elements)':>16} {'type':>9} {'time(us)':>12} "
+    f"{'algbw(GB/s)':>12} {'busbw(GB/s)':>12}"
+)
+
+
+def _format_row(row: dict) -> str:
+    return (
+        f" {row['size_bytes']:>13} {row['count']:>16} {row['dtype']:>9} "
+        f"{row['time_us']:>12.2f} {row['algbw_gbps']:>12.3f} {row['busbw_gbps']:>12.3f}"
+    )
+
+
+def run_table(
+    op: str,
+    backend: str,
+    sizes: Sequence[int],
+    args: argparse.Namespace,
+    rank: int,
+    nranks: int,
+    emit: Callable[[str], None],
+) -> list[dict]:
+    """Benchmark ``op`` on ``backend`` over ``sizes``; print and return the rows."""
+    dtype = DTYPES[args.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    device = _device_for(backend)
+    factor = BUS_FACTORS[op](nranks)
+    counts = sorted({element_count(op, size, itemsize, nranks) for size in sizes})
+    emit("#")
+    emit(f"# {op} on {backend}: {nranks} ranks, busbw factor {factor:.4f}")
+    emit("#")
+    emit(_HEADER)
+    rows = []
+    for count in counts:
+        call = make_call(op, backend, count, dtype, device, rank, nranks)
+        seconds = time_call(call, backend, device, args.iters, args.warmup)
+        nbytes = count * itemsize
+        algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
+        row = {
+            "op": op,
+            "backend": backend,
+            "size_bytes": nbytes,
+            "count": count,
+            "dtype": args.dtype,
+            "time_us": seconds * 1e6,
+            "algbw_gbps": algbw,
+            "busbw_gbps": algbw * factor,
+            "busbw_factor": factor,
+        }
+        rows.append(row)
+        emit(_format_row(row))
+    if rows:
+        average = statistics.fmean(row["busbw_gbps"] for row in rows)
+        emit(f"# average busbw: {average:.3f} GB/s")
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mcrdl-bench``; returns the process exit status."""
+    args = parse_args(argv)
+    mcrdl.init([name for name in args.backend if name != "auto"] or None)
+    rank, nranks = mcrdl.get_rank(), mcrdl.get_size()
+
+    def emit(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    versions = library_versions()
+    sizes = size_range(args.min_bytes, args.max_bytes, args.factor)
+    emit(f"# mcrdl-bench: world size {nranks}, backends {', '.join(args.backend)}")
+    emit("# versions: " + ", ".join(f"{name} {value}" for name, value in versions.items()))
+    emit(
+        f"# ops {', '.join(args.op)}; sizes {format_size(sizes[0])}..{format_size(sizes[-1])} "
+        f"x{args.factor}; dtype {args.dtype}; iters {args.iters}, warmup {args.warmup}"
+    )
+    emit(
+        "# time: median over iterations of the per-iteration max over ranks "
+        "(untimed barrier before each iteration)"
+    )
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    for op in args.op:
+        for backend in args.backend:
+            try:
+                rows += run_table(op, backend, sizes, args, rank, nranks, emit)
+            except mcrdl.UnsupportedOperationError as error:
+                emit(f"# {op} on {backend}: skipped, {error}")
+                skipped.append({"op": op, "backend": backend, "reason": str(error)})
+    if rank == 0 and args.json:
+        report = {
+            "tool": "mcrdl-bench",
+            "world_size": nranks,
+            "backends": args.backend,
+            "ops": args.op,
+            "dtype": args.dtype,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "versions": versions,
+            "rows": rows,
+            "skipped": skipped,
+        }
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+    mcrdl.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Helpers to launch multi-process worlds from single-process tests, with timeouts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+
+def mpiexec_or_skip() -> str:
+    cand = os.path.join(sys.prefix, "bin", "mpiexec")
+    path = cand if os.path.exists(cand) else shutil.which("mpiexec")
+    if not path:
+        pytest.skip("mpiexec not found (pip install mpich)")
+    return path
+
+
+def run_launcher(cmd: list[str], env: dict | None = None, timeout: float = 300,
+                 expect_rc: int | None = 0) -> str:
+    """Run `cmd` in its own process group; kill the group on timeout; return its output.
+
+    Fails the test (showing the output) when the exit code differs from `expect_rc`
+    (None accepts any) or the timeout expires.
+    """
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out}")
+    if expect_rc is not None and proc.returncode != expect_rc:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode} (expected {expect_rc}); "
+                    f"output:\n{out}")
+    return out

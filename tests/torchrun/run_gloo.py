@@ -1,0 +1,36 @@
+"""Runs on every rank under torchrun: no MPI world, so "mpi" is unavailable with a
+reason, and "gloo" rendezvouses on torchrun's env:// store."""
+
+import torch
+
+import mcrdl
+
+avail = mcrdl.available_backends()
+assert avail == ["gloo"], avail
+mcrdl.init()
+assert mcrdl.get_backends() == ["gloo"]
+rank, size = mcrdl.get_rank(), mcrdl.get_size()
+
+try:
+    mcrdl.all_reduce("mpi", torch.ones(1))
+    raise AssertionError("'mpi' did not raise under torchrun")
+except mcrdl.BackendUnavailableError as e:
+    assert "torchrun" in str(e) and "mpiexec" in str(e), e
+
+t = torch.full((7,), rank + 1, dtype=torch.int64)
+mcrdl.all_reduce("auto", t)
+assert t.tolist() == [size * (size + 1) // 2] * 7, t
+w = mcrdl.all_reduce("auto", torch.ones(2), async_op=True)
+assert w.wait() and w.backend == "gloo"
+
+counts = [r + 1 for r in range(size)]
+out = torch.empty(sum(counts), dtype=torch.bfloat16)
+mcrdl.all_gatherv("gloo", out, torch.full((rank + 1,), rank, dtype=torch.bfloat16), counts)
+assert out.tolist() == [float(r) for r in range(size) for _ in range(r + 1)], out
+
+g = mcrdl.new_group(list(reversed(range(size))))
+t = torch.tensor([float(rank)])
+mcrdl.bcast("gloo", t, src=0, group=g)  # group rank 0 is world rank size-1
+assert t.item() == size - 1, t
+mcrdl.finalize()
+print(f"rank {rank}: torchrun gloo OK")
