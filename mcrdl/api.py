@@ -18,10 +18,13 @@ from . import _C
 from .backends import registry
 from .backends.base import Backend, InitContext
 from .bootstrap import Bootstrap
+from .debug import Debugged
 from .errors import BackendUnavailableError, DesyncError, InvalidArgumentError
-from .groups import Group, check_ranks
+from .groups import Group, bad_group_error, check_ranks
 from .launch import LaunchInfo, detect
 from .ops import ReduceOp, to_reduce_op
+from .validate import OPERATIONS as VALIDATED_OPS
+from .validate import validate_call
 
 log = logging.getLogger("mcrdl")
 if os.environ.get("MCRDL_LOG_LEVEL"):
@@ -33,6 +36,11 @@ AUTO_PREFERENCE = ("mpi", "gloo")
 SUM = ReduceOp.SUM
 
 
+def debug_enabled() -> bool:
+    """MCRDL_DEBUG=1: cross-rank agreement check before every collective (mcrdl.debug)."""
+    return os.environ.get("MCRDL_DEBUG", "0") not in ("", "0", "false", "False")
+
+
 class _State:
     def __init__(self) -> None:
         self.launch: LaunchInfo | None = None
@@ -42,6 +50,7 @@ class _State:
         self.backends: dict[str, Backend] = {}  # initialized, in init order
         self.groups: list[Group] = []  # every group, world first
         self.world: Group | None = None
+        self.session = 0  # bumped by finalize: groups of an earlier session are refused
 
 
 _state = _State()
@@ -65,6 +74,17 @@ def _backend(name: object) -> Backend:
         return _unavailable(name)
 
 
+def _names(backends: object, where: str) -> list:
+    """A backend name or a sequence of names, as a list."""
+    if isinstance(backends, str):
+        return [backends]
+    if isinstance(backends, (list, tuple)):
+        return list(backends)
+    raise BackendUnavailableError(
+        f"{where}: 'backends' must be a backend name or a list of names, got {backends!r}; "
+        f"usable here: {', '.join(available_backends())}")
+
+
 def _op(op: object) -> ReduceOp:
     return op if op.__class__ is ReduceOp else to_reduce_op(op)
 
@@ -82,16 +102,15 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
     """
     if timeout is None:
         timeout = float(os.environ.get("MCRDL_TIMEOUT", _state.timeout))
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
+            or timeout == float("inf"):
         raise InvalidArgumentError(f"init: 'timeout' is {timeout!r}; expected seconds > 0")
     launch = _state.launch or detect()
     avail = registry.availability(launch)
     if backends is None:
         names = [n for n, why in avail.items() if why is None]
-    elif isinstance(backends, str):
-        names = [backends]
     else:
-        names = list(backends)
+        names = _names(backends, "init")
     for n in names:
         if n == "auto":
             continue
@@ -120,10 +139,13 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
         cls = registry.backend_class(n)
         ctx = InitContext(_state.bootstrap, _state.timeout, _state.world)
         backend = cls(ctx)
-        for g in _state.groups[1:]:
-            backend.add_group(g)
         if not cls.validates_arguments:
             backend = _Validated(backend)
+        if debug_enabled():
+            backend = Debugged(backend, _state.bootstrap, _state.world, lambda: _state.timeout,
+                                group_size_rank)
+        for g in _state.groups[1:]:
+            backend.add_group(g)
         _state.backends[n] = backend
         _active[n] = backend
     _resolve_auto()
@@ -147,7 +169,9 @@ def finalize() -> None:
     _state.backends.clear()
     if _state.bootstrap is not None:
         _state.bootstrap.close()
+    session = _state.session + 1
     _state.__init__()
+    _state.session = session
 
 
 def is_initialized() -> bool:
@@ -200,7 +224,7 @@ def new_group(ranks: Sequence[int]) -> Group:
     if any(v != ranks for v in views):
         raise DesyncError("new_group: ranks passed different member lists:\n" + "\n".join(
             f"  rank {r}: {list(v)}" for r, v in enumerate(views)))
-    group = Group(ranks, _state.world.rank, len(_state.groups))
+    group = Group(ranks, _state.world.rank, _state.session * 1_000_000 + len(_state.groups))
     for b in _state.backends.values():
         b.add_group(group)
     _state.groups.append(group)
@@ -212,8 +236,7 @@ def synchronize(backends: str | Sequence[str] | None = None) -> None:
     if backends is None:
         targets = list(_state.backends.values())
     else:
-        names = [backends] if isinstance(backends, str) else list(backends)
-        targets = list(dict.fromkeys(_backend(n) for n in names))
+        targets = list(dict.fromkeys(_backend(n) for n in _names(backends, "synchronize")))
     for b in targets:
         b.synchronize(_state.timeout)
 
@@ -309,6 +332,15 @@ def barrier(backend, group=None, async_op=False):
 
 # -- argument validation for third-party backends ----------------------------------------
 
+def group_size_rank(group: object) -> tuple[int, int]:
+    """(size, rank) of `group` (world when None); raises for non-members and non-groups."""
+    if group is None:
+        return _state.world.size, _state.world.rank
+    if not isinstance(group, Group) or not group.is_member:
+        raise bad_group_error(group)
+    return group.size, group.rank
+
+
 class _Validated:
     """Wraps a backend that does not validate: runs mcrdl's checks, then delegates."""
 
@@ -317,98 +349,13 @@ class _Validated:
         self.name = inner.name
 
     def __getattr__(self, attr):
-        return getattr(self._inner, attr)
+        if attr not in VALIDATED_OPS:
+            return getattr(self._inner, attr)
+        method = getattr(self._inner, attr)
 
-    def _size_rank(self, group):
-        if group is None:
-            return _state.world.size, _state.world.rank
-        if not isinstance(group, Group) or not group.is_member:
-            from .groups import bad_group_error
+        def call(*args):
+            *rest, group, async_op = args
+            size, rank = group_size_rank(group)
+            return method(*validate_call(attr, tuple(rest), size, rank), group, async_op)
 
-            raise bad_group_error(group)
-        return group.size, group.rank
-
-    def all_reduce(self, tensor, op, group, async_op):
-        self._size_rank(group)
-        _C.validate("all_reduce", tensor, op)
-        return self._inner.all_reduce(tensor, op, group, async_op)
-
-    def reduce(self, tensor, dst, op, group, async_op):
-        size, _ = self._size_rank(group)
-        _C.validate("reduce", tensor, dst, op, size)
-        return self._inner.reduce(tensor, dst, op, group, async_op)
-
-    def bcast(self, tensor, src, group, async_op):
-        size, _ = self._size_rank(group)
-        _C.validate("bcast", tensor, src, size)
-        return self._inner.bcast(tensor, src, group, async_op)
-
-    def all_gather(self, output, input, group, async_op):
-        size, _ = self._size_rank(group)
-        _C.validate("all_gather", output, input, size)
-        return self._inner.all_gather(output, input, group, async_op)
-
-    def gather(self, output, input, dst, group, async_op):
-        size, rank = self._size_rank(group)
-        _C.validate("gather", output, input, dst, rank, size)
-        return self._inner.gather(output, input, dst, group, async_op)
-
-    def scatter(self, output, input, src, group, async_op):
-        size, rank = self._size_rank(group)
-        _C.validate("scatter", output, input, src, rank, size)
-        return self._inner.scatter(output, input, src, group, async_op)
-
-    def reduce_scatter(self, output, input, op, group, async_op):
-        size, _ = self._size_rank(group)
-        _C.validate("reduce_scatter", output, input, op, size)
-        return self._inner.reduce_scatter(output, input, op, group, async_op)
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
-                          async_op):
-        size, _ = self._size_rank(group)
-        _C.validate("all_to_all_single", output, input, output_split_sizes, input_split_sizes,
-                    size)
-        return self._inner.all_to_all_single(output, input, output_split_sizes,
-                                             input_split_sizes, group, async_op)
-
-    def all_to_all(self, output_list, input_list, group, async_op):
-        size, _ = self._size_rank(group)
-        _C.validate("all_to_all", output_list, input_list, size)
-        return self._inner.all_to_all(output_list, input_list, group, async_op)
-
-    def gatherv(self, output, input, counts, displs, dst, group, async_op):
-        size, rank = self._size_rank(group)
-        displs = _C.validate("gatherv", output, input, counts, displs, dst, rank, size)
-        return self._inner.gatherv(output, input, counts, displs, dst, group, async_op)
-
-    def scatterv(self, output, input, counts, displs, src, group, async_op):
-        size, rank = self._size_rank(group)
-        displs = _C.validate("scatterv", output, input, counts, displs, src, rank, size)
-        return self._inner.scatterv(output, input, counts, displs, src, group, async_op)
-
-    def all_gatherv(self, output, input, counts, displs, group, async_op):
-        size, rank = self._size_rank(group)
-        displs = _C.validate("all_gatherv", output, input, counts, displs, rank, size)
-        return self._inner.all_gatherv(output, input, counts, displs, group, async_op)
-
-    def all_to_allv(self, output, input, send_counts, recv_counts, send_displs, recv_displs,
-                    group, async_op):
-        size, _ = self._size_rank(group)
-        sd, rd = _C.validate("all_to_allv", output, input, send_counts, recv_counts,
-                             send_displs, recv_displs, size)
-        return self._inner.all_to_allv(output, input, send_counts, recv_counts, sd, rd, group,
-                                       async_op)
-
-    def send(self, tensor, dst, tag, group, async_op):
-        size, rank = self._size_rank(group)
-        _C.validate("send", tensor, dst, tag, rank, size)
-        return self._inner.send(tensor, dst, tag, group, async_op)
-
-    def recv(self, tensor, src, tag, group, async_op):
-        size, rank = self._size_rank(group)
-        _C.validate("recv", tensor, src, tag, rank, size)
-        return self._inner.recv(tensor, src, tag, group, async_op)
-
-    def barrier(self, group, async_op):
-        self._size_rank(group)
-        return self._inner.barrier(group, async_op)
+        return call

@@ -64,12 +64,12 @@ def bad_group_error(group: object) -> InvalidArgumentError:
     """The error for a `group` argument a backend has no communicator for."""
     if isinstance(group, Group) and not group.is_member:
         return InvalidArgumentError(
-            f"group {list(group.ranks)} does not contain this process; only its members may "
-            "call operations on it"
+            f"'group' {list(group.ranks)} does not contain this process (world rank not in it); "
+            "only its members may call operations on it"
         )
     if isinstance(group, Group):
         return InvalidArgumentError(
-            f"group {group!r} was not created by mcrdl.new_group in this session "
+            f"'group' {group!r} was not created by mcrdl.new_group in this session "
             "(was mcrdl finalized since?)"
         )
     return InvalidArgumentError(

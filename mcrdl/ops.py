@@ -32,22 +32,24 @@ _TORCH_NAMES = {"SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"}
 
 
 def to_reduce_op(op: object) -> ReduceOp:
-    """Accept a mcrdl.ReduceOp, a torch.distributed.ReduceOp (or its RedOpType), or its name."""
+    """Accept a mcrdl.ReduceOp or its int value, its name, or a torch.distributed.ReduceOp."""
     if isinstance(op, ReduceOp):
         return op
-    if isinstance(op, str):
+    name = None
+    if isinstance(op, bool):
+        pass
+    elif isinstance(op, int):
+        if 0 <= op <= 7:
+            return ReduceOp(op)
+    elif isinstance(op, str):
         name = op.upper()
-        if name in ReduceOp.__members__:
-            return ReduceOp[name]
-    else:
+    else:  # torch.distributed.ReduceOp / RedOpType
         name = getattr(op, "name", None)
         if name is None and torch.distributed.is_available():
-            for cand in _TORCH_NAMES:
-                if op == getattr(torch.distributed.ReduceOp, cand, None):
-                    name = cand
-                    break
-        if name in _TORCH_NAMES:
-            return ReduceOp[name]
+            name = next((c for c in _TORCH_NAMES
+                         if op == getattr(torch.distributed.ReduceOp, c, None)), None)
+    if name in ReduceOp.__members__:
+        return ReduceOp[name]
     raise InvalidArgumentError(
         f"'op' is {op!r}; expected a mcrdl.ReduceOp or torch.distributed.ReduceOp "
         f"(SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR)"

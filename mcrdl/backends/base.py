@@ -77,6 +77,9 @@ class Backend:
     def finalize(self) -> None:
         """Release communicators and threads."""
 
+    def mark_failed(self, why: str) -> None:
+        """Ops no longer match across ranks (timeout, desync): refuse new ones from now on."""
+
     # -- operations (override what the backend supports) -----------------------------
     def _unsupported(self, op: str):
         from .registry import backends_supporting

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (shares memory)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -61,9 +64,11 @@ def _blocks(t: torch.Tensor, n: int, size: int) -> list[torch.Tensor]:
 class GlooWork(Work):
     """Work of the gloo backend: torch works plus a finish step (copy-back, averaging)."""
 
-    __slots__ = ("_works", "_finish", "_done", "backend", "op", "group", "seq", "_timeout")
+    __slots__ = ("_works", "_finish", "_done", "backend", "op", "group", "seq", "_timeout",
+                 "_owner")
 
-    def __init__(self, works, finish, op, group, seq, timeout):
+    def __init__(self, works, finish, op, group, seq, timeout, owner):
+        self._owner = owner
         self._works = works
         self._finish = finish
         self._done = False
@@ -85,10 +90,10 @@ class GlooWork(Work):
         text = str(exc)
         what = (f"{self.op} on backend 'gloo' (group {self.group}, sequence number {self.seq})")
         if "imed out" in text or "timeout" in text.lower():
-            raise CommTimeoutError(
-                f"{what} did not complete within {timeout} s; a rank of the group may never "
-                f"have called it, may be stuck, or may have died. Gloo said: {text.strip()}"
-            ) from None
+            msg = (f"{what} did not complete within {timeout} s; a rank of the group may never "
+                   f"have called it, may be stuck, or may have died. Gloo said: {text.strip()}")
+            self._owner.failed = msg
+            raise CommTimeoutError(msg) from None
         raise MCRDLError(f"{what} failed: {text.strip()}") from None
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -96,13 +101,10 @@ class GlooWork(Work):
             return True
         limit = self._timeout if timeout is None else float(timeout)
         try:
-            if timeout is None:
-                for w in self._works:
-                    w.wait()
-            else:
-                _poll(self._works, limit)
-                for w in self._works:
-                    w.wait()
+            if timeout is not None:
+                _poll(self._works, limit, self)
+            for w in self._works:
+                w.wait()
         except CommTimeoutError:
             raise
         except RuntimeError as exc:
@@ -119,14 +121,14 @@ class GlooWork(Work):
         return False
 
 
-def _poll(works, limit: float) -> None:
-    import time
-
+def _poll(works, limit: float, work: GlooWork) -> None:
     deadline = time.monotonic() + limit
     delay = 1e-5
     while not all(w.is_completed() for w in works):
         if time.monotonic() > deadline:
-            raise CommTimeoutError(f"gloo op did not complete within {limit} s")
+            raise CommTimeoutError(
+                f"{work.op} on backend 'gloo' (group {work.group}, sequence number {work.seq}) "
+                f"did not complete within wait(timeout={limit}) s; it is still pending")
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
 
@@ -164,6 +166,8 @@ class GlooBackend(Backend):
         self._store = ctx.bootstrap.store()
         self._host = "127.0.0.1" if ctx.bootstrap.info.local_size >= ctx.world.size else ""
         self._groups: dict[int, _GlooGroup] = {}
+        #: why the backend is unusable (an op timed out), or None
+        self.failed: str | None = None
         self._inflight: list[GlooWork] = []
         self._world = self._make(ctx.world)
 
@@ -183,12 +187,20 @@ class GlooBackend(Backend):
             self._make(group)
 
     def _group(self, group: Group | None) -> _GlooGroup:
+        if self.failed is not None:
+            raise BackendUnavailableError(
+                "backend 'gloo' is unusable since an earlier operation timed out (ranks no "
+                f"longer issue matching operations); finalize and restart the job. Earlier: "
+                f"{self.failed}")
         if group is None:
             return self._world
         try:
             return self._groups[group.id]
         except (KeyError, AttributeError):
             raise bad_group_error(group) from None
+
+    def mark_failed(self, why: str) -> None:
+        self.failed = self.failed or why
 
     def synchronize(self, timeout: float) -> None:
         pending, self._inflight = self._inflight, []
@@ -206,7 +218,7 @@ class GlooBackend(Backend):
 
     # -- helpers -------------------------------------------------------------------
     def _run(self, g: _GlooGroup, op: str, works, finish, async_op):
-        w = GlooWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout)
+        w = GlooWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout, self)
         if async_op:
             self._inflight = [x for x in self._inflight if not x._done]
             self._inflight.append(w)

@@ -78,6 +78,9 @@ class MPIBackend(Backend):
         for c in self._comms.values():
             c.set_timeout(timeout)
 
+    def mark_failed(self, why: str) -> None:
+        self._lane.fail(why)
+
     def synchronize(self, timeout: float) -> None:
         self._lane.synchronize(timeout)
 

@@ -86,6 +86,8 @@ void Work::wait(double timeout_s) {
           << seq_ << ") did not complete within " << timeout_s
           << " s; a rank of the group may never have called it, may be stuck, or may have died "
              "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
+        if (timeout_s == timeout_s_)
+          if (auto lane = lane_.lock()) lane->fail(s.str(), nullptr);
         throw Error(ErrorKind::Timeout, s.str());
       }
       backoff.pause();
@@ -136,6 +138,26 @@ void Lane::shutdown(const std::string& why) {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   for (auto& w : left) w->abandon(ErrorKind::BackendUnavailable, w->op() + ": " + why);
+}
+
+void Lane::fail(const std::string& why, std::shared_ptr<Work> stuck) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!failed_.load()) {
+      why_ = why;
+      failed_.store(true, std::memory_order_release);
+    }
+    if (stuck && !stop_) inflight_.push_back(std::move(stuck));
+  }
+  cv_.notify_one();
+}
+
+void Lane::throw_unhealthy(const char* op) {
+  std::lock_guard<std::mutex> g(mu_);
+  throw Error(ErrorKind::BackendUnavailable,
+              std::string(op) + ": backend '" + name_ +
+                  "' is unusable since an earlier operation timed out (ranks no longer issue "
+                  "matching operations); finalize and restart the job. Earlier: " + why_);
 }
 
 void Lane::loop() {

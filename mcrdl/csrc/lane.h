@@ -19,11 +19,14 @@
 
 namespace mcrdl {
 
+class Lane;
+
 class Work {
  public:
   Work(const char* op, const std::string& backend, const std::string& group, uint64_t seq,
-       double timeout_s)
-      : op_(op), backend_(backend), group_(group), seq_(seq), timeout_s_(timeout_s) {}
+       double timeout_s, std::weak_ptr<Lane> lane = {})
+      : op_(op), backend_(backend), group_(group), seq_(seq), timeout_s_(timeout_s),
+        lane_(std::move(lane)) {}
 
   // Progress the op once: true when it is complete (successfully or not).
   std::function<bool()> test;
@@ -52,6 +55,7 @@ class Work {
   std::string op_, backend_, group_;
   uint64_t seq_;
   double timeout_s_;
+  std::weak_ptr<Lane> lane_;  // told when the op times out under the default timeout
   std::atomic<int> state_{kPending};
   std::mutex claim_;
   std::mutex mu_;
@@ -76,8 +80,16 @@ class Lane {
   void shutdown(const std::string& why);
   const std::string& name() const { return name_; }
 
+  // After an op timed out the backend's ops no longer match across ranks: the lane
+  // keeps the op (its buffers stay alive) and refuses new ops with the reason.
+  void fail(const std::string& why, std::shared_ptr<Work> stuck);
+  bool healthy() const { return !failed_.load(std::memory_order_acquire); }
+  [[noreturn]] void throw_unhealthy(const char* op);
+
  private:
   void loop();
+  std::atomic<bool> failed_{false};
+  std::string why_;
 
   std::string name_;
   std::mutex mu_;

@@ -557,7 +557,8 @@ class MpiComm {
   }
 
   std::shared_ptr<Work> make_work(const char* op) {
-    return std::make_shared<Work>(op, backend_, group_, ++seq_, timeout_s_);
+    if (!lane_->healthy()) lane_->throw_unhealthy(op);
+    return std::make_shared<Work>(op, backend_, group_, ++seq_, timeout_s_, lane_);
   }
 
   py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<InFlight> s, bool async_op) {
@@ -573,7 +574,12 @@ class MpiComm {
     }
     {
       py::gil_scoped_release nogil;
-      w->wait();
+      try {
+        w->wait();
+      } catch (const Error& e) {
+        if (e.kind() == ErrorKind::Timeout) lane_->fail(e.what(), w);  // keeps buffers alive
+        throw;
+      }
     }
     return py::none();
   }

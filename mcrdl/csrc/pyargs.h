@@ -30,7 +30,13 @@ inline const at::Tensor* to_tensor_opt(py::handle h, const char* op, const char*
 inline int64_t to_int(py::handle h, const char* op, const char* arg) {
   if (PyBool_Check(h.ptr()) || !PyIndex_Check(h.ptr()))
     throw_invalid(std::string(op) + ": '" + arg + "' must be an int, got " + type_name(h));
-  return py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr())).cast<int64_t>();
+  auto idx = py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr()));
+  int overflow = 0;
+  long long v = PyLong_AsLongLongAndOverflow(idx.ptr(), &overflow);
+  if (overflow)
+    throw_invalid(std::string(op) + ": '" + arg + "' is " + py::str(idx).cast<std::string>() +
+                  ", outside the 64-bit integer range");
+  return v;
 }
 
 inline std::vector<at::Tensor> to_tensor_list(py::handle h, const char* op, const char* arg) {

@@ -31,6 +31,15 @@ std::string dtype_name(at::ScalarType t) {
     case at::kInt: return "torch.int32";
     case at::kLong: return "torch.int64";
     case at::kBool: return "torch.bool";
+    case at::kShort: return "torch.int16";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    case at::kUInt16: return "torch.uint16";
+    case at::kUInt32: return "torch.uint32";
+    case at::kUInt64: return "torch.uint64";
     default: return std::string("torch.") + c10::toString(t);
   }
 }
@@ -144,7 +153,7 @@ Counts check_counts(const char* op, const char* counts_arg, const Counts& counts
     if (d[i] < 0)
       fail(op, std::string("'") + displs_arg + "'[" + std::to_string(i) + "] is " +
                    std::to_string(d[i]) + "; displacements must be >= 0");
-    if (d[i] + counts[i] > buf_numel)
+    if (d[i] > buf_numel || counts[i] > buf_numel - d[i])  // no overflow of d + count
       fail(op, std::string("block ") + std::to_string(i) + " of '" + buf_arg +
                    "' (displacement " + std::to_string(d[i]) + " + count " +
                    std::to_string(counts[i]) + " elements) ends past its " +
@@ -175,11 +184,12 @@ void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
   if (!is_supported_dtype(t.scalar_type()))
     fail(op, std::string("'") + arg + "' has dtype " + dtype_name(t.scalar_type()) +
                  "; supported dtypes are " + kDtypes);
+  if (t.layout() != at::kStrided)
+    fail(op, std::string("'") + arg + "' has a non-strided (e.g. sparse) layout; expected a "
+                 "dense tensor (call .to_dense())");
   if (!t.is_contiguous())
     fail(op, std::string("'") + arg + "' is not contiguous (shape " + shape_str(t) +
                  "); pass tensor.contiguous() and copy the result back if needed");
-  if (t.is_sparse() || t.layout() != at::kStrided)
-    fail(op, std::string("'") + arg + "' has a non-strided layout; expected a dense tensor");
 }
 
 void check_reduce_op(const char* op, int code, at::ScalarType dtype) {
@@ -282,7 +292,8 @@ std::pair<Counts, Counts> validate_all_to_all_single(const at::Tensor& out, cons
       int64_t sum = 0;
       for (int i = 0; i < size; ++i) {
         if (c[i] < 0)
-          fail(op, std::string("'") + arg + "'[" + std::to_string(i) + "] is negative");
+          fail(op, std::string("'") + arg + "'[" + std::to_string(i) + "] is " +
+                       std::to_string(c[i]) + "; split sizes must be >= 0");
         sum += c[i];
       }
       if (sum != t.size(0))

@@ -1,0 +1,339 @@
+"""Debug mode (``MCRDL_DEBUG=1``): cross-rank agreement on every collective.
+
+Before each collective, every rank posts its view of the call (op, dtype, element
+counts, root, reduce op) as a small int64 vector on a side channel of its own per
+(backend, group), then posts the op itself. The wait first completes the exchange and
+compares the views: a mismatch raises DesyncError on every rank (each rank sees all
+views) with a table of them, instead of a hang or garbage. The exchange is
+nonblocking and per (backend, group), so it respects the same ordering rule as the ops
+and never deadlocks programs that interleave backends differently on each rank.
+
+The side channel is a duplicated MPI communicator when there is an MPI world, else a
+dedicated Gloo process group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .errors import CommTimeoutError, DesyncError
+from .groups import Group
+from .ops import ReduceOp
+from .validate import validate_call
+from .work import Work
+
+_OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter", "reduce_scatter",
+        "all_to_all_single", "all_to_all", "gatherv", "scatterv", "all_gatherv", "all_to_allv",
+        "barrier")
+_OP_CODE = {name: i for i, name in enumerate(_OPS)}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+           torch.int32, torch.int64, torch.bool)
+_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_UNIFORM = {"all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter", "reduce_scatter"}
+_EXCHANGE = {"all_to_all_single", "all_to_all", "all_to_allv"}
+_VECTOR = {"gatherv", "scatterv", "all_gatherv"}
+_HEADER = 5  # op, dtype, count, root, reduce op
+_LOCAL_ERROR = -2  # op code of a rank whose call raised before anything was sent
+
+
+def _numel(t) -> int:
+    return t.numel() if isinstance(t, torch.Tensor) else -1
+
+
+def _dtype(t) -> int:
+    if isinstance(t, (list, tuple)):
+        t = t[0] if t else None
+    return _DTYPE_CODE.get(getattr(t, "dtype", None), -1)
+
+
+def _rows(t: torch.Tensor, splits, size: int) -> list[int]:
+    """Element counts per peer of an all_to_all_single buffer."""
+    if t.dim() == 0:
+        return [0] * size
+    row = 1
+    for d in t.shape[1:]:
+        row *= d
+    if splits is None:
+        return [t.shape[0] // size * row] * size
+    return [int(s) * row for s in splits]
+
+
+def signature(op: str, args: tuple, size: int) -> np.ndarray:
+    """This rank's view of a call: header + per-peer send and receive counts."""
+    sig = np.full(_HEADER + 2 * size, -1, dtype=np.int64)
+    root = rop = -1
+    send = recv = None
+    if op == "all_reduce":
+        t, rop = args[0], args[1]
+        count, dt = _numel(t), _dtype(t)
+    elif op == "reduce":
+        t, root, rop = args[0], args[1], args[2]
+        count, dt = _numel(t), _dtype(t)
+    elif op == "bcast":
+        t, root = args[0], args[1]
+        count, dt = _numel(t), _dtype(t)
+    elif op == "all_gather":
+        count, dt = _numel(args[1]), _dtype(args[1])
+    elif op in ("gather", "scatter"):
+        t = args[1] if op == "gather" else args[0]
+        count, dt, root = _numel(t), _dtype(t), args[2]
+    elif op == "reduce_scatter":
+        count, dt, rop = _numel(args[0]), _dtype(args[0]), args[2]
+    elif op == "all_to_all_single":
+        out, inp, osplit, isplit = args[:4]
+        count, dt = _numel(inp), _dtype(inp)
+        send, recv = _rows(inp, isplit, size), _rows(out, osplit, size)
+    elif op == "all_to_all":
+        outs, ins = args[0], args[1]
+        count, dt = sum(_numel(t) for t in ins), _dtype(ins)
+        send, recv = [_numel(t) for t in ins], [_numel(t) for t in outs]
+    elif op == "all_to_allv":
+        count, dt = _numel(args[1]), _dtype(args[1])
+        send, recv = list(args[2]), list(args[3])
+    elif op in _VECTOR:
+        t = args[0] if op == "scatterv" else args[1]
+        count, dt = _numel(t), _dtype(t)
+        recv = list(args[2])
+        if op != "all_gatherv":
+            root = args[4]
+    else:  # barrier
+        count, dt = 0, -1
+    sig[:_HEADER] = (_OP_CODE[op], dt, count, -1 if root is None else int(root),
+                     -1 if rop is None else int(rop))
+    if send is not None and len(send) == size:
+        sig[_HEADER:_HEADER + size] = send
+    if recv is not None and len(recv) == size:
+        sig[_HEADER + size:] = recv
+    return sig
+
+
+def disagreement(views: np.ndarray) -> str | None:
+    """What the ranks' views (one row per group rank) disagree on, or None."""
+    size = views.shape[0]
+    head = views[:, :_HEADER]
+    bad = [r for r in range(size) if head[r, 0] == _LOCAL_ERROR]
+    if bad:
+        return f"call: rank(s) {bad} rejected their arguments locally (see their errors)"
+    op = _OPS[int(head[0, 0])] if 0 <= head[0, 0] < len(_OPS) else "?"
+    for col, what in ((0, "operation"), (1, "dtype"), (3, "root"), (4, "reduce op")):
+        if len(set(head[:, col].tolist())) > 1:
+            return what
+    if op in _UNIFORM and len(set(head[:, 2].tolist())) > 1:
+        return "element count"
+    send, recv = views[:, _HEADER:_HEADER + size], views[:, _HEADER + size:]
+    if op in _EXCHANGE and not np.array_equal(send, recv.T):
+        return "counts (what rank i sends to j differs from what j expects from i)"
+    if op in _VECTOR:
+        if any(not np.array_equal(recv[0], recv[r]) for r in range(size)):
+            return "counts vector"
+        if not np.array_equal(recv[0], head[:, 2]):
+            return "counts (counts[i] differs from rank i's element count)"
+    return None
+
+
+def table(views: np.ndarray, group: str, backend: str) -> str:
+    size = views.shape[0]
+    rows = [f"{'rank':>4}  {'op':<18} {'dtype':<15} {'count':>9} {'root':>5} {'reduce op':<9} "
+            "send/recv counts"]
+    for r in range(size):
+        op, dt, count, root, rop = (int(x) for x in views[r, :_HEADER])
+        name = _OPS[op] if 0 <= op < len(_OPS) else "<raised locally>"
+        dname = str(_DTYPES[dt]) if 0 <= dt < len(_DTYPES) else "-"
+        rname = ReduceOp(rop).name if 0 <= rop <= 7 else "-"
+        extra = ""
+        if (views[r, _HEADER:] >= 0).any():
+            extra = (f"{views[r, _HEADER:_HEADER + size].tolist()}/"
+                     f"{views[r, _HEADER + size:].tolist()}")
+        rows.append(f"{r:>4}  {name:<18} {dname:<15} {count:>9} "
+                    f"{root if root >= 0 else '-':>5} {rname:<9} {extra}")
+    return f"backend '{backend}', group {group}:\n" + "\n".join(rows)
+
+
+class _MPIChannel:
+    def __init__(self, comm):
+        self.comm = comm
+
+    def post(self, sig: np.ndarray):
+        views = np.empty((self.comm.Get_size(), sig.size), dtype=np.int64)
+        return self.comm.Iallgather(sig, views), views
+
+    def done(self, handle) -> bool:
+        return handle[0].Test()
+
+    def free(self) -> None:
+        self.comm.Free()
+
+
+class _GlooChannel:
+    def __init__(self, pg, size: int):
+        self.pg, self.size = pg, size
+
+    def post(self, sig: np.ndarray):
+        t = torch.from_numpy(sig)
+        views = torch.empty((self.size, sig.size), dtype=torch.int64)
+        work = self.pg.allgather([list(views.unbind(0))], [t])
+        return work, views
+
+    def done(self, handle) -> bool:
+        return handle[0].is_completed()
+
+    def free(self) -> None:
+        pass
+
+
+class _Call:
+    """One collective in debug mode: its exchange, the deferred post, the outcome."""
+
+    __slots__ = ("op", "group", "channel", "handle", "post", "work", "error", "posted")
+
+    def __init__(self, op, group, channel, handle, post):
+        self.op, self.group, self.channel, self.handle, self.post = op, group, channel, handle, post
+        self.work = None
+        self.error: BaseException | None = None
+        self.posted = threading.Event()
+
+
+class DebugWork(Work):
+    """Waits for the debug lane to have checked and posted the call, then for the op."""
+
+    __slots__ = ("_call", "backend", "_timeout", "_what")
+
+    def __init__(self, call: _Call, backend: str, timeout: float, what: str):
+        self._call, self.backend, self._timeout, self._what = call, backend, timeout, what
+
+    def wait(self, timeout: float | None = None) -> bool:
+        limit = self._timeout if timeout is None else timeout
+        if not self._call.posted.wait(limit):
+            raise CommTimeoutError(f"{self._what} did not pass the debug agreement check "
+                                   f"within {limit} s: a rank of the group never called it")
+        if self._call.error is not None:
+            raise self._call.error
+        w = self._call.work
+        return w.wait(timeout) if w is not None else True
+
+    def is_completed(self) -> bool:
+        if not self._call.posted.is_set():
+            return False
+        if self._call.error is not None:
+            raise self._call.error
+        return self._call.work is None or self._call.work.is_completed()
+
+
+class Debugged:
+    """Wraps a backend: every collective goes through the agreement check.
+
+    The caller validates locally and posts its signature; the backend's debug lane (one
+    thread) completes each exchange in issue order and posts the real op only when the
+    views agree, so a mismatched call is never sent (Gloo aborts the process on size
+    mismatches; MPI may hang).
+    """
+
+    def __init__(self, inner, bootstrap, world: Group, timeout_of, size_rank):
+        self._inner = inner
+        self.name = inner.name
+        self._bootstrap = bootstrap
+        self._timeout_of = timeout_of
+        self._size_rank = size_rank
+        self._channels: dict[int, object] = {}
+        self._queue: queue.Queue[_Call | None] = queue.Queue()
+        self._lane = threading.Thread(target=self._run, name=f"mcrdl-debug-{self.name}",
+                                      daemon=True)
+        self._lane.start()
+        self._make_channel(world)
+
+    def __getattr__(self, attr):
+        if attr in _OP_CODE:
+            return lambda *args: self._call(attr, args)
+        return getattr(self._inner, attr)
+
+    def _make_channel(self, group: Group) -> None:
+        from .bootstrap import mpi_module
+
+        boot = self._bootstrap
+        if boot.info.mpi_world:
+            MPI = mpi_module()
+            color = 0 if group.is_member else MPI.UNDEFINED
+            comm = MPI.COMM_WORLD.Split(color, max(group.rank, 0))
+            if group.is_member:
+                self._channels[group.id] = _MPIChannel(comm)
+        elif group.is_member:
+            import torch.distributed as dist
+
+            store = dist.PrefixStore(f"debug/{self.name}/{group.id}", boot.store())
+            pg = dist.ProcessGroupGloo(store, group.rank, group.size,
+                                       datetime.timedelta(seconds=self._timeout_of()))
+            self._channels[group.id] = _GlooChannel(pg, group.size)
+
+    def add_group(self, group: Group) -> None:
+        self._inner.add_group(group)
+        self._make_channel(group)
+
+    def finalize(self) -> None:
+        self._queue.put(None)
+        self._lane.join(timeout=self._timeout_of())
+        self._inner.finalize()
+        for ch in self._channels.values():
+            ch.free()
+        self._channels.clear()
+
+    def _call(self, op: str, args: tuple):
+        *rest, group, async_op = args
+        size, rank = self._size_rank(group)  # non-members and non-groups raise here
+        channel = self._channels[0 if group is None else group.id]
+        gname = "world" if group is None else group.describe()
+        what = f"{op} on backend '{self.name}' (group {gname})"
+        try:
+            rest = validate_call(op, tuple(rest), size, rank)
+        except Exception:
+            # One signature per call keeps the channel aligned; the others see the error.
+            sig = np.full(_HEADER + 2 * size, _LOCAL_ERROR, dtype=np.int64)
+            call = _Call(op, gname, channel, channel.post(sig), None)
+            self._queue.put(call)
+            call.posted.wait(self._timeout_of())
+            raise
+        sig = signature(op, tuple(rest), size)
+        method = getattr(self._inner, op)
+        call = _Call(op, gname, channel, channel.post(sig),
+                     lambda: method(*rest, group, True))
+        self._queue.put(call)
+        work = DebugWork(call, self.name, self._timeout_of(), what)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _run(self) -> None:
+        """The debug lane: check each call's views in issue order, then post it."""
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            try:
+                limit = self._timeout_of()
+                deadline = time.monotonic() + limit
+                delay = 1e-5
+                while not call.channel.done(call.handle):
+                    if time.monotonic() > deadline:
+                        raise CommTimeoutError(
+                            f"debug agreement check of {call.op} on backend '{self.name}' did "
+                            f"not complete within {limit} s: a rank never called it")
+                    time.sleep(delay)
+                    delay = min(2 * delay, 1e-3)
+                views = np.asarray(call.handle[1])
+                bad = disagreement(views)
+                if bad is not None:
+                    self._inner.mark_failed("a DesyncError was raised in debug mode")
+                    raise DesyncError(f"{call.op}: ranks disagree on the {bad}:\n"
+                                      + table(views, call.group, self.name))
+                if call.post is not None:
+                    call.work = call.post()
+            except BaseException as exc:  # delivered to the waiting caller
+                call.error = exc
+            finally:
+                call.posted.set()

@@ -1,0 +1,58 @@
+"""Debug mode (run with MCRDL_DEBUG=1 under mpiexec -n N, N >= 2): mismatched calls
+raise DesyncError on EVERY rank with a table of each rank's view. Each case runs on a
+fresh init (a desync leaves the backend refusing further ops). Usage: desync.py BACKEND"""
+
+import os
+import sys
+
+import torch
+
+import mcrdl
+
+assert os.environ.get("MCRDL_DEBUG") == "1"
+backend = sys.argv[1]
+
+
+def expect_desync(name, call, what):
+    mcrdl.init([backend], timeout=20)
+    rank = mcrdl.get_rank()
+    mcrdl.all_reduce(backend, torch.ones(2))  # agreeing calls pass the check
+    try:
+        call(rank, mcrdl.get_size())
+        raise AssertionError(f"{name}: no DesyncError on rank {rank}")
+    except mcrdl.DesyncError as e:
+        msg = str(e)
+        assert what in msg and "rank" in msg, (name, msg)
+        if rank == 0:
+            print(f"--- {name} ---\n{msg}", flush=True)
+    mcrdl.finalize()
+    print(f"rank {rank}: {name}: DesyncError raised", flush=True)
+
+
+expect_desync("count", lambda r, n: mcrdl.all_reduce(backend, torch.ones(4 + (r == 1))),
+              "element count")
+expect_desync("dtype", lambda r, n: mcrdl.all_reduce(
+    backend, torch.ones(4, dtype=torch.float64 if r == 1 else torch.float32)), "dtype")
+expect_desync("root", lambda r, n: mcrdl.bcast(backend, torch.ones(4), src=min(r, 1)), "root")
+expect_desync("reduce op", lambda r, n: mcrdl.all_reduce(
+    backend, torch.ones(3), op=mcrdl.ReduceOp.MAX if r == 0 else mcrdl.ReduceOp.SUM),
+    "reduce op")
+expect_desync("split sizes", lambda r, n: mcrdl.all_to_all_single(
+    backend, torch.empty(n + (r == 0)), torch.ones(n),
+    output_split_sizes=[1 + (r == 0 and i == 0) for i in range(n)]), "counts")
+expect_desync("async wait", lambda r, n: mcrdl.all_gather(
+    backend, torch.empty(n * (2 + (r == 1))), torch.ones(2 + (r == 1)), async_op=True).wait(),
+    "element count")
+
+
+def local_error(r, n):  # rank 1's arguments are rejected before anything is sent
+    if r == 1:
+        try:
+            mcrdl.all_reduce(backend, torch.ones(4, 2).t())  # non-contiguous
+        except mcrdl.InvalidArgumentError:
+            raise mcrdl.DesyncError("rank 1 raised locally: rejected their arguments") from None
+    else:
+        mcrdl.all_reduce(backend, torch.ones(8))
+
+
+expect_desync("local error", local_error, "rejected their arguments")

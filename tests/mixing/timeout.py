@@ -1,0 +1,40 @@
+"""Timeout (run under mpiexec -n N, N >= 2): rank 0 never joins a collective; every
+other rank must raise CommTimeoutError within timeout + 5 s, naming op, backend,
+group and sequence number. Usage: timeout.py BACKEND [TIMEOUT_S]"""
+
+import sys
+import time
+
+import torch
+
+import mcrdl
+
+backend = sys.argv[1]
+limit = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
+mcrdl.init([backend], timeout=limit)
+rank = mcrdl.get_rank()
+mcrdl.all_reduce(backend, torch.ones(4))  # a healthy op first: sequence number 1
+
+if rank != 0:
+    start = time.monotonic()
+    try:
+        mcrdl.all_reduce(backend, torch.ones(4))
+        raise AssertionError("all_reduce without rank 0 returned")
+    except mcrdl.CommTimeoutError as e:
+        took = time.monotonic() - start
+        msg = str(e)
+        assert took < limit + 5, took
+        for part in ("all_reduce", f"'{backend}'", "world", "sequence number 2"):
+            assert part in msg, (part, msg)
+        print(f"rank {rank}: CommTimeoutError after {took:.2f} s (timeout {limit} s): {msg}",
+              flush=True)
+    try:  # the backend is unusable after a timeout: say so instead of mismatching ops
+        mcrdl.all_reduce(backend, torch.ones(4))
+        raise AssertionError("op after a timeout did not raise")
+    except mcrdl.MCRDLError as e:
+        print(f"rank {rank}: next op refused: {type(e).__name__}", flush=True)
+else:
+    time.sleep(limit + 1)
+    print("rank 0: skipped the collective", flush=True)
+mcrdl.finalize()
+print(f"rank {rank}: finalized", flush=True)

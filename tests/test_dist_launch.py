@@ -1,0 +1,87 @@
+"""Launch the multi-rank conformance suite (tests/dist) under mpiexec at world sizes 1-5."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+TIMEOUT_S = 300
+
+
+def _mpiexec() -> str | None:
+    """mpiexec next to this interpreter, else on PATH."""
+    for name in ("mpiexec", "mpirun"):
+        cand = os.path.join(sys.prefix, "bin", name)
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Pids of every descendant of `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Terminate mpiexec, its process group and every descendant (ranks get their own groups)."""
+    pids = _descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for target in [proc.pid, *pids]:
+            try:
+                os.kill(target, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        time.sleep(2 if sig == signal.SIGTERM else 0)
+
+
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 5])
+def test_dist_conformance(nprocs):
+    """`mpiexec -n N python -m pytest tests/dist` exits 0."""
+    mpiexec = _mpiexec()
+    if mpiexec is None:
+        pytest.skip(f"no mpiexec in {os.path.join(sys.prefix, 'bin')} nor on PATH")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDRA_", "PYTEST_"))}
+    env.update(MCRDL_TIMEOUT="60", MCRDL_DIST_TEST="1")
+    env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by up to 5 ranks
+    cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "pytest", str(TESTS / "dist"),
+           "-p", "no:cacheprovider", "-q"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {TIMEOUT_S} s; output:\n{out}")
+    took = time.monotonic() - start
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} exited {proc.returncode} after {took:.0f} s; output:\n{out}")
+    print(f"world size {nprocs}: {took:.1f} s\n{out[-2000:]}")

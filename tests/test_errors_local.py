@@ -1,0 +1,288 @@
+"""Single-process error checks: use before init, available_backends, new_group arguments,
+the error class hierarchy, ReduceOp aliases, stale groups, unsupported operations.
+
+This process never initialises mcrdl (other test modules share it): everything that needs
+a fresh or an initialised mcrdl runs in one fresh interpreter (a world of one, launched
+without mpiexec), which reports each call's outcome as JSON; the tests judge the report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import mcrdl
+
+# Run in a fresh interpreter. Each probe records ["ok", result (repr unless plain)] or
+# [exception class name, message, names of the class's MRO].
+_SCRIPT = textwrap.dedent(r'''
+    import json, sys
+    import torch
+    import mcrdl
+
+    res = {}
+
+    def probe(key, fn):
+        try:
+            val = fn()
+        except Exception as exc:
+            res[key] = [type(exc).__name__, str(exc), [c.__name__ for c in type(exc).__mro__]]
+        else:
+            plain = isinstance(val, (list, str, int, float, bool, type(None)))
+            res[key] = ["ok", val if plain else repr(val)]
+
+    t = torch.ones(2)
+    res["initialized_at_start"] = mcrdl.is_initialized()
+    probe("available_before_init", mcrdl.available_backends)
+    before = {
+        "all_reduce mpi": lambda: mcrdl.all_reduce("mpi", t),
+        "all_reduce gloo": lambda: mcrdl.all_reduce("gloo", t),
+        "all_reduce auto": lambda: mcrdl.all_reduce("auto", t),
+        "all_reduce async": lambda: mcrdl.all_reduce("gloo", t, async_op=True),
+        "bcast": lambda: mcrdl.bcast("mpi", t, 0),
+        "all_gather": lambda: mcrdl.all_gather("gloo", torch.ones(2), t),
+        "send": lambda: mcrdl.send("mpi", t, 0),
+        "barrier": lambda: mcrdl.barrier("gloo"),
+        "get_rank": lambda: mcrdl.get_rank(),
+        "get_size mpi": lambda: mcrdl.get_size("mpi"),
+        "get_world_size": lambda: mcrdl.get_world_size(),
+        "new_group": lambda: mcrdl.new_group([0]),
+        "synchronize mpi": lambda: mcrdl.synchronize("mpi"),
+    }
+    for name, fn in before.items():
+        probe("before_init " + name, fn)
+    probe("get_backends_before_init", mcrdl.get_backends)
+
+    # A bool is not a number of seconds (and must not become a 1 s timeout).
+    probe("init timeout=True", lambda: mcrdl.init(["gloo"], timeout=True))
+    if mcrdl.is_initialized():
+        mcrdl.finalize()
+
+    mcrdl.init(["mpi", "gloo"])
+    probe("available_after_init", mcrdl.available_backends)
+    for bad in ([], [0, 0], [5], ["a"], [-1], [True], 0, "0", None):
+        probe("new_group " + repr(bad), lambda bad=bad: mcrdl.new_group(bad))
+    probe("all_reduce after bad new_group", lambda: mcrdl.all_reduce("mpi", torch.ones(1)))
+
+    # A group of an earlier session must not be usable after finalize + init, even when
+    # the new session has created a group of its own (which may reuse the old one's id).
+    old = mcrdl.new_group([0])
+    mcrdl.finalize()
+    probe("after_finalize all_reduce", lambda: mcrdl.all_reduce("gloo", t))
+    mcrdl.init(["mpi", "gloo"])
+    probe("stale group, no new group", lambda: mcrdl.all_reduce("gloo", t, group=old))
+    mcrdl.new_group([0])
+    for b in ("mpi", "gloo"):
+        probe("stale group " + b, lambda b=b: mcrdl.all_reduce(b, t, group=old))
+    mcrdl.finalize()
+
+    # A third-party backend that implements only all_reduce.
+    class Partial(mcrdl.Backend):
+        capabilities = mcrdl.Capabilities(ops=frozenset({"all_reduce"}))
+
+        def all_reduce(self, tensor, op, group, async_op):
+            return None
+
+    mcrdl.register_backend("partial", Partial)
+    mcrdl.init(["partial"])
+    probe("partial all_reduce", lambda: mcrdl.all_reduce("partial", torch.ones(2)))
+    probe("partial gather", lambda: mcrdl.gather("partial", torch.ones(2), torch.ones(2)))
+    probe("partial barrier", lambda: mcrdl.barrier("partial"))
+    probe("partial bad dtype",
+          lambda: mcrdl.all_reduce("partial", torch.ones(2, dtype=torch.complex64)))
+    probe("partial bad root", lambda: mcrdl.reduce("partial", torch.ones(2), dst=3))
+    mcrdl.finalize()
+    print("@@RESULT@@" + json.dumps(res))
+''')
+
+
+def _clean_env() -> dict:
+    """The environment of a plain `python` start: no launcher variables."""
+    drop = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MV2_", "SLURM_", "PYTEST_",
+            "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "MCRDL_DEBUG"):
+        env.pop(k, None)
+    env.update(MCRDL_TIMEOUT="60", OMP_NUM_THREADS="1")
+    return env
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict:
+    """Outcomes of the probes of _SCRIPT in a fresh interpreter."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=_clean_env(),
+                              capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the fresh-process probe script timed out:\n{exc.stdout}\n{exc.stderr}")
+    line = [x for x in proc.stdout.splitlines() if x.startswith("@@RESULT@@")]
+    assert proc.returncode == 0 and line, (
+        f"probe script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+        f"{proc.stderr[-3000:]}")
+    return json.loads(line[0][len("@@RESULT@@"):])
+
+
+def _raised(fresh: dict, key: str, cls: type, *needles: str) -> str:
+    """Assert probe `key` raised `cls` (by name, checking the MRO) with the needles."""
+    got = fresh[key]
+    assert got[0] != "ok", f"{key}: expected {cls.__name__}, nothing raised (returned {got[1]})"
+    name, msg, mro = got
+    assert cls.__name__ in mro, f"{key}: expected {cls.__name__}, got {name}: {msg}"
+    for n in needles:
+        assert n in msg, f"{key}: message lacks {n!r}: {msg!r}"
+    return msg
+
+
+# ------------------------------------------------------------------------ before init
+
+
+def test_fresh_process_starts_uninitialized(fresh):
+    assert fresh["initialized_at_start"] is False
+    assert fresh["get_backends_before_init"] == ["ok", []]
+
+
+@pytest.mark.parametrize("what", [
+    "all_reduce mpi", "all_reduce gloo", "all_reduce auto", "all_reduce async", "bcast",
+    "all_gather", "send", "barrier", "get_rank", "get_size mpi", "get_world_size",
+    "new_group", "synchronize mpi",
+])
+def test_before_init(fresh, what):
+    """Every operation and query before init: BackendUnavailableError that says to init."""
+    _raised(fresh, f"before_init {what}", mcrdl.BackendUnavailableError, "init")
+
+
+def test_after_finalize(fresh):
+    _raised(fresh, "after_finalize all_reduce", mcrdl.BackendUnavailableError, "init")
+
+
+def test_before_init_in_this_process():
+    """The same in this process, when it is not initialised (else covered by the above)."""
+    if mcrdl.is_initialized():
+        pytest.skip("this process is initialised")
+    import torch
+
+    for fn in (lambda: mcrdl.all_reduce("mpi", torch.ones(1)), lambda: mcrdl.barrier("gloo"),
+               lambda: mcrdl.get_rank(), lambda: mcrdl.new_group([0])):
+        with pytest.raises(mcrdl.BackendUnavailableError, match="init"):
+            fn()
+
+
+# ------------------------------------------------------------------ available_backends
+
+
+def _listed(fresh: dict, key: str) -> list:
+    status, value = fresh[key][:2]
+    assert status == "ok", f"{key} raised {status}: {value}"
+    return value
+
+
+@pytest.mark.parametrize("key", ["available_before_init", "available_after_init"])
+def test_available_backends_fresh(fresh, key):
+    got = _listed(fresh, key)
+    assert isinstance(got, list) and all(isinstance(n, str) for n in got), got
+    assert "mpi" in got and "gloo" in got, got
+    assert "auto" not in got and "nccl" not in got, got
+
+
+def test_available_backends_here():
+    got = mcrdl.available_backends()
+    assert isinstance(got, list), type(got)
+    assert {"mpi", "gloo"} <= set(got), got
+
+
+# --------------------------------------------------------------------------- new_group
+
+
+@pytest.mark.parametrize("bad, needles", [
+    ([], ("'ranks'", "empty")),
+    ([0, 0], ("'ranks'", "[0, 0]")),
+    ([5], ("'ranks'[0]", "5", "[0, 0]")),
+    (["a"], ("'ranks'[0]", "'a'")),
+    ([-1], ("'ranks'[0]", "-1")),
+    ([True], ("'ranks'[0]", "True")),
+    (0, ("'ranks'", "int")),
+    ("0", ("'ranks'", "str")),
+    (None, ("'ranks'", "None")),
+], ids=repr)
+def test_new_group_bad_ranks(fresh, bad, needles):
+    _raised(fresh, f"new_group {bad!r}", mcrdl.InvalidArgumentError, *needles)
+
+
+def test_usable_after_bad_new_group(fresh):
+    assert fresh["all_reduce after bad new_group"][0] == "ok", fresh[
+        "all_reduce after bad new_group"]
+
+
+# ------------------------------------------------------------------------ other checks
+
+
+def test_init_timeout_bool(fresh):
+    """timeout=True is not a number of seconds (bool is rejected for ranks and tags too)."""
+    _raised(fresh, "init timeout=True", mcrdl.InvalidArgumentError, "'timeout'", "True")
+
+
+def test_stale_group_rejected(fresh):
+    """A group from before finalize() is refused after a new init."""
+    _raised(fresh, "stale group, no new group", mcrdl.InvalidArgumentError, "group")
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_stale_group_rejected_when_ids_are_reused(fresh, backend):
+    """... also when the new session created a group of its own (same id as the old one)."""
+    _raised(fresh, f"stale group {backend}", mcrdl.InvalidArgumentError, "group")
+
+
+def test_unsupported_operation(fresh):
+    """An op the backend lacks: UnsupportedOperationError naming the op, the backend and
+    the backends that can do it; bad arguments are still InvalidArgumentError first."""
+    assert fresh["partial all_reduce"][0] == "ok", fresh["partial all_reduce"]
+    _raised(fresh, "partial gather", mcrdl.UnsupportedOperationError, "gather", "'partial'",
+            "mpi", "gloo")
+    _raised(fresh, "partial barrier", mcrdl.UnsupportedOperationError, "barrier", "'partial'")
+    _raised(fresh, "partial bad dtype", mcrdl.InvalidArgumentError, "'tensor'")
+    _raised(fresh, "partial bad root", mcrdl.InvalidArgumentError, "'dst'", "3")
+
+
+# ---------------------------------------------------------------- classes and ReduceOp
+
+
+@pytest.mark.parametrize("cls, bases", [
+    ("MCRDLError", (RuntimeError,)),
+    ("BackendUnavailableError", ("MCRDLError", RuntimeError)),
+    ("InvalidArgumentError", ("MCRDLError", ValueError, RuntimeError)),
+    ("UnsupportedOperationError", ("MCRDLError", RuntimeError)),
+    ("CommTimeoutError", ("MCRDLError", TimeoutError, RuntimeError)),
+    ("DesyncError", ("MCRDLError", RuntimeError)),
+])
+def test_error_hierarchy(cls, bases):
+    """API.md "Errors": base classes, and mcrdl re-exports the classes of mcrdl.errors."""
+    c = getattr(mcrdl, cls)
+    assert c is getattr(mcrdl.errors, cls)
+    assert isinstance(c, type) and issubclass(c, Exception)
+    for base in bases:
+        base = getattr(mcrdl, base) if isinstance(base, str) else base
+        assert issubclass(c, base), f"{cls} is not a subclass of {base.__name__}"
+
+
+def test_error_classes_are_distinct():
+    names = ("BackendUnavailableError", "InvalidArgumentError", "UnsupportedOperationError",
+             "CommTimeoutError", "DesyncError")
+    for a in names:
+        for b in names:
+            if a != b:
+                assert not issubclass(getattr(mcrdl, a), getattr(mcrdl, b)), (a, b)
+    assert not issubclass(mcrdl.BackendUnavailableError, ValueError)
+    assert not issubclass(mcrdl.MCRDLError, ValueError)
+
+
+def test_reduce_op_aliases():
+    assert mcrdl.ReduceOp.PROD is mcrdl.ReduceOp.PRODUCT
+    names = {"SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"}
+    assert names <= set(mcrdl.ReduceOp.__members__)
+    assert len({mcrdl.ReduceOp[n] for n in names}) == len(names)

@@ -1,0 +1,92 @@
+"""Mixed-backend execution, timeouts, debug mode and faults, on real multi-rank worlds
+(the rank scripts are in tests/mixing/)."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ._launch import mpiexec_or_skip, run_launcher
+
+HERE = os.path.join(os.path.dirname(__file__), "mixing")
+
+
+def launch(n, script, *args, env=None, timeout=240, expect_rc=0, mpiexec_args=()):
+    mpiexec = mpiexec_or_skip()
+    full_env = dict(os.environ, **(env or {}))
+    cmd = [mpiexec, *mpiexec_args, "-n", str(n), sys.executable, os.path.join(HERE, script),
+           *map(str, args)]
+    return run_launcher(cmd, env=full_env, timeout=timeout, expect_rc=expect_rc)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_randomized_stress(n):
+    out = launch(n, "stress.py", env={"MCRDL_TIMEOUT": "120"})
+    m = re.search(r"stress OK: world (\d+), \d+ rounds, (\d+) async ops", out)
+    assert m and int(m.group(1)) == n and int(m.group(2)) >= 1000 * n // 2, out
+    print(out[m.start():].splitlines()[0])
+    for r in range(n):
+        assert f"rank {r}: issued" in out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_opposite_issue_and_wait_orders_do_not_deadlock(n):
+    out = launch(n, "opposite_waits.py", timeout=180)
+    for r in range(n):
+        assert f"rank {r}: opposite waits OK" in out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_collective_one_rank_never_joins_times_out(backend):
+    limit = 3.0
+    out = launch(3, "timeout.py", backend, limit, timeout=120)
+    for r in (1, 2):
+        m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
+        assert m, out
+        assert limit <= float(m.group(1)) < limit + 5
+        assert f"rank {r}: next op refused: BackendUnavailableError" in out
+    for r in range(3):
+        assert f"rank {r}: finalized" in out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_debug_mode_mismatches_raise_desync_on_every_rank(backend):
+    out = launch(3, "desync.py", backend, env={"MCRDL_DEBUG": "1"}, timeout=180)
+    cases = ["count", "dtype", "root", "reduce op", "split sizes", "async wait", "local error"]
+    for case in cases:
+        for r in range(3):
+            assert f"rank {r}: {case}: DesyncError raised" in out, (case, r, out)
+    assert "ranks disagree on the element count" in out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+@pytest.mark.parametrize("cleanup", ["launcher", "survivors"])
+def test_dead_rank_makes_the_job_exit_nonzero(backend, cleanup):
+    """A rank is SIGKILLed mid-run. 'launcher': mpiexec's own cleanup; 'survivors':
+    with it disabled, the survivors raise (CommTimeoutError, or Gloo's connection error)
+    or are ended by the MPI runtime; either way the job exits non-zero, nothing is left."""
+    limit = 5
+    args = ("-disable-auto-cleanup",) if cleanup == "survivors" else ()
+    start = time.monotonic()
+    out = launch(3, "fault.py", backend, env={"MCRDL_TIMEOUT": str(limit)}, timeout=limit + 60,
+                 expect_rc=None, mpiexec_args=args)
+    took = time.monotonic() - start
+    assert "loop finished" not in out, out
+    assert re.search(r"EXIT CODE: [1-9]|exit code [1-9]|Killed|Terminated", out), out
+    assert took < limit + 30, took
+    pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
+    alive = [p for p in pids if _alive(p)]
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                           text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
