@@ -14,7 +14,7 @@ See API.md for the contract::
 
 import torch  # noqa: F401, I001  (loads libtorch, which mcrdl._C links against)
 
-from . import errors  # noqa: I001  (before _C: the extension looks the classes up)
+from . import errors  # noqa: F401, I001  (before _C: the extension looks the classes up)
 from . import _C
 from .api import (
     all_gather,

@@ -14,7 +14,6 @@ import logging
 import os
 from collections.abc import Sequence
 
-from . import _C
 from .backends import registry
 from .backends.base import Backend, InitContext
 from .bootstrap import Bootstrap

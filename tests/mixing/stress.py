@@ -65,7 +65,7 @@ def plan_round(rnd: int):
             "dtype": dname,
             "n": int(rng.choice([0, 1, 3, 17, 256, 1000, 4099])),
             "root": int(rng.integers(len(members(g)))),
-            "op": [mcrdl.ReduceOp.SUM, mcrdl.ReduceOp.MAX, mcrdl.ReduceOp.MIN][int(rng.integers(3))],
+            "op": list(NP_REDUCE)[int(rng.integers(3))],
         })
     return specs
 
