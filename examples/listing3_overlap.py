@@ -1,0 +1,59 @@
+"""MCR-DL paper, Listing 3: overlap an async all_reduce with independent compute.
+
+    mpiexec -n 2 python examples/listing3_overlap.py            # CPU, backend "mpi"
+    mpiexec -n 2 python examples/listing3_overlap.py gloo
+
+The all-reduce runs on the backend's lane (MPI: mcrdl's progress thread; Gloo: its own
+threads) while this thread multiplies matrices; prints compute alone, communication
+alone, and both overlapped, so the overlap is visible as overlapped < alone sum.
+"""
+
+import sys
+import time
+
+import torch
+
+import mcrdl
+
+backend = sys.argv[1] if len(sys.argv) > 1 else "mpi"
+mcrdl.init([backend])
+rank, size = mcrdl.get_rank(), mcrdl.get_size()
+torch.set_num_threads(1)
+
+grad = torch.randn(8 * 1024 * 1024 // 4)  # 8 MiB of "gradients"
+a, b = torch.randn(384, 384), torch.randn(384, 384)
+
+
+def compute():
+    for _ in range(20):
+        a @ b
+
+
+def timed(fn, reps=5):
+    best = float("inf")
+    for _ in range(reps):
+        mcrdl.barrier(backend)
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def comm():
+    mcrdl.all_reduce(backend, grad)
+
+
+def overlapped():
+    work = mcrdl.all_reduce(backend, grad, async_op=True)  # Listing 3: issue ...
+    compute()                                              # ... compute meanwhile ...
+    work.wait()                                            # ... then wait
+
+
+t_comp, t_comm, t_both = timed(compute), timed(comm), timed(overlapped)
+expect = grad.clone()
+mcrdl.all_reduce(backend, expect)
+if rank == 0:
+    print(f"{backend}, {size} ranks: compute {t_comp * 1e3:.1f} ms, all_reduce "
+          f"{t_comm * 1e3:.1f} ms, overlapped {t_both * 1e3:.1f} ms "
+          f"(serial sum {(t_comp + t_comm) * 1e3:.1f} ms)")
+mcrdl.finalize()
