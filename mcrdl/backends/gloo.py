@@ -8,13 +8,14 @@ threads in issue order, which is this backend's lane.
 
 Operations Gloo lacks are built on what it has: the v variants and the list form of
 all_to_all on ``alltoall_base`` over byte views with packing/unpacking; AVG as SUM then
-a division. Data movement goes through uint8 views, so it never changes a bit.
+a division. Gloo moves every dtype of the API natively (bit-exact copies).
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import time
 
 import torch
@@ -50,11 +51,9 @@ _BOOL_OP = {
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (shares memory)."""
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a contiguous tensor (shares memory)."""
+    return t.view(-1)
 
 
 def _blocks(t: torch.Tensor, n: int, size: int) -> list[torch.Tensor]:
@@ -164,7 +163,9 @@ class GlooBackend(Backend):
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
         self._store = ctx.bootstrap.store()
-        self._host = "127.0.0.1" if ctx.bootstrap.info.local_size >= ctx.world.size else ""
+        # One node: loopback. Several: the device of this host's name (GLOO_SOCKET_IFNAME
+        # selects an interface instead).
+        self._single_node = ctx.bootstrap.info.local_size >= ctx.world.size
         self._groups: dict[int, _GlooGroup] = {}
         #: why the backend is unusable (an op timed out), or None
         self.failed: str | None = None
@@ -174,7 +175,14 @@ class GlooBackend(Backend):
     def _make(self, group: Group) -> _GlooGroup:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=self.ctx.timeout)
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self._host)]
+        if os.environ.get("GLOO_SOCKET_IFNAME"):
+            device = dist.ProcessGroupGloo.create_device(
+                interface=os.environ["GLOO_SOCKET_IFNAME"].split(",")[0])
+        elif self._single_node:
+            device = dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+        else:
+            device = dist.ProcessGroupGloo.create_default_device()
+        opts._devices = [device]
         opts._threads = 2
         store = dist.PrefixStore(f"gloo/{group.id}", self._store)
         pg = dist.ProcessGroupGloo(store, group.rank, group.size, opts)
@@ -233,8 +241,8 @@ class GlooBackend(Backend):
             return t.view(torch.uint8), _BOOL_OP[op]
         return t, _TORCH_OP[op]
 
-    def _alltoall(self, g, out_bytes, in_bytes, out_splits, in_splits):
-        return g.pg.alltoall_base(out_bytes, in_bytes, out_splits, in_splits,
+    def _alltoall(self, g, out, inp, out_splits, in_splits):
+        return g.pg.alltoall_base(out, inp, out_splits, in_splits,
                                   dist.AllToAllOptions())
 
     # -- operations ----------------------------------------------------------------
@@ -271,59 +279,56 @@ class GlooBackend(Backend):
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        work = g.pg.broadcast([_bytes(tensor)], opts)
+        work = g.pg.broadcast([tensor], opts)
         return self._run(g, "bcast", [work], None, async_op)
 
     def all_gather(self, output, input, group, async_op):
         g = self._group(group)
         _C.validate("all_gather", output, input, g.size)
         _check_cpu("all_gather", input)
-        inb = _bytes(input)
+        inp = input.clone() if _overlaps(input, output) else input
         if isinstance(output, torch.Tensor):
-            outs = _blocks(_bytes(output), inb.numel(), g.size)
+            work = g.pg._allgather_base(_flat(output), _flat(inp))
         else:
-            outs = [_bytes(o) for o in output]
-        if _overlaps(input, output):
-            inb = inb.clone()
-        work = g.pg.allgather([outs], [inb])
+            work = g.pg.allgather([list(output)], [inp])
         return self._run(g, "all_gather", [work], None, async_op)
 
     def gather(self, output, input, dst, group, async_op):
         g = self._group(group)
         _C.validate("gather", output, input, dst, g.rank, g.size)
         _check_cpu("gather", input)
-        inb = _bytes(input)
+        inp = _flat(input)
         opts = dist.GatherOptions()
         opts.rootRank = dst
         if dst == g.rank:
             if isinstance(output, torch.Tensor):
-                outs = _blocks(_bytes(output), inb.numel(), g.size)
+                outs = _blocks(_flat(output), inp.numel(), g.size)
             else:
-                outs = [_bytes(o) for o in output]
+                outs = [_flat(o) for o in output]
             if _overlaps(input, output):
-                inb = inb.clone()
-            work = g.pg.gather([outs], [inb], opts)
+                inp = inp.clone()
+            work = g.pg.gather([outs], [inp], opts)
         else:
-            work = g.pg.gather([], [inb], opts)
+            work = g.pg.gather([], [inp], opts)
         return self._run(g, "gather", [work], None, async_op)
 
     def scatter(self, output, input, src, group, async_op):
         g = self._group(group)
         _C.validate("scatter", output, input, src, g.rank, g.size)
         _check_cpu("scatter", output)
-        outb = _bytes(output)
+        out = _flat(output)
         opts = dist.ScatterOptions()
         opts.rootRank = src
         if src == g.rank:
             if isinstance(input, torch.Tensor):
-                ins = _blocks(_bytes(input), outb.numel(), g.size)
+                ins = _blocks(_flat(input), out.numel(), g.size)
             else:
-                ins = [_bytes(i) for i in input]
+                ins = [_flat(i) for i in input]
             if _overlaps(output, input):
                 ins = [i.clone() for i in ins]
-            work = g.pg.scatter([outb], [ins], opts)
+            work = g.pg.scatter([out], [ins], opts)
         else:
-            work = g.pg.scatter([outb], [], opts)
+            work = g.pg.scatter([out], [], opts)
         return self._run(g, "scatter", [work], None, async_op)
 
     def reduce_scatter(self, output, input, op, group, async_op):
@@ -354,24 +359,18 @@ class GlooBackend(Backend):
         in_splits, out_splits = _C.validate("all_to_all_single", output, input,
                                             output_split_sizes, input_split_sizes, g.size)
         _check_cpu("all_to_all_single", input)
-        in_row = input[0].numel() * input.element_size() if input.shape[0] else 0
-        out_row = output[0].numel() * output.element_size() if output.shape[0] else 0
-        inb = _bytes(input)
-        if _overlaps(input, output):
-            inb = inb.clone()
-        work = self._alltoall(g, _bytes(output), inb, [s * out_row for s in out_splits],
-                              [s * in_row for s in in_splits])
+        inp = input.clone() if _overlaps(input, output) else input
+        work = g.pg.alltoall_base(output, inp, out_splits, in_splits, dist.AllToAllOptions())
         return self._run(g, "all_to_all_single", [work], None, async_op)
 
     def all_to_all(self, output_list, input_list, group, async_op):
         g = self._group(group)
         _C.validate("all_to_all", output_list, input_list, g.size)
         _check_cpu("all_to_all", input_list[0])
-        send = torch.cat([_bytes(t) for t in input_list])
-        rsizes = [t.numel() * t.element_size() for t in output_list]
-        recv = torch.empty(sum(rsizes), dtype=torch.uint8)
-        work = self._alltoall(g, recv, send, rsizes,
-                              [t.numel() * t.element_size() for t in input_list])
+        send = torch.cat([_flat(t) for t in input_list])
+        rsizes = [t.numel() for t in output_list]
+        recv = torch.empty(sum(rsizes), dtype=send.dtype)
+        work = self._alltoall(g, recv, send, rsizes, [t.numel() for t in input_list])
         return self._run(g, "all_to_all", [work], lambda: _unpack(recv, output_list),
                          async_op)
 
@@ -379,13 +378,12 @@ class GlooBackend(Backend):
         g = self._group(group)
         displs = _C.validate("gatherv", output, input, counts, displs, dst, g.rank, g.size)
         _check_cpu("gatherv", input)
-        es = input.element_size()
         send_splits = [0] * g.size
-        send_splits[dst] = input.numel() * es
+        send_splits[dst] = input.numel()
         root = dst == g.rank
-        recv_splits = [c * es for c in counts] if root else [0] * g.size
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
-        work = self._alltoall(g, recv, _bytes(input), recv_splits, send_splits)
+        recv_splits = list(counts) if root else [0] * g.size
+        recv = torch.empty(sum(recv_splits), dtype=input.dtype)
+        work = self._alltoall(g, recv, _flat(input), recv_splits, send_splits)
         finish = (lambda: _place(recv, output, counts, displs)) if root else None
         return self._run(g, "gatherv", [work], finish, async_op)
 
@@ -393,24 +391,21 @@ class GlooBackend(Backend):
         g = self._group(group)
         displs = _C.validate("scatterv", output, input, counts, displs, src, g.rank, g.size)
         _check_cpu("scatterv", output)
-        es = output.element_size()
         root = src == g.rank
-        send = _take(input, counts, displs) if root else torch.empty(0, dtype=torch.uint8)
-        send_splits = [c * es for c in counts] if root else [0] * g.size
+        send = _take(input, counts, displs) if root else output.new_empty(0).view(-1)
+        send_splits = list(counts) if root else [0] * g.size
         recv_splits = [0] * g.size
-        recv_splits[src] = output.numel() * es
-        work = self._alltoall(g, _bytes(output), send, recv_splits, send_splits)
+        recv_splits[src] = output.numel()
+        work = self._alltoall(g, _flat(output), send, recv_splits, send_splits)
         return self._run(g, "scatterv", [work], None, async_op)
 
     def all_gatherv(self, output, input, counts, displs, group, async_op):
         g = self._group(group)
         displs = _C.validate("all_gatherv", output, input, counts, displs, g.rank, g.size)
         _check_cpu("all_gatherv", input)
-        es = input.element_size()
-        send = _bytes(input).repeat(g.size)
-        recv_splits = [c * es for c in counts]
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
-        work = self._alltoall(g, recv, send, recv_splits, [input.numel() * es] * g.size)
+        send = _flat(input).repeat(g.size)
+        recv = torch.empty(sum(counts), dtype=input.dtype)
+        work = self._alltoall(g, recv, send, list(counts), [input.numel()] * g.size)
         return self._run(g, "all_gatherv", [work],
                          lambda: _place(recv, output, counts, displs), async_op)
 
@@ -420,11 +415,9 @@ class GlooBackend(Backend):
         sd, rd = _C.validate("all_to_allv", output, input, send_counts, recv_counts,
                              send_displs, recv_displs, g.size)
         _check_cpu("all_to_allv", input)
-        es = input.element_size()
         send = _take(input, send_counts, sd)
-        recv_splits = [c * es for c in recv_counts]
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8)
-        work = self._alltoall(g, recv, send, recv_splits, [c * es for c in send_counts])
+        recv = torch.empty(sum(recv_counts), dtype=input.dtype)
+        work = self._alltoall(g, recv, send, list(recv_counts), list(send_counts))
         return self._run(g, "all_to_allv", [work],
                          lambda: _place(recv, output, recv_counts, rd), async_op)
 
@@ -432,14 +425,14 @@ class GlooBackend(Backend):
         g = self._group(group)
         _C.validate("send", tensor, dst, tag, g.rank, g.size)
         _check_cpu("send", tensor)
-        work = g.pg.send([_bytes(tensor)], dst, tag)
+        work = g.pg.send([tensor], dst, tag)
         return self._run(g, "send", [work], None, async_op)
 
     def recv(self, tensor, src, tag, group, async_op):
         g = self._group(group)
         _C.validate("recv", tensor, src, tag, g.rank, g.size)
         _check_cpu("recv", tensor)
-        work = g.pg.recv([_bytes(tensor)], src, tag)
+        work = g.pg.recv([tensor], src, tag)
         return self._run(g, "recv", [work], None, async_op)
 
     def barrier(self, group, async_op):
@@ -464,26 +457,24 @@ def _overlaps(a: torch.Tensor, b) -> bool:
 
 
 def _take(t: torch.Tensor, counts, displs) -> torch.Tensor:
-    """Pack blocks (counts/displs in elements) of flat tensor `t` into one byte tensor."""
-    flat = t.reshape(-1)
-    parts = [_bytes(flat.narrow(0, d, c)) for c, d in zip(counts, displs, strict=True)]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    """Pack blocks (counts/displs in elements) of flat tensor `t` into one tensor."""
+    flat = _flat(t)
+    parts = [flat.narrow(0, d, c) for c, d in zip(counts, displs, strict=True)]
+    return torch.cat(parts) if parts else flat.new_empty(0)
 
 
 def _place(recv: torch.Tensor, out: torch.Tensor, counts, displs) -> None:
-    """Unpack consecutive byte blocks of `recv` to elements displs[i].. of `out`."""
-    flat = _bytes(out)
-    es = out.element_size()
+    """Unpack consecutive blocks of `recv` to elements displs[i].. of `out`."""
+    flat = _flat(out)
     off = 0
     for c, d in zip(counts, displs, strict=True):
         if c:
-            flat.narrow(0, d * es, c * es).copy_(recv.narrow(0, off, c * es))
-        off += c * es
+            flat.narrow(0, d, c).copy_(recv.narrow(0, off, c))
+        off += c
 
 
 def _unpack(recv: torch.Tensor, outs) -> None:
     off = 0
     for t in outs:
-        nb = t.numel() * t.element_size()
-        _bytes(t).copy_(recv.narrow(0, off, nb))
-        off += nb
+        _flat(t).copy_(recv.narrow(0, off, t.numel()))
+        off += t.numel()

@@ -12,14 +12,20 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Polling back-off shared by waiters and lane threads: spin briefly (lowest latency),
-// then yield (oversubscribed ranks on few cores), then sleep in short slices.
+// Polling back-off: spin briefly (lowest latency), then yield (oversubscribed ranks on
+// few cores). Waiters never sleep (a sleep would add its length to the op's latency);
+// lane threads, which only provide background progress, sleep in short slices once
+// nothing has completed for a while.
 class Backoff {
  public:
+  // Polls before the first yield (measured: 64, 4096 and 10^6 give the same large-message
+  // times at 2 ranks; yielding helps when ranks outnumber cores).
+  static constexpr uint64_t kSpins = 64;
+  explicit Backoff(bool may_sleep) : may_sleep_(may_sleep) {}
   void pause() {
     ++n_;
-    if (n_ < 64) return;
-    if (n_ < 20000) {
+    if (n_ < kSpins) return;
+    if (!may_sleep_ || n_ < 20000) {
       sched_yield();
       return;
     }
@@ -28,6 +34,7 @@ class Backoff {
   void reset() { n_ = 0; }
 
  private:
+  bool may_sleep_;
   uint64_t n_ = 0;
 };
 
@@ -77,7 +84,7 @@ void Work::wait(double timeout_s) {
   if (!progress()) {
     const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(timeout_s));
-    Backoff backoff;
+    Backoff backoff(false);
     uint32_t iter = 0;
     while (!progress()) {
       if ((++iter & 63) == 0 && Clock::now() > deadline) {
@@ -161,7 +168,7 @@ void Lane::throw_unhealthy(const char* op) {
 }
 
 void Lane::loop() {
-  Backoff backoff;
+  Backoff backoff(true);
   std::vector<std::shared_ptr<Work>> snapshot;
   for (;;) {
     {
