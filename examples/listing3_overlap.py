@@ -2,6 +2,7 @@
 
     mpiexec -n 2 python examples/listing3_overlap.py            # CPU, backend "mpi"
     mpiexec -n 2 python examples/listing3_overlap.py gloo
+    mpiexec -n 1 python examples/listing3_overlap.py nccl       # GPU: NCCL stream lane
 
 The all-reduce runs on the backend's lane (MPI: mcrdl's progress thread; Gloo: its own
 threads) while this thread multiplies matrices; prints compute alone, communication
@@ -18,10 +19,20 @@ import mcrdl
 backend = sys.argv[1] if len(sys.argv) > 1 else "mpi"
 mcrdl.init([backend])
 rank, size = mcrdl.get_rank(), mcrdl.get_size()
+gpu = backend in ("nccl", "rccl")
+local_rank = mcrdl.launch.detect().local_rank  # the GPU backends use this rank's GPU
+device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if gpu
+          else torch.device("cpu"))
 torch.set_num_threads(1)
 
-grad = torch.randn(8 * 1024 * 1024 // 4)  # 8 MiB of "gradients"
-a, b = torch.randn(384, 384), torch.randn(384, 384)
+grad = torch.randn((64 if gpu else 8) * 1024 * 1024 // 4, device=device)  # "gradients"
+n = 4096 if gpu else 384
+a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+
+def sync():
+    if gpu:
+        torch.cuda.synchronize(device)
 
 
 def compute():
@@ -33,8 +44,10 @@ def timed(fn, reps=5):
     best = float("inf")
     for _ in range(reps):
         mcrdl.barrier(backend)
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -46,7 +59,8 @@ def comm():
 def overlapped():
     work = mcrdl.all_reduce(backend, grad, async_op=True)  # Listing 3: issue ...
     compute()                                              # ... compute meanwhile ...
-    work.wait()                                            # ... then wait
+    work.wait()                                            # ... then wait (on GPUs: the
+                                                           # current stream waits)
 
 
 t_comp, t_comm, t_both = timed(compute), timed(comm), timed(overlapped)

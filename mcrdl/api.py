@@ -4,8 +4,9 @@ Argument validation runs before anything is sent: the built-in backends do it in
 (``mcrdl._C.validate`` / ``MpiComm``); third-party backends that do not validate get a
 validating wrapper (:class:`_Validated`). The hot path here is one dict lookup.
 
-"auto" (until the tuning suite lands) resolves by a fixed rule: "mpi" when it is
-initialized, else "gloo", else the first initialized backend.
+"auto" (until the tuning suite lands) resolves by a fixed rule: for GPU tensors
+"nccl"/"rccl" when initialized; for the others "mpi" when initialized, else "gloo",
+else the first initialized backend.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ if os.environ.get("MCRDL_LOG_LEVEL"):
 
 #: The fixed rule behind "auto" until tuning tables exist, in order of preference.
 AUTO_PREFERENCE = ("mpi", "gloo")
+AUTO_GPU_PREFERENCE = ("nccl", "rccl")
 
 SUM = ReduceOp.SUM
 
@@ -153,11 +155,47 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
 
 
 def _resolve_auto() -> None:
-    for n in AUTO_PREFERENCE + tuple(_state.backends):
-        if n in _state.backends:
-            _active["auto"] = _state.backends[n]
-            return
-    _active.pop("auto", None)
+    def first(names):
+        return next((_state.backends[n] for n in names if n in _state.backends), None)
+
+    cpu = first(AUTO_PREFERENCE)
+    gpu = first(AUTO_GPU_PREFERENCE)
+    if cpu is not None and gpu is not None:
+        _active["auto"] = _AutoByDevice(cpu, gpu)
+    elif cpu or gpu or _state.backends:
+        _active["auto"] = cpu or gpu or next(iter(_state.backends.values()))
+    else:
+        _active.pop("auto", None)
+
+
+class _AutoByDevice:
+    """"auto" when CPU and GPU backends are both initialized: an op whose first tensor
+    is on a GPU goes to the GPU backend, any other to the CPU backend."""
+
+    def __init__(self, cpu: Backend, gpu: Backend):
+        self._cpu, self._gpu = cpu, gpu
+        self.name = "auto"
+
+    def __getattr__(self, op):
+        cpu, gpu = self._cpu, self._gpu
+
+        def call(*args):
+            return getattr(gpu if _first_tensor_on_gpu(args) else cpu, op)(*args)
+
+        return call
+
+    def synchronize(self, timeout: float) -> None:
+        self._cpu.synchronize(timeout)
+        self._gpu.synchronize(timeout)
+
+
+def _first_tensor_on_gpu(args) -> bool:
+    for a in args:
+        if isinstance(a, (list, tuple)) and a:
+            a = a[0]
+        if hasattr(a, "is_cuda"):
+            return a.is_cuda
+    return False
 
 
 def finalize() -> None:

@@ -9,10 +9,21 @@ another backend. CPU tensors are used in place (zero-copy).
 
 from __future__ import annotations
 
+import os
+
 from .. import _C
 from ..bootstrap import mpi_module
 from ..groups import Group, bad_group_error
 from .base import Backend, Capabilities, InitContext
+
+
+def poll_spins(ranks_on_node: int) -> int:
+    """Polls before yielding: spin when this node's ranks fit its cores, else yield at once
+    (MCRDL_POLL_SPINS overrides). See csrc/lane.cpp for the measurements."""
+    if os.environ.get("MCRDL_POLL_SPINS"):
+        return int(os.environ["MCRDL_POLL_SPINS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 64 if ranks_on_node <= (cores or 1) else 0
 
 
 class MPIBackend(Backend):
@@ -45,6 +56,7 @@ class MPIBackend(Backend):
                 "rebuild mcrdl (pip install --no-build-isolation .) with the same MPI"
             )
         self.library_version = loaded
+        _C.set_poll_spins(poll_spins(ctx.bootstrap.info.local_size))
         self._lane = _C.Lane("mpi")
         self._mpi_comms: dict[int, object] = {}
         self._comms: dict[int, _C.MpiComm] = {}

@@ -17,11 +17,13 @@ ENTRY_POINT_GROUP = "mcrdl.backends"
 _BUILTIN = {
     "mpi": "mcrdl.backends.mpi:MPIBackend",
     "gloo": "mcrdl.backends.gloo:GlooBackend",
+    "nccl": "mcrdl.backends.nccl:NCCLBackend",
+    "rccl": "mcrdl.backends.nccl:RCCLBackend",
 }
 #: API.md names that this build does not implement yet, with the reason shown to users.
 _NOT_BUILT = {
     name: "not implemented in this version of mcrdl"
-    for name in ("nccl", "rccl", "cray-mpich", "pccl")
+    for name in ("cray-mpich", "pccl")
 }
 
 _classes: dict[str, type[Backend]] = {}

@@ -21,6 +21,9 @@ namespace mcrdl {
 
 class Lane;
 
+// How many times a waiter polls before it starts yielding the CPU between polls.
+void set_poll_spins(uint64_t n);
+
 class Work {
  public:
   Work(const char* op, const std::string& backend, const std::string& group, uint64_t seq,

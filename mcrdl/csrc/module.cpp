@@ -128,6 +128,8 @@ PYBIND11_MODULE(_C, m) {
       .def("shutdown", &Lane::shutdown, py::arg("why"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("name", &Lane::name);
 
+  m.def("set_poll_spins", &set_poll_spins, py::arg("n"),
+        "Polls a waiter makes before yielding the CPU between polls (0: yield at once).");
   m.def("validate", &validate_binding, py::arg("op"),
         "validate(op, *args): the local argument checks of operation `op` (see validate.h for "
         "the argument order); raises InvalidArgumentError. v variants return filled displs.");

@@ -1,0 +1,477 @@
+"""Backends over torch.distributed (c10d) process groups: Gloo, NCCL, RCCL.
+
+mcrdl creates its own process groups (it never touches torch.distributed's default
+group), one per mcrdl group, on the TCP store set up by the bootstrap (under mpiexec
+rank 0 opens it on a free port and broadcasts the address over MPI; under torchrun the
+env:// variables are used). c10d runs every op asynchronously in issue order, which is
+these backends' lane: Gloo on its own threads; NCCL/RCCL on their own CUDA streams,
+ordered against the caller's current stream by events, where ``Work.wait()`` makes the
+caller's current stream wait (no host synchronisation).
+
+Operations a library lacks are built on what it has: the v variants and the list form
+of all_to_all on ``alltoall_base`` with packing/unpacking; AVG as SUM then a division
+(enqueued after the wait, so on GPUs it runs on the caller's stream); bool reductions
+on uint8 0/1. Subclasses say how to build a process group and which devices they take.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
+from ..groups import Group, bad_group_error
+from ..ops import ReduceOp
+from ..work import Work
+from .base import Backend, InitContext
+
+_TORCH_OP = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.AVG: dist.ReduceOp.SUM,  # then divided by the group size
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+}
+# bool tensors reduce as uint8 0/1: or = MAX, and = MIN, xor = BXOR.
+_BOOL_OP = {
+    ReduceOp.SUM: dist.ReduceOp.MAX,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BOR: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.MIN,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.BAND: dist.ReduceOp.MIN,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a contiguous tensor (shares memory)."""
+    return t.view(-1)
+
+
+def _blocks(t: torch.Tensor, n: int, size: int) -> list[torch.Tensor]:
+    return [t.narrow(0, i * n, n) for i in range(size)]
+
+
+class C10dWork(Work):
+    """torch works plus a finish step (copy-back, averaging) run once after they end."""
+
+    __slots__ = ("_works", "_finish", "_done", "backend", "op", "group", "seq", "_timeout",
+                 "_owner")
+
+    def __init__(self, works, finish, op, group, seq, timeout, owner):
+        self._owner = owner
+        self._works = works
+        self._finish = finish
+        self._done = False
+        self.backend = owner.name
+        self.op = op
+        self.group = group
+        self.seq = seq
+        self._timeout = timeout
+
+    def _complete(self) -> None:
+        self._done = True
+        self._works = ()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            with torch.no_grad():
+                finish()
+
+    def _raise(self, exc: Exception, timeout: float):
+        text = str(exc)
+        what = (f"{self.op} on backend '{self.backend}' (group {self.group}, "
+                f"sequence number {self.seq})")
+        if "imed out" in text or "timeout" in text.lower():
+            msg = (f"{what} did not complete within {timeout} s; a rank of the group may never "
+                   f"have called it, may be stuck, or may have died. The library said: "
+                   f"{text.strip()}")
+            self._owner.failed = msg
+            raise CommTimeoutError(msg) from None
+        raise MCRDLError(f"{what} failed: {text.strip()}") from None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done:
+            return True
+        limit = self._timeout if timeout is None else float(timeout)
+        try:
+            if timeout is not None:
+                _poll(self._works, limit, self)
+            for w in self._works:
+                w.wait()
+        except CommTimeoutError:
+            raise
+        except RuntimeError as exc:
+            self._raise(exc, limit)
+        self._complete()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if all(w.is_completed() for w in self._works):
+            self.wait()
+            return True
+        return False
+
+
+def _poll(works, limit: float, work: C10dWork) -> None:
+    deadline = time.monotonic() + limit
+    delay = 1e-5
+    while not all(w.is_completed() for w in works):
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(
+                f"{work.op} on backend '{work.backend}' (group {work.group}, sequence number "
+                f"{work.seq}) "
+                f"did not complete within wait(timeout={limit}) s; it is still pending")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+
+
+class _PG:
+    """One c10d process group plus mcrdl's bookkeeping for a group."""
+
+    __slots__ = ("pg", "rank", "size", "name", "seq")
+
+    def __init__(self, pg, rank: int, size: int, name: str):
+        self.pg = pg
+        self.rank = rank
+        self.size = size
+        self.name = name
+        self.seq = itertools.count(1)
+
+
+class C10dBackend(Backend):
+    """Base of the backends over c10d process groups; see the module docstring."""
+
+    validates_arguments = True
+    #: whether the library has a reduce_scatter for every dtype (else: all_reduce + slice)
+    native_reduce_scatter = False
+
+    def __init__(self, ctx: InitContext):
+        super().__init__(ctx)
+        self._store = ctx.bootstrap.store()
+        self._groups: dict[int, _PG] = {}
+        #: why the backend is unusable (an op timed out), or None
+        self.failed: str | None = None
+        self._inflight: list[C10dWork] = []
+        self._world = self._make(ctx.world)
+
+    def _new_pg(self, store, rank: int, size: int):
+        """A process group of this library for one group (collective over its members)."""
+        raise NotImplementedError
+
+    def _check_device(self, op: str, t: torch.Tensor) -> None:
+        """Raise BackendUnavailableError for a tensor this backend cannot use."""
+        raise NotImplementedError
+
+    def _barrier_options(self):
+        return dist.BarrierOptions()
+
+    def _make(self, group: Group) -> _PG:
+        store = dist.PrefixStore(f"{self.name}/{group.id}", self._store)
+        g = _PG(self._new_pg(store, group.rank, group.size), group.rank, group.size,
+                group.describe())
+        self._groups[group.id] = g
+        return g
+
+    def add_group(self, group: Group) -> None:
+        if group.is_member:
+            self._make(group)
+
+    def _group(self, group: Group | None) -> _PG:
+        if self.failed is not None:
+            raise BackendUnavailableError(
+                f"backend '{self.name}' is unusable since an earlier operation timed out (ranks no "
+                f"longer issue matching operations); finalize and restart the job. Earlier: "
+                f"{self.failed}")
+        if group is None:
+            return self._world
+        try:
+            return self._groups[group.id]
+        except (KeyError, AttributeError):
+            raise bad_group_error(group) from None
+
+    def mark_failed(self, why: str) -> None:
+        self.failed = self.failed or why
+
+    def synchronize(self, timeout: float) -> None:
+        pending, self._inflight = self._inflight, []
+        for w in pending:
+            w.wait(timeout)
+
+    def finalize(self) -> None:
+        for g in self._groups.values():
+            try:
+                g.pg.shutdown()
+            except (RuntimeError, AttributeError):
+                pass
+        self._groups.clear()
+        self._inflight.clear()
+
+    # -- helpers -------------------------------------------------------------------
+    def _run(self, g: _PG, op: str, works, finish, async_op):
+        w = C10dWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout, self)
+        if async_op:
+            self._inflight = [x for x in self._inflight if not x._done]
+            self._inflight.append(w)
+            return w
+        w.wait()
+        return None
+
+    @staticmethod
+    def _reduce_args(t: torch.Tensor, op: ReduceOp):
+        """(buffer to reduce, torch.distributed op): bool reduces as uint8 0/1."""
+        if t.dtype == torch.bool:
+            return t.view(torch.uint8), _BOOL_OP[op]
+        return t, _TORCH_OP[op]
+
+    def _alltoall(self, g, out, inp, out_splits, in_splits):
+        return g.pg.alltoall_base(out, inp, out_splits, in_splits,
+                                  dist.AllToAllOptions())
+
+    # -- operations ----------------------------------------------------------------
+    def all_reduce(self, tensor, op, group, async_op):
+        g = self._group(group)
+        _C.validate("all_reduce", tensor, op)
+        self._check_device("all_reduce", tensor)
+        buf, top = self._reduce_args(tensor, op)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = top
+        work = g.pg.allreduce([buf], opts)
+        finish = (lambda: tensor.div_(g.size)) if op == ReduceOp.AVG else None
+        return self._run(g, "all_reduce", [work], finish, async_op)
+
+    def reduce(self, tensor, dst, op, group, async_op):
+        g = self._group(group)
+        _C.validate("reduce", tensor, dst, op, g.size)
+        self._check_device("reduce", tensor)
+        root = dst == g.rank
+        target = tensor if root else tensor.clone()  # others' tensor stays unchanged
+        buf, top = self._reduce_args(target, op)
+        opts = dist.ReduceOptions()
+        opts.reduceOp = top
+        opts.rootRank = dst
+        opts.rootTensor = 0
+        work = g.pg.reduce([buf], opts)
+        finish = (lambda: tensor.div_(g.size)) if (root and op == ReduceOp.AVG) else None
+        return self._run(g, "reduce", [work], finish, async_op)
+
+    def bcast(self, tensor, src, group, async_op):
+        g = self._group(group)
+        _C.validate("bcast", tensor, src, g.size)
+        self._check_device("bcast", tensor)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        work = g.pg.broadcast([tensor], opts)
+        return self._run(g, "bcast", [work], None, async_op)
+
+    def all_gather(self, output, input, group, async_op):
+        g = self._group(group)
+        _C.validate("all_gather", output, input, g.size)
+        self._check_device("all_gather", input)
+        inp = input.clone() if _overlaps(input, output) else input
+        if isinstance(output, torch.Tensor):
+            work = g.pg._allgather_base(_flat(output), _flat(inp))
+        else:
+            work = g.pg.allgather([list(output)], [inp])
+        return self._run(g, "all_gather", [work], None, async_op)
+
+    def gather(self, output, input, dst, group, async_op):
+        g = self._group(group)
+        _C.validate("gather", output, input, dst, g.rank, g.size)
+        self._check_device("gather", input)
+        inp = _flat(input)
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        if dst == g.rank:
+            if isinstance(output, torch.Tensor):
+                outs = _blocks(_flat(output), inp.numel(), g.size)
+            else:
+                outs = [_flat(o) for o in output]
+            if _overlaps(input, output):
+                inp = inp.clone()
+            work = g.pg.gather([outs], [inp], opts)
+        else:
+            work = g.pg.gather([], [inp], opts)
+        return self._run(g, "gather", [work], None, async_op)
+
+    def scatter(self, output, input, src, group, async_op):
+        g = self._group(group)
+        _C.validate("scatter", output, input, src, g.rank, g.size)
+        self._check_device("scatter", output)
+        out = _flat(output)
+        opts = dist.ScatterOptions()
+        opts.rootRank = src
+        if src == g.rank:
+            if isinstance(input, torch.Tensor):
+                ins = _blocks(_flat(input), out.numel(), g.size)
+            else:
+                ins = [_flat(i) for i in input]
+            if _overlaps(output, input):
+                ins = [i.clone() for i in ins]
+            work = g.pg.scatter([out], [ins], opts)
+        else:
+            work = g.pg.scatter([out], [], opts)
+        return self._run(g, "scatter", [work], None, async_op)
+
+    def reduce_scatter(self, output, input, op, group, async_op):
+        g = self._group(group)
+        _C.validate("reduce_scatter", output, input, op, g.size)
+        self._check_device("reduce_scatter", output)
+        if self.native_reduce_scatter:
+            return self._reduce_scatter_native(g, output, input, op, async_op)
+        # Gloo's reduce_scatter lacks several dtypes: reduce the whole input (a copy)
+        # with allreduce, then keep this rank's block.
+        flat = input.reshape(-1).clone() if isinstance(input, torch.Tensor) else torch.cat(
+            [i.reshape(-1) for i in input])
+        buf, top = self._reduce_args(flat, op)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = top
+        work = g.pg.allreduce([buf], opts)
+        n = output.numel()
+
+        def finish():
+            block = flat.narrow(0, g.rank * n, n)
+            if op == ReduceOp.AVG:
+                block = block / g.size
+            output.view(-1).copy_(block)
+
+        return self._run(g, "reduce_scatter", [work], finish, async_op)
+
+    def _reduce_scatter_native(self, g, output, input, op, async_op):
+        send = _flat(input) if isinstance(input, torch.Tensor) else torch.cat(
+            [_flat(i) for i in input])
+        out, top = self._reduce_args(_flat(output), op)
+        send, _ = self._reduce_args(send, op)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = top
+        work = g.pg._reduce_scatter_base(out, send, opts)
+        finish = (lambda: output.div_(g.size)) if op == ReduceOp.AVG else None
+        return self._run(g, "reduce_scatter", [work], finish, async_op)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
+                          async_op):
+        g = self._group(group)
+        in_splits, out_splits = _C.validate("all_to_all_single", output, input,
+                                            output_split_sizes, input_split_sizes, g.size)
+        self._check_device("all_to_all_single", input)
+        inp = input.clone() if _overlaps(input, output) else input
+        work = g.pg.alltoall_base(output, inp, out_splits, in_splits, dist.AllToAllOptions())
+        return self._run(g, "all_to_all_single", [work], None, async_op)
+
+    def all_to_all(self, output_list, input_list, group, async_op):
+        g = self._group(group)
+        _C.validate("all_to_all", output_list, input_list, g.size)
+        self._check_device("all_to_all", input_list[0])
+        send = torch.cat([_flat(t) for t in input_list])
+        rsizes = [t.numel() for t in output_list]
+        recv = send.new_empty(sum(rsizes))
+        work = self._alltoall(g, recv, send, rsizes, [t.numel() for t in input_list])
+        return self._run(g, "all_to_all", [work], lambda: _unpack(recv, output_list),
+                         async_op)
+
+    def gatherv(self, output, input, counts, displs, dst, group, async_op):
+        g = self._group(group)
+        displs = _C.validate("gatherv", output, input, counts, displs, dst, g.rank, g.size)
+        self._check_device("gatherv", input)
+        send_splits = [0] * g.size
+        send_splits[dst] = input.numel()
+        root = dst == g.rank
+        recv_splits = list(counts) if root else [0] * g.size
+        recv = input.new_empty(sum(recv_splits))
+        work = self._alltoall(g, recv, _flat(input), recv_splits, send_splits)
+        finish = (lambda: _place(recv, output, counts, displs)) if root else None
+        return self._run(g, "gatherv", [work], finish, async_op)
+
+    def scatterv(self, output, input, counts, displs, src, group, async_op):
+        g = self._group(group)
+        displs = _C.validate("scatterv", output, input, counts, displs, src, g.rank, g.size)
+        self._check_device("scatterv", output)
+        root = src == g.rank
+        send = _take(input, counts, displs) if root else output.new_empty(0).view(-1)
+        send_splits = list(counts) if root else [0] * g.size
+        recv_splits = [0] * g.size
+        recv_splits[src] = output.numel()
+        work = self._alltoall(g, _flat(output), send, recv_splits, send_splits)
+        return self._run(g, "scatterv", [work], None, async_op)
+
+    def all_gatherv(self, output, input, counts, displs, group, async_op):
+        g = self._group(group)
+        displs = _C.validate("all_gatherv", output, input, counts, displs, g.rank, g.size)
+        self._check_device("all_gatherv", input)
+        send = _flat(input).repeat(g.size)
+        recv = input.new_empty(sum(counts))
+        work = self._alltoall(g, recv, send, list(counts), [input.numel()] * g.size)
+        return self._run(g, "all_gatherv", [work],
+                         lambda: _place(recv, output, counts, displs), async_op)
+
+    def all_to_allv(self, output, input, send_counts, recv_counts, send_displs, recv_displs,
+                    group, async_op):
+        g = self._group(group)
+        sd, rd = _C.validate("all_to_allv", output, input, send_counts, recv_counts,
+                             send_displs, recv_displs, g.size)
+        self._check_device("all_to_allv", input)
+        send = _take(input, send_counts, sd)
+        recv = input.new_empty(sum(recv_counts))
+        work = self._alltoall(g, recv, send, list(recv_counts), list(send_counts))
+        return self._run(g, "all_to_allv", [work],
+                         lambda: _place(recv, output, recv_counts, rd), async_op)
+
+    def send(self, tensor, dst, tag, group, async_op):
+        g = self._group(group)
+        _C.validate("send", tensor, dst, tag, g.rank, g.size)
+        self._check_device("send", tensor)
+        work = g.pg.send([tensor], dst, tag)
+        return self._run(g, "send", [work], None, async_op)
+
+    def recv(self, tensor, src, tag, group, async_op):
+        g = self._group(group)
+        _C.validate("recv", tensor, src, tag, g.rank, g.size)
+        self._check_device("recv", tensor)
+        work = g.pg.recv([tensor], src, tag)
+        return self._run(g, "recv", [work], None, async_op)
+
+    def barrier(self, group, async_op):
+        g = self._group(group)
+        work = g.pg.barrier(self._barrier_options())
+        return self._run(g, "barrier", [work], None, async_op)
+
+
+def _overlaps(a: torch.Tensor, b) -> bool:
+    if not isinstance(b, torch.Tensor) or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _take(t: torch.Tensor, counts, displs) -> torch.Tensor:
+    """Pack blocks (counts/displs in elements) of flat tensor `t` into one tensor."""
+    flat = _flat(t)
+    parts = [flat.narrow(0, d, c) for c, d in zip(counts, displs, strict=True)]
+    return torch.cat(parts) if parts else flat.new_empty(0)
+
+
+def _place(recv: torch.Tensor, out: torch.Tensor, counts, displs) -> None:
+    """Unpack consecutive blocks of `recv` to elements displs[i].. of `out`."""
+    flat = _flat(out)
+    off = 0
+    for c, d in zip(counts, displs, strict=True):
+        if c:
+            flat.narrow(0, d, c).copy_(recv.narrow(0, off, c))
+        off += c
+
+
+def _unpack(recv: torch.Tensor, outs) -> None:
+    off = 0
+    for t in outs:
+        _flat(t).copy_(recv.narrow(0, off, t.numel()))
+        off += t.numel()
