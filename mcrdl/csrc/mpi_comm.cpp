@@ -495,36 +495,12 @@ class MpiComm {
     return launch(w, s, async_op);
   }
 
-  py::object send(py::handle tensor, py::handle dst_, py::handle tag_, bool async_op) {
-    at::Tensor t = to_tensor(tensor, "send", "tensor");
-    int64_t dst = to_int(dst_, "send", "dst");
-    int64_t tag = to_int(tag_, "send", "tag");
-    validate_p2p("send", t, dst, tag, rank_, size_);
-    check_device("send", t);
-    auto s = std::make_shared<InFlight>();
-    s->keep = {t};
-    std::lock_guard<std::mutex> g(post_mu_);
-    auto w = make_work("send");
-    check_mpi(MPIC(MPI_Isend)(t.data_ptr(), to_mcount(t.numel(), "send"), move_type(t.scalar_type()),
-                              (int)dst, (int)tag, comm_, s->req()),
-              "MPI_Isend");
-    return launch(w, s, async_op);
+  py::object send(py::handle tensor, py::handle dst, py::handle tag, bool async_op) {
+    return p2p(true, tensor, dst, tag, async_op);
   }
 
-  py::object recv(py::handle tensor, py::handle src_, py::handle tag_, bool async_op) {
-    at::Tensor t = to_tensor(tensor, "recv", "tensor");
-    int64_t src = to_int(src_, "recv", "src");
-    int64_t tag = to_int(tag_, "recv", "tag");
-    validate_p2p("recv", t, src, tag, rank_, size_);
-    check_device("recv", t);
-    auto s = std::make_shared<InFlight>();
-    s->keep = {t};
-    std::lock_guard<std::mutex> g(post_mu_);
-    auto w = make_work("recv");
-    check_mpi(MPIC(MPI_Irecv)(t.data_ptr(), to_mcount(t.numel(), "recv"), move_type(t.scalar_type()),
-                              (int)src, (int)tag, comm_, s->req()),
-              "MPI_Irecv");
-    return launch(w, s, async_op);
+  py::object recv(py::handle tensor, py::handle src, py::handle tag, bool async_op) {
+    return p2p(false, tensor, src, tag, async_op);
   }
 
   py::object barrier(bool async_op) {
@@ -544,6 +520,29 @@ class MpiComm {
       off += static_cast<mdisp>(c[i]);
     }
     return d;
+  }
+
+  py::object p2p(bool sending, py::handle tensor, py::handle peer_, py::handle tag_,
+                 bool async_op) {
+    const char* op = sending ? "send" : "recv";
+    at::Tensor t = to_tensor(tensor, op, "tensor");
+    int64_t peer = to_int(peer_, op, sending ? "dst" : "src");
+    int64_t tag = to_int(tag_, op, "tag");
+    validate_p2p(op, t, peer, tag, rank_, size_);
+    check_device(op, t);
+    auto s = std::make_shared<InFlight>();
+    s->keep = {t};
+    mcount n = to_mcount(t.numel(), op);
+    MPI_Datatype dt = move_type(t.scalar_type());
+    std::lock_guard<std::mutex> g(post_mu_);
+    auto w = make_work(op);
+    if (sending)
+      check_mpi(MPIC(MPI_Isend)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
+                "MPI_Isend");
+    else
+      check_mpi(MPIC(MPI_Irecv)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
+                "MPI_Irecv");
+    return launch(w, s, async_op);
   }
 
   void check_device(const char* op, const at::Tensor& t) const {
