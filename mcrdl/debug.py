@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from .errors import CommTimeoutError, DesyncError
+from .errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from .groups import Group
 from .ops import ReduceOp
 from .validate import validate_call
@@ -118,6 +118,8 @@ def disagreement(views: np.ndarray) -> str | None:
     size = views.shape[0]
     head = views[:, :_HEADER]
     bad = [r for r in range(size) if head[r, 0] == _LOCAL_ERROR]
+    if len(bad) == size:
+        return None  # every rank rejected its arguments: nothing was sent anywhere
     if bad:
         return f"call: rank(s) {bad} rejected their arguments locally (see their errors)"
     op = _OPS[int(head[0, 0])] if 0 <= head[0, 0] < len(_OPS) else "?"
@@ -156,32 +158,53 @@ def table(views: np.ndarray, group: str, backend: str) -> str:
 
 
 class _MPIChannel:
-    def __init__(self, comm):
-        self.comm = comm
+    """Signatures go point to point (not an allgather), so a rank that times out knows
+    exactly whose signature never arrived."""
+
+    def __init__(self, comm, ranks: tuple[int, ...]):
+        self.comm, self.ranks = comm, ranks
+        self.me, self.size = comm.Get_rank(), comm.Get_size()
 
     def post(self, sig: np.ndarray):
-        views = np.empty((self.comm.Get_size(), sig.size), dtype=np.int64)
-        return self.comm.Iallgather(sig, views), views
+        views = np.empty((self.size, sig.size), dtype=np.int64)
+        views[self.me] = sig
+        peers = [p for p in range(self.size) if p != self.me]
+        recvs = {p: self.comm.Irecv(views[p], source=p, tag=1) for p in peers}
+        sends = [self.comm.Isend(sig, dest=p, tag=1) for p in peers]
+        return (recvs, sends), views
 
     def done(self, handle) -> bool:
-        return handle[0].Test()
+        recvs, sends = handle[0]
+        return all(r.Test() for r in recvs.values()) and all(s.Test() for s in sends)
+
+    def missing(self, handle) -> list[int]:
+        """Group ranks whose signature has not arrived."""
+        return [p for p, r in handle[0][0].items() if not r.Test()]
 
     def free(self) -> None:
         self.comm.Free()
 
 
 class _GlooChannel:
-    def __init__(self, pg, size: int):
-        self.pg, self.size = pg, size
+    """The same exchange over a dedicated Gloo process group (no MPI world)."""
+
+    def __init__(self, pg, rank: int, ranks: tuple[int, ...]):
+        self.pg, self.me, self.ranks, self.size = pg, rank, ranks, len(ranks)
 
     def post(self, sig: np.ndarray):
-        t = torch.from_numpy(sig)
         views = torch.empty((self.size, sig.size), dtype=torch.int64)
-        work = self.pg.allgather([list(views.unbind(0))], [t])
-        return work, views
+        views[self.me] = torch.from_numpy(sig)
+        peers = [p for p in range(self.size) if p != self.me]
+        recvs = {p: self.pg.recv([views[p]], p, 1) for p in peers}
+        sends = [self.pg.send([views[self.me]], p, 1) for p in peers]
+        return (recvs, sends), views
 
     def done(self, handle) -> bool:
-        return handle[0].is_completed()
+        recvs, sends = handle[0]
+        return all(w.is_completed() for w in (*recvs.values(), *sends))
+
+    def missing(self, handle) -> list[int]:
+        return [p for p, w in handle[0][0].items() if not w.is_completed()]
 
     def free(self) -> None:
         pass
@@ -209,7 +232,8 @@ class DebugWork(Work):
 
     def wait(self, timeout: float | None = None) -> bool:
         limit = self._timeout if timeout is None else timeout
-        if not self._call.posted.wait(limit):
+        # A little longer than the lane's own deadline, so its precise error wins.
+        if not self._call.posted.wait(limit + 2.0):
             raise CommTimeoutError(f"{self._what} did not pass the debug agreement check "
                                    f"within {limit} s: a rank of the group never called it")
         if self._call.error is not None:
@@ -231,7 +255,8 @@ class Debugged:
     The caller validates locally and posts its signature; the backend's debug lane (one
     thread) completes each exchange in issue order and posts the real op only when the
     views agree, so a mismatched call is never sent (Gloo aborts the process on size
-    mismatches; MPI may hang).
+    mismatches; MPI may hang) and the backend stays usable after a DesyncError. A timeout
+    of the exchange leaves the channel misaligned: the backend then refuses new ops.
     """
 
     def __init__(self, inner, bootstrap, world: Group, timeout_of, size_rank):
@@ -241,6 +266,8 @@ class Debugged:
         self._timeout_of = timeout_of
         self._size_rank = size_rank
         self._channels: dict[int, object] = {}
+        self._failed: str | None = None  # set with the first timeout or desync
+        self._pending: list[_Call] = []  # calls not yet known to be posted
         self._queue: queue.Queue[_Call | None] = queue.Queue()
         self._lane = threading.Thread(target=self._run, name=f"mcrdl-debug-{self.name}",
                                       daemon=True)
@@ -261,18 +288,28 @@ class Debugged:
             color = 0 if group.is_member else MPI.UNDEFINED
             comm = MPI.COMM_WORLD.Split(color, max(group.rank, 0))
             if group.is_member:
-                self._channels[group.id] = _MPIChannel(comm)
+                self._channels[group.id] = _MPIChannel(comm, group.ranks)
         elif group.is_member:
             import torch.distributed as dist
 
             store = dist.PrefixStore(f"debug/{self.name}/{group.id}", boot.store())
             pg = dist.ProcessGroupGloo(store, group.rank, group.size,
                                        datetime.timedelta(seconds=self._timeout_of()))
-            self._channels[group.id] = _GlooChannel(pg, group.size)
+            self._channels[group.id] = _GlooChannel(pg, group.rank, group.ranks)
 
     def add_group(self, group: Group) -> None:
         self._inner.add_group(group)
         self._make_channel(group)
+
+    def synchronize(self, timeout: float) -> None:
+        """Wait until the debug lane posted every call so far, then for the backend's ops."""
+        pending, self._pending = self._pending, []
+        for call in pending:
+            if not call.posted.wait(timeout + 2.0):
+                raise CommTimeoutError(f"synchronize: {call.op} on backend '{self.name}' "
+                                       f"(group {call.group}) did not pass the debug "
+                                       f"agreement check within {timeout} s")
+        self._inner.synchronize(timeout)
 
     def finalize(self) -> None:
         self._queue.put(None)
@@ -283,6 +320,10 @@ class Debugged:
         self._channels.clear()
 
     def _call(self, op: str, args: tuple):
+        if self._failed is not None:
+            raise BackendUnavailableError(
+                f"{op}: backend '{self.name}' is unusable since {self._failed} (ranks no longer "
+                "issue matching operations); finalize and restart the job")
         *rest, group, async_op = args
         size, rank = self._size_rank(group)  # non-members and non-groups raise here
         channel = self._channels[0 if group is None else group.id]
@@ -302,11 +343,17 @@ class Debugged:
         call = _Call(op, gname, channel, channel.post(sig),
                      lambda: method(*rest, group, True))
         self._queue.put(call)
+        self._pending = [p for p in self._pending if not p.posted.is_set()]
+        self._pending.append(call)
         work = DebugWork(call, self.name, self._timeout_of(), what)
         if async_op:
             return work
         work.wait()
         return None
+
+    def _fail(self, why: str) -> None:
+        self._failed = self._failed or why
+        self._inner.mark_failed(why)
 
     def _run(self) -> None:
         """The debug lane: check each call's views in issue order, then post it."""
@@ -320,15 +367,19 @@ class Debugged:
                 delay = 1e-5
                 while not call.channel.done(call.handle):
                     if time.monotonic() > deadline:
+                        gone = call.channel.missing(call.handle)
+                        world = [call.channel.ranks[p] for p in gone]
+                        self._fail(f"{call.op} timed out in debug mode")
                         raise CommTimeoutError(
-                            f"debug agreement check of {call.op} on backend '{self.name}' did "
-                            f"not complete within {limit} s: a rank never called it")
+                            f"{call.op} on backend '{self.name}' (group {call.group}) did not "
+                            f"start within {limit} s: group rank(s) {gone} (world rank(s) "
+                            f"{world}) never called it (debug mode: their call signature "
+                            "never arrived)")
                     time.sleep(delay)
                     delay = min(2 * delay, 1e-3)
                 views = np.asarray(call.handle[1])
                 bad = disagreement(views)
-                if bad is not None:
-                    self._inner.mark_failed("a DesyncError was raised in debug mode")
+                if bad is not None:  # nothing was posted: the backend stays usable
                     raise DesyncError(f"{call.op}: ranks disagree on the {bad}:\n"
                                       + table(views, call.group, self.name))
                 if call.post is not None:

@@ -60,15 +60,17 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         time.sleep(2 if sig == signal.SIGTERM else 0)
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 5])
-def test_dist_conformance(nprocs):
-    """`mpiexec -n N python -m pytest tests/dist` exits 0."""
+@pytest.mark.parametrize(("nprocs", "debug"),
+                         [(1, "0"), (2, "0"), (3, "0"), (4, "0"), (5, "0"), (3, "1")])
+def test_dist_conformance(nprocs, debug):
+    """`mpiexec -n N python -m pytest tests/dist` exits 0; once more in debug mode
+    (MCRDL_DEBUG=1), whose agreement checks must pass every correct call unchanged."""
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip(f"no mpiexec in {os.path.join(sys.prefix, 'bin')} nor on PATH")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDRA_", "PYTEST_"))}
-    env.update(MCRDL_TIMEOUT="60", MCRDL_DIST_TEST="1")
+    env.update(MCRDL_TIMEOUT="60", MCRDL_DIST_TEST="1", MCRDL_DEBUG=debug)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by up to 5 ranks
     cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "pytest", str(TESTS / "dist"),
            "-p", "no:cacheprovider", "-q"]

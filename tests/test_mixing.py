@@ -39,10 +39,12 @@ def test_opposite_issue_and_wait_orders_do_not_deadlock(n):
         assert f"rank {r}: opposite waits OK" in out
 
 
+@pytest.mark.parametrize("debug", ["0", "1"])
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_collective_one_rank_never_joins_times_out(backend):
+def test_collective_one_rank_never_joins_times_out(backend, debug):
+    """In debug mode the error also names the rank that never arrived."""
     limit = 3.0
-    out = launch(3, "timeout.py", backend, limit, timeout=120)
+    out = launch(3, "timeout.py", backend, limit, env={"MCRDL_DEBUG": debug}, timeout=120)
     for r in (1, 2):
         m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
         assert m, out

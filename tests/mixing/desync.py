@@ -1,6 +1,7 @@
 """Debug mode (run with MCRDL_DEBUG=1 under mpiexec -n N, N >= 2): mismatched calls
-raise DesyncError on EVERY rank with a table of each rank's view. Each case runs on a
-fresh init (a desync leaves the backend refusing further ops). Usage: desync.py BACKEND"""
+raise DesyncError on EVERY rank with a table of each rank's view; a mismatched call is
+never sent, so the backend stays usable afterwards (checked after each case). Each case
+runs on a fresh init. Usage: desync.py BACKEND"""
 
 import os
 import sys
@@ -25,6 +26,9 @@ def expect_desync(name, call, what):
         assert what in msg and "rank" in msg, (name, msg)
         if rank == 0:
             print(f"--- {name} ---\n{msg}", flush=True)
+    t = torch.ones(3)
+    mcrdl.all_reduce(backend, t)  # still usable: the mismatched call was never sent
+    assert torch.all(t == mcrdl.get_size()), t
     mcrdl.finalize()
     print(f"rank {rank}: {name}: DesyncError raised", flush=True)
 
