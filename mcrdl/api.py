@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 
 from .backends import registry
@@ -161,11 +162,95 @@ def _resolve_auto() -> None:
     cpu = first(AUTO_PREFERENCE)
     gpu = first(AUTO_GPU_PREFERENCE)
     if cpu is not None and gpu is not None:
-        _active["auto"] = _AutoByDevice(cpu, gpu)
+        fixed = _AutoByDevice(cpu, gpu)
     elif cpu or gpu or _state.backends:
-        _active["auto"] = cpu or gpu or next(iter(_state.backends.values()))
+        fixed = cpu or gpu or next(iter(_state.backends.values()))
     else:
         _active.pop("auto", None)
+        return
+    table = _load_tuning_table()
+    _active["auto"] = fixed if table is None else _AutoByTable(table, _state.backends, fixed)
+
+
+def _load_tuning_table():
+    """The table "auto" routes by: init(tuning_table=...), $MCRDL_TUNING_TABLE, or the
+    shipped table matching this system; None (fixed rule) when there is none."""
+    from .tuning.table import TuningTable, current_provenance, find_shipped_table
+
+    current = current_provenance()
+    path = _state.tuning_table
+    if path is None:
+        shipped = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tuning_tables")
+        path = find_shipped_table(shipped, current) if os.path.isdir(shipped) else None
+        if path is None:
+            return None
+    table = TuningTable.load(path)
+    stale = table.stale_reasons(current)
+    if stale:
+        warnings.warn(f"mcrdl: tuning table {path} was measured with other libraries than "
+                      f"these ({'; '.join(stale)}); \"auto\" may pick slower backends. "
+                      "Re-run mcrdl-tune.", stacklevel=3)
+    log.info("mcrdl: \"auto\" routes by tuning table %s", path)
+    return table
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+# op -> bytes of the call in the tuning table's convention (mcrdl.bench's size column):
+# the largest buffer one rank touches. args are the Backend method's (group, async last).
+_CALL_BYTES = {
+    "all_reduce": lambda a, g: _nbytes(a[0]),
+    "reduce": lambda a, g: _nbytes(a[0]),
+    "bcast": lambda a, g: _nbytes(a[0]),
+    "all_gather": lambda a, g: _nbytes(a[1]) * g,
+    "gather": lambda a, g: _nbytes(a[1]) * g,
+    "scatter": lambda a, g: _nbytes(a[0]) * g,
+    "reduce_scatter": lambda a, g: _nbytes(a[0]) * g,
+    "all_to_all_single": lambda a, g: _nbytes(a[1]),
+    "all_to_all": lambda a, g: sum(_nbytes(t) for t in a[1]),
+    "gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
+    "scatterv": lambda a, g: sum(a[2]) * a[0].element_size(),
+    "all_gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
+    "all_to_allv": lambda a, g: _nbytes(a[1]),
+    "send": lambda a, g: _nbytes(a[0]),
+    "recv": lambda a, g: _nbytes(a[0]),
+    "barrier": lambda a, g: 0,
+}
+
+
+class _AutoByTable:
+    """"auto" with a tuning table: each call goes to the backend the table predicts
+    fastest for (op, group size, bytes) among the initialized ones; calls the table
+    cannot place (no data, bad arguments) take the fixed rule, whose backend then
+    validates them. Lookups are cached in the table (microseconds)."""
+
+    def __init__(self, table, backends: dict, fixed):
+        self._table, self._backends, self._fixed = table, backends, fixed
+        self._names = tuple(backends)
+        self.name = "auto"
+
+    def __getattr__(self, op):
+        if op not in _CALL_BYTES:
+            return getattr(self._fixed, op)
+        table, backends, names, fixed = self._table, self._backends, self._names, self._fixed
+        nbytes_of = _CALL_BYTES[op]
+
+        def call(*args):
+            group = args[-2]
+            gsize = group.size if isinstance(group, Group) else _state.world.size
+            try:
+                name = table.lookup(op, gsize, nbytes_of(args, gsize), names)
+            except (AttributeError, TypeError):  # malformed arguments: let a backend say so
+                name = None
+            return getattr(backends[name] if name else fixed, op)(*args)
+
+        return call
+
+    def synchronize(self, timeout: float) -> None:
+        for b in self._backends.values():
+            b.synchronize(timeout)
 
 
 class _AutoByDevice:

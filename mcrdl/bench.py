@@ -256,8 +256,15 @@ def make_call(
     device: torch.device,
     rank: int,
     nranks: int,
-) -> Callable[[], None]:
-    """A no-argument closure that runs ``op`` once on preallocated buffers."""
+    group: mcrdl.Group | None = None,
+    async_op: bool = False,
+) -> Callable[[], object]:
+    """A no-argument closure that runs ``op`` once on preallocated buffers.
+
+    ``rank``/``nranks`` are this process's rank in and the size of ``group`` (the world
+    when None); roots are group rank 0. With ``async_op`` the closure returns the Work.
+    """
+    kw = {"group": group, "async_op": async_op}
 
     def buf(numel: int) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
@@ -268,67 +275,68 @@ def make_call(
     root = rank == 0
     if op == "all_reduce":
         t = buf(count)
-        return lambda: mcrdl.all_reduce(backend, t, op=reduce_op)
+        return lambda: mcrdl.all_reduce(backend, t, op=reduce_op, **kw)
     if op == "reduce":
         t = buf(count)
-        return lambda: mcrdl.reduce(backend, t, dst=0, op=reduce_op)
+        return lambda: mcrdl.reduce(backend, t, dst=0, op=reduce_op, **kw)
     if op == "bcast":
         t = buf(count)
-        return lambda: mcrdl.bcast(backend, t, src=0)
+        return lambda: mcrdl.bcast(backend, t, src=0, **kw)
     if op == "barrier":
-        return lambda: mcrdl.barrier(backend)
+        return lambda: mcrdl.barrier(backend, **kw)
     if op == "all_gather":
         inp, out = buf(block), buf(count)
-        return lambda: mcrdl.all_gather(backend, out, inp)
+        return lambda: mcrdl.all_gather(backend, out, inp, **kw)
     if op == "all_gatherv":
         inp, out = buf(block), buf(count)
-        return lambda: mcrdl.all_gatherv(backend, out, inp, blocks)
+        return lambda: mcrdl.all_gatherv(backend, out, inp, blocks, **kw)
     if op == "gather":
         inp, out = buf(block), buf(count) if root else None
-        return lambda: mcrdl.gather(backend, out, inp, dst=0)
+        return lambda: mcrdl.gather(backend, out, inp, dst=0, **kw)
     if op == "gatherv":
         inp, out = buf(block), buf(count) if root else None
-        return lambda: mcrdl.gatherv(backend, out, inp, blocks, dst=0)
+        return lambda: mcrdl.gatherv(backend, out, inp, blocks, dst=0, **kw)
     if op == "scatter":
         inp, out = buf(count) if root else None, buf(block)
-        return lambda: mcrdl.scatter(backend, out, inp, src=0)
+        return lambda: mcrdl.scatter(backend, out, inp, src=0, **kw)
     if op == "scatterv":
         inp, out = buf(count) if root else None, buf(block)
-        return lambda: mcrdl.scatterv(backend, out, inp, blocks, src=0)
+        return lambda: mcrdl.scatterv(backend, out, inp, blocks, src=0, **kw)
     if op == "reduce_scatter":
         inp, out = buf(count), buf(block)
-        return lambda: mcrdl.reduce_scatter(backend, out, inp, op=reduce_op)
+        return lambda: mcrdl.reduce_scatter(backend, out, inp, op=reduce_op, **kw)
     if op == "all_to_all_single":
         inp, out = buf(count), buf(count)
-        return lambda: mcrdl.all_to_all_single(backend, out, inp)
+        return lambda: mcrdl.all_to_all_single(backend, out, inp, **kw)
     if op == "all_to_all":
         inputs = [buf(block) for _ in range(nranks)]
         outputs = [buf(block) for _ in range(nranks)]
-        return lambda: mcrdl.all_to_all(backend, outputs, inputs)
+        return lambda: mcrdl.all_to_all(backend, outputs, inputs, **kw)
     if op == "all_to_allv":
         inp, out = buf(count), buf(count)
-        return lambda: mcrdl.all_to_allv(backend, out, inp, blocks, blocks)
+        return lambda: mcrdl.all_to_allv(backend, out, inp, blocks, blocks, **kw)
     raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
 
 
 def time_call(
-    call: Callable[[], None], backend: str, device: torch.device, iters: int, warmup: int
+    call: Callable[[], object], backend: str, device: torch.device, iters: int, warmup: int,
+    group: mcrdl.Group | None = None,
 ) -> float:
-    """Median over iterations of the per-iteration max over ranks, in seconds."""
+    """Median over iterations of the per-iteration max over ranks (of `group`), in s."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        mcrdl.barrier(backend)
+        mcrdl.barrier(backend, group=group)
         call()
     sync()
     times = [0.0] * iters
     for i in range(iters):
-        mcrdl.barrier(backend)
+        mcrdl.barrier(backend, group=group)
         start = time.perf_counter()
         call()
         sync()
         times[i] = time.perf_counter() - start
     worst = torch.tensor(times, dtype=torch.float64, device=device)
-    mcrdl.all_reduce(backend, worst, op=mcrdl.ReduceOp.MAX)
+    mcrdl.all_reduce(backend, worst, op=mcrdl.ReduceOp.MAX, group=group)
     return statistics.median(worst.tolist())
 
 

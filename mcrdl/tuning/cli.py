@@ -1,0 +1,158 @@
+"""mcrdl-tune: produce (``run``) and look at (``plot``) tuning tables.
+
+    mpiexec -n 8 mcrdl-tune run --output tuning_tables/mine.json
+    mpiexec -n 8 mcrdl-tune run --output tuning_tables/mine.json --resume   # after an interruption
+    mcrdl-tune plot tuning_tables/mine.json --out-dir plots/
+
+``run`` benchmarks every operation (default: all collectives of the API) on every
+initialized backend over a size sweep (default powers of two, 8 B .. 64 MiB) at the
+world size and sub-group sizes 2, 4, ...; rank 0 shows a progress bar and writes the
+table atomically as it goes. Point "auto" at the table with
+``mcrdl.init(tuning_table=PATH)`` or ``MCRDL_TUNING_TABLE=PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+from collections.abc import Sequence
+
+from ..bench import DTYPES, parse_size, size_range
+
+
+def _sizes(args) -> list[int]:
+    return size_range(args.min_bytes, args.max_bytes, args.factor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .suite import DEFAULT_OPS
+
+    p = argparse.ArgumentParser(prog="mcrdl-tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="measure and write a tuning table (run on every rank)")
+    r.add_argument("--op", nargs="+", default=list(DEFAULT_OPS), choices=DEFAULT_OPS,
+                   metavar="OP", help=f"operations (default: all of {', '.join(DEFAULT_OPS)})")
+    r.add_argument("--backend", nargs="+", default=None, metavar="NAME",
+                   help="backends (default: every backend usable here)")
+    r.add_argument("--min-bytes", type=parse_size, default=8, help="smallest size (default 8)")
+    r.add_argument("--max-bytes", type=parse_size, default=64 << 20,
+                   help="largest size, K/M/G suffixes allowed (default 64M)")
+    r.add_argument("--factor", type=int, default=2, help="step between sizes (default 2)")
+    r.add_argument("--group-sizes", type=int, nargs="+", default=None, metavar="S",
+                   help="group sizes to measure (default 2, 4, ... and the world size)")
+    r.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    r.add_argument("--iters", type=int, default=20,
+                   help="timed iterations up to 64 KiB, scaled down above (default 20)")
+    r.add_argument("--warmup", type=int, default=3, help="untimed iterations (default 3)")
+    r.add_argument("--overlap", type=int, default=0, metavar="K",
+                   help="also time K concurrent async ops per point (paper's overlapped mode)")
+    r.add_argument("--output", required=True, help="table to write (JSON)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run: keep the points already in --output")
+    r.add_argument("--force", action="store_true", help="overwrite an existing --output")
+    r.add_argument("--system", default="", help="system name stored in the provenance")
+    pl = sub.add_parser("plot", help="heatmap of winners and latency curves (PNG)")
+    pl.add_argument("table", help="tuning table (JSON)")
+    pl.add_argument("--out-dir", default=".", help="where to write the PNGs (default .)")
+    return p
+
+
+def _run(args) -> int:
+    import mcrdl
+
+    from .suite import SuiteConfig, default_group_sizes, run_suite
+    from .table import TuningTable, current_provenance
+
+    if args.factor < 2 or args.min_bytes < 1 or args.min_bytes > args.max_bytes:
+        print("mcrdl-tune: need --factor >= 2 and 1 <= --min-bytes <= --max-bytes",
+              file=sys.stderr)
+        return 2
+    mcrdl.init(args.backend)
+    rank, world = mcrdl.get_rank(), mcrdl.get_size()
+    backends = mcrdl.get_backends()
+    group_sizes = sorted(set(args.group_sizes or default_group_sizes(world)))
+    bad = [s for s in group_sizes if not 1 <= s <= world]
+    if bad:
+        if rank == 0:
+            print(f"mcrdl-tune: --group-sizes {bad} outside 1..{world}", file=sys.stderr)
+        mcrdl.finalize()
+        return 2
+    exists = os.path.exists(args.output)
+    if exists and not (args.resume or args.force):
+        if rank == 0:
+            print(f"mcrdl-tune: {args.output} exists; pass --resume to continue it or --force "
+                  "to overwrite it", file=sys.stderr)
+        mcrdl.finalize()
+        return 2
+    command = "mcrdl-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    table = TuningTable(current_provenance(command))
+    if args.system:
+        table.provenance["system"] = args.system
+    if exists and args.resume:
+        table = TuningTable.load(args.output)  # every rank reads it: same skip decisions
+    cfg = SuiteConfig(ops=args.op, backends=backends, sizes=_sizes(args),
+                      group_sizes=group_sizes, dtype=args.dtype, iters=args.iters,
+                      warmup=args.warmup, overlap=args.overlap)
+    bar = _progress() if rank == 0 else None
+    try:
+        run_suite(cfg, table, lambda t: t.save(args.output), bar.update if bar else None)
+    except KeyboardInterrupt:
+        if rank == 0:
+            table.save(args.output)
+            print(f"\nmcrdl-tune: interrupted; partial table kept in {args.output} "
+                  "(continue with --resume)", file=sys.stderr)
+        return 130
+    finally:
+        if bar:
+            bar.close()
+    if rank == 0:
+        print(f"mcrdl-tune: wrote {args.output} ({world} ranks on {socket.gethostname()}, "
+              f"group sizes {group_sizes}, backends {backends})")
+    mcrdl.finalize()
+    return 0
+
+
+class _progress:
+    """A rich progress bar on rank 0 (plain lines when not on a terminal)."""
+
+    def __init__(self):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
+        self._task = None
+        self._p.start()
+
+    def update(self, done: int, total: int, what: str) -> None:
+        if self._task is None:
+            self._task = self._p.add_task("tuning", total=total)
+        self._p.update(self._task, completed=done, description=f"tuning: {what:<48}")
+
+    def close(self) -> None:
+        self._p.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    from .plot import plot_table
+
+    for path in plot_table(args.table, args.out_dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

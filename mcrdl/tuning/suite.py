@@ -1,0 +1,140 @@
+"""The tuning suite: time every operation on every initialized backend over a message
+size sweep, at the world size and at sub-group sizes, and record a tuning table.
+
+Run by ``mcrdl-tune run`` on every rank (under mpiexec, torchrun or srun). Sub-groups
+are the first ``s`` world ranks, so one run covers several scales; ranks outside the
+group being measured wait without spinning. Each point is the median over iterations of
+the per-iteration maximum over ranks (``mcrdl.bench.time_call``). With ``overlap=K``
+each op is also timed as K async ops in flight at once (time per op), as the MCR-DL
+paper does; those rows are stored under ``"<op>@overlap<K>"``.
+
+Rank 0 writes the table atomically every few points, so an interrupted run keeps what
+it measured and ``--resume`` continues from there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import mcrdl
+
+from ..bench import DTYPES, GPU_BACKENDS, element_count, make_call, time_call
+from .table import TuningTable
+
+#: Operations tuned by default: every operation of API.md but send/recv (point to point).
+DEFAULT_OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter",
+               "reduce_scatter", "all_to_all_single", "all_to_all", "gatherv", "scatterv",
+               "all_gatherv", "all_to_allv", "barrier")
+
+
+@dataclass
+class SuiteConfig:
+    ops: Sequence[str]
+    backends: Sequence[str]
+    sizes: Sequence[int]  # bytes
+    group_sizes: Sequence[int]
+    dtype: str = "float32"
+    iters: int = 20
+    min_iters: int = 3
+    warmup: int = 3
+    overlap: int = 0  # K > 1: also time K concurrent async ops
+    save_every: int = 10
+
+
+def default_group_sizes(world: int) -> list[int]:
+    """2, 4, 8, ... below the world size, then the world size itself."""
+    sizes, s = [], 2
+    while s < world:
+        sizes.append(s)
+        s *= 2
+    return sizes + [world] if world > 1 else [1]
+
+
+def iters_for(nbytes: int, cfg: SuiteConfig) -> int:
+    """Fewer iterations for large messages (time per point stays bounded)."""
+    if nbytes <= 1 << 16:
+        return cfg.iters
+    return max(cfg.min_iters, int(cfg.iters * (1 << 16) / nbytes))
+
+
+def _quiet_barrier(backend: str) -> None:
+    """World barrier whose waiters sleep instead of polling (idle ranks must not steal
+    CPU from the ranks being measured)."""
+    work = mcrdl.barrier(backend, async_op=True)
+    while not work.is_completed():
+        time.sleep(0.002)
+    work.wait()
+
+
+def overlapped_call(op: str, backend: str, count: int, dtype, device, rank: int, n: int,
+                    group, k: int) -> Callable[[], None]:
+    """K copies of an op in flight at once; one call issues all and waits for all."""
+    calls = [make_call(op, backend, count, dtype, device, rank, n, group, async_op=True)
+             for _ in range(k)]
+
+    def run() -> None:
+        works = [c() for c in calls]
+        for w in works:
+            w.wait()
+
+    return run
+
+
+def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable], None],
+              progress: Callable[[int, int, str], None] | None = None) -> TuningTable:
+    """Measure every missing point of the plan into `table` (rank 0's copy is the one
+    that matters); `save` is called on rank 0 every cfg.save_every points and at the end."""
+    rank, world = mcrdl.get_rank(), mcrdl.get_size()
+    dtype = DTYPES[cfg.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sync_backend = cfg.backends[0]
+    groups = {s: (None if s == world else mcrdl.new_group(list(range(s))))
+              for s in cfg.group_sizes}
+    variants = [(op, op, 1) for op in cfg.ops]
+    if cfg.overlap > 1:
+        variants += [(f"{op}@overlap{cfg.overlap}", op, cfg.overlap)
+                     for op in cfg.ops if op != "barrier"]
+    plan = [(name, base, k, s, b, nbytes)
+            for s in cfg.group_sizes for name, base, k in variants for b in cfg.backends
+            for nbytes in (cfg.sizes if base != "barrier" else cfg.sizes[:1])]
+    done = 0
+    unsaved = 0
+    current_size = None
+    for name, base, k, s, backend, nbytes in plan:
+        if s != current_size:
+            _quiet_barrier(sync_backend)
+            current_size = s
+        count = element_count(base, nbytes, itemsize, s)
+        real_bytes = count * itemsize
+        done += 1
+        if table.has(name, s, backend, real_bytes):
+            continue
+        if progress is not None and rank == 0:
+            progress(done, len(plan), f"{name} on {backend}, {s} ranks, {real_bytes} B")
+        if rank >= s:
+            continue  # not in this group: wait at the next quiet barrier
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if backend in GPU_BACKENDS else torch.device("cpu"))
+        group = groups[s]
+        if k > 1:
+            call = overlapped_call(base, backend, count, dtype, device, rank, s, group, k)
+        else:
+            call = make_call(base, backend, count, dtype, device, rank, s, group)
+        seconds = time_call(call, backend, device, iters_for(real_bytes, cfg), cfg.warmup,
+                            group=group) / k
+        if rank == 0:
+            table.add(name, s, backend, real_bytes, seconds)
+            unsaved += 1
+            if unsaved >= cfg.save_every:
+                save(table)
+                unsaved = 0
+    _quiet_barrier(sync_backend)
+    if rank == 0:
+        save(table)
+    if progress is not None and rank == 0:
+        progress(len(plan), len(plan), "done")
+    return table

@@ -1,0 +1,71 @@
+"""mcrdl-tune end to end at 3 ranks: a real (tiny) run, resume, plot, and "auto"
+routing by a crafted table."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from ._launch import mpiexec_or_skip, run_launcher
+
+HERE = os.path.dirname(__file__)
+
+
+def tune(args, timeout=240, expect_rc=0):
+    cmd = [mpiexec_or_skip(), "-n", "3", sys.executable, "-m", "mcrdl.tuning.cli", *args]
+    return run_launcher(cmd, env=dict(os.environ, MCRDL_TIMEOUT="60"), timeout=timeout,
+                        expect_rc=expect_rc)
+
+
+def test_run_resume_and_plot(tmp_path):
+    out = tmp_path / "table.json"
+    common = ["run", "--op", "all_reduce", "all_gather", "barrier", "--max-bytes", "1K",
+              "--factor", "4", "--group-sizes", "2", "3", "--iters", "2", "--warmup", "1",
+              "--output", str(out)]
+    tune(common)
+    data = json.loads(out.read_text())
+    assert data["schema"] == "mcrdl-tuning-table"
+    assert data["provenance"]["command"].startswith("mcrdl-tune run")
+    ops = data["ops"]
+    assert set(ops) == {"all_reduce", "all_gather", "barrier"}
+    for op in ("all_reduce", "all_gather"):
+        assert set(ops[op]) == {"2", "3"}
+        for entry in ops[op].values():
+            assert set(entry["times"]) == {"mpi", "gloo"}
+            assert all(t is not None and t > 0 for ts in entry["times"].values() for t in ts)
+            assert entry["winners"] and entry["winners"][0][1] in ("mpi", "gloo")
+    # an existing table is not overwritten by accident
+    msg = tune(common, expect_rc=2)
+    assert "--resume" in msg
+    # resume: drop one group size, the rerun measures only what is missing
+    del data["ops"]["all_reduce"]["3"]
+    out.write_text(json.dumps(data))
+    tune([*common, "--resume"])
+    again = json.loads(out.read_text())
+    assert set(again["ops"]["all_reduce"]) == {"2", "3"}
+    assert again["ops"]["all_gather"] == data["ops"]["all_gather"]  # kept, not re-measured
+    pytest.importorskip("matplotlib")
+    plots = run_launcher([sys.executable, "-m", "mcrdl.tuning.cli", "plot", str(out),
+                          "--out-dir", str(tmp_path / "png")], timeout=120)
+    pngs = [line for line in plots.split() if line.endswith(".png")]
+    assert any("all_reduce_heatmap" in p for p in pngs) and any("latency" in p for p in pngs)
+    for p in pngs:
+        assert os.path.getsize(p) > 1000 and open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_auto_routes_by_table(tmp_path):
+    from mcrdl.tuning.table import TuningTable
+
+    t = TuningTable({"mpi": "crafted", "command": "test"})
+    for n in (8, 64, 1024, 16384, 65536):
+        t.add("all_reduce", 3, "mpi", n, 1e-6 * (1 + n / 1024))
+        t.add("all_reduce", 3, "gloo", n, 2e-6 * (1 + n / 8192))
+        t.add("all_gather", 3, "mpi", n, 9.0)
+        t.add("all_gather", 3, "gloo", n, 1e-6)
+    path = tmp_path / "crafted.json"
+    t.save(path)
+    out = run_launcher([mpiexec_or_skip(), "-n", "3", sys.executable,
+                        os.path.join(HERE, "tuning", "auto_routing.py"), str(path)],
+                       env=dict(os.environ, MCRDL_TIMEOUT="60"), timeout=180)
+    assert out.count("auto routing OK") == 3, out
