@@ -109,10 +109,9 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
         raise InvalidArgumentError(f"init: 'timeout' is {timeout!r}; expected seconds > 0")
     launch = _state.launch or detect()
     avail = registry.availability(launch)
-    if backends is None:
+    names = None if backends is None else _names(backends, "init")
+    if names is None or names == ["auto"]:  # every backend usable here
         names = [n for n, why in avail.items() if why is None]
-    else:
-        names = _names(backends, "init")
     for n in names:
         if n == "auto":
             continue

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .errors import BackendUnavailableError, CommTimeoutError, DesyncError
-from .groups import Group
+from .groups import Group, bad_group_error
 from .ops import ReduceOp
 from .validate import validate_call
 from .work import Work
@@ -326,7 +326,9 @@ class Debugged:
                 "issue matching operations); finalize and restart the job")
         *rest, group, async_op = args
         size, rank = self._size_rank(group)  # non-members and non-groups raise here
-        channel = self._channels[0 if group is None else group.id]
+        channel = self._channels.get(0 if group is None else group.id)
+        if channel is None:
+            raise bad_group_error(group)
         gname = "world" if group is None else group.describe()
         what = f"{op} on backend '{self.name}' (group {gname})"
         try:

@@ -16,6 +16,7 @@ on uint8 0/1. Subclasses say how to build a process group and which devices they
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import time
 
@@ -154,6 +155,8 @@ class C10dBackend(Backend):
     validates_arguments = True
     #: whether the library has a reduce_scatter for every dtype (else: all_reduce + slice)
     native_reduce_scatter = False
+    #: whether the library has ReduceOp.AVG for floating types (else: SUM, then divide)
+    native_avg = False
 
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
@@ -199,6 +202,11 @@ class C10dBackend(Backend):
         except (KeyError, AttributeError):
             raise bad_group_error(group) from None
 
+    def set_timeout(self, timeout: float) -> None:
+        super().set_timeout(timeout)
+        for g in self._groups.values():
+            g.pg._set_default_timeout(datetime.timedelta(seconds=timeout))
+
     def mark_failed(self, why: str) -> None:
         self.failed = self.failed or why
 
@@ -220,18 +228,28 @@ class C10dBackend(Backend):
     def _run(self, g: _PG, op: str, works, finish, async_op):
         w = C10dWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout, self)
         if async_op:
-            self._inflight = [x for x in self._inflight if not x._done]
+            if len(self._inflight) >= 64:  # amortized: drop the ones already complete
+                self._inflight = [x for x in self._inflight if not x.is_completed()]
             self._inflight.append(w)
             return w
         w.wait()
         return None
 
-    @staticmethod
-    def _reduce_args(t: torch.Tensor, op: ReduceOp):
-        """(buffer to reduce, torch.distributed op): bool reduces as uint8 0/1."""
+    def _reduce_args(self, t: torch.Tensor, op: ReduceOp):
+        """(buffer to reduce, torch.distributed op, whether to divide by the group size).
+
+        bool reduces as uint8 0/1; AVG is the library's own when it has one, else SUM and
+        a division, in float32 for float16/bfloat16 (a half-precision SUM overflows long
+        before the average does)."""
         if t.dtype == torch.bool:
-            return t.view(torch.uint8), _BOOL_OP[op]
-        return t, _TORCH_OP[op]
+            return t.view(torch.uint8), _BOOL_OP[op], False
+        if op != ReduceOp.AVG:
+            return t, _TORCH_OP[op], False
+        if self.native_avg:
+            return t, dist.ReduceOp.AVG, False
+        if t.dtype in (torch.float16, torch.bfloat16):
+            return t.float(), dist.ReduceOp.SUM, True
+        return t, dist.ReduceOp.SUM, True
 
     def _alltoall(self, g, out, inp, out_splits, in_splits):
         return g.pg.alltoall_base(out, inp, out_splits, in_splits,
@@ -242,11 +260,11 @@ class C10dBackend(Backend):
         g = self._group(group)
         _C.validate("all_reduce", tensor, op)
         self._check_device("all_reduce", tensor)
-        buf, top = self._reduce_args(tensor, op)
+        buf, top, divide = self._reduce_args(tensor, op)
         opts = dist.AllreduceOptions()
         opts.reduceOp = top
         work = g.pg.allreduce([buf], opts)
-        finish = (lambda: tensor.div_(g.size)) if op == ReduceOp.AVG else None
+        finish = (lambda: tensor.copy_(buf.div_(g.size))) if divide else None
         return self._run(g, "all_reduce", [work], finish, async_op)
 
     def reduce(self, tensor, dst, op, group, async_op):
@@ -255,13 +273,13 @@ class C10dBackend(Backend):
         self._check_device("reduce", tensor)
         root = dst == g.rank
         target = tensor if root else tensor.clone()  # others' tensor stays unchanged
-        buf, top = self._reduce_args(target, op)
+        buf, top, divide = self._reduce_args(target, op)
         opts = dist.ReduceOptions()
         opts.reduceOp = top
         opts.rootRank = dst
         opts.rootTensor = 0
         work = g.pg.reduce([buf], opts)
-        finish = (lambda: tensor.div_(g.size)) if (root and op == ReduceOp.AVG) else None
+        finish = (lambda: tensor.copy_(buf.div_(g.size))) if (root and divide) else None
         return self._run(g, "reduce", [work], finish, async_op)
 
     def bcast(self, tensor, src, group, async_op):
@@ -282,7 +300,7 @@ class C10dBackend(Backend):
         if isinstance(output, torch.Tensor):
             work = g.pg._allgather_base(_flat(output), _flat(inp))
         else:
-            work = g.pg.allgather([list(output)], [inp])
+            work = g.pg.allgather([[_flat(o.detach()) for o in output]], [_flat(inp)])
         return self._run(g, "all_gather", [work], None, async_op)
 
     def gather(self, output, input, dst, group, async_op):
@@ -296,7 +314,7 @@ class C10dBackend(Backend):
             if isinstance(output, torch.Tensor):
                 outs = _blocks(_flat(output), inp.numel(), g.size)
             else:
-                outs = [_flat(o) for o in output]
+                outs = [_flat(o.detach()) for o in output]
             if _overlaps(input, output):
                 inp = inp.clone()
             work = g.pg.gather([outs], [inp], opts)
@@ -333,15 +351,15 @@ class C10dBackend(Backend):
         # with allreduce, then keep this rank's block.
         flat = input.reshape(-1).clone() if isinstance(input, torch.Tensor) else torch.cat(
             [i.reshape(-1) for i in input])
-        buf, top = self._reduce_args(flat, op)
+        buf, top, divide = self._reduce_args(flat, op)
         opts = dist.AllreduceOptions()
         opts.reduceOp = top
         work = g.pg.allreduce([buf], opts)
         n = output.numel()
 
         def finish():
-            block = flat.narrow(0, g.rank * n, n)
-            if op == ReduceOp.AVG:
+            block = buf.narrow(0, g.rank * n, n)
+            if divide:
                 block = block / g.size
             output.view(-1).copy_(block)
 
@@ -350,12 +368,12 @@ class C10dBackend(Backend):
     def _reduce_scatter_native(self, g, output, input, op, async_op):
         send = _flat(input) if isinstance(input, torch.Tensor) else torch.cat(
             [_flat(i) for i in input])
-        out, top = self._reduce_args(_flat(output), op)
-        send, _ = self._reduce_args(send, op)
+        out, top, divide = self._reduce_args(_flat(output), op)
+        send = send.view(torch.uint8) if send.dtype == torch.bool else send.to(out.dtype)
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = top
         work = g.pg._reduce_scatter_base(out, send, opts)
-        finish = (lambda: output.div_(g.size)) if op == ReduceOp.AVG else None
+        finish = (lambda: output.view(-1).copy_(out.div_(g.size))) if divide else None
         return self._run(g, "reduce_scatter", [work], finish, async_op)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,

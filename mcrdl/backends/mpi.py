@@ -97,7 +97,7 @@ class MPIBackend(Backend):
         self._lane.synchronize(timeout)
 
     def finalize(self) -> None:
-        self._lane.shutdown("the 'mpi' backend was finalized")
+        self._lane.shutdown("the 'mpi' backend was finalized", self.ctx.timeout)
         self._comms.clear()
         for comm in self._mpi_comms.values():
             if comm != self._MPI.COMM_NULL:

@@ -27,6 +27,7 @@ class NCCLBackend(C10dBackend):
     name = "nccl"
     capabilities = Capabilities(devices=frozenset({"cuda"}), stream_aware=True)
     native_reduce_scatter = True
+    native_avg = True
     #: the torch build this library comes with: "cuda" (NCCL) or "rocm" (RCCL)
     platform = "cuda"
 

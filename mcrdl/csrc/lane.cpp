@@ -84,6 +84,14 @@ void Work::abandon(ErrorKind kind, const std::string& why) {
   if (state_.load() != kPending) return;
   err_kind_ = kind;
   err_ = why;
+  // MPI may still write into the op's buffers (a collective cannot be cancelled): keep
+  // them alive for the rest of the process instead of freeing them.
+  static auto* graveyard = new std::vector<std::function<bool()>>();
+  static std::mutex graveyard_mu;
+  {
+    std::lock_guard<std::mutex> g(graveyard_mu);
+    graveyard->push_back(std::move(test));
+  }
   complete(kFailed);
 }
 
@@ -113,7 +121,7 @@ void Work::wait(double timeout_s) {
 
 Lane::Lane(std::string name) : name_(std::move(name)) { thread_ = std::thread([this] { loop(); }); }
 
-Lane::~Lane() { shutdown("the lane was destroyed"); }
+Lane::~Lane() { shutdown("the lane was destroyed", 0.0); }
 
 void Lane::track(std::shared_ptr<Work> w) {
   {
@@ -142,11 +150,16 @@ void Lane::synchronize(double timeout_s) {
   for (auto& w : snapshot) w->wait(timeout_s);
 }
 
-void Lane::shutdown(const std::string& why) {
+void Lane::shutdown(const std::string& why, double drain_s) {
   std::vector<std::shared_ptr<Work>> left;
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     if (stop_ && !thread_.joinable()) return;
+    // Let ops every rank posted finish (the lane thread keeps progressing them), unless
+    // the backend failed: then they may never complete.
+    if (healthy() && drain_s > 0)
+      drained_.wait_for(g, std::chrono::duration<double>(drain_s),
+                        [this] { return inflight_.empty(); });
     stop_ = true;
     left.swap(inflight_);
   }
@@ -193,6 +206,7 @@ void Lane::loop() {
       v.erase(std::remove_if(v.begin(), v.end(),
                              [](const std::shared_ptr<Work>& w) { return w->finished(); }),
               v.end());
+      if (v.empty()) drained_.notify_all();
       backoff.reset();
     } else {
       backoff.pause();

@@ -79,8 +79,9 @@ class Lane {
   // Wait for every op tracked so far (GIL released by the caller).
   void synchronize(double timeout_s);
   size_t in_flight();
-  // Stop the thread; ops still in flight are abandoned with `why`.
-  void shutdown(const std::string& why);
+  // Wait up to drain_s for the ops in flight to complete, then stop the thread; ops still
+  // in flight are abandoned with `why` (their buffers are kept: MPI may still use them).
+  void shutdown(const std::string& why, double drain_s);
   const std::string& name() const { return name_; }
 
   // After an op timed out the backend's ops no longer match across ranks: the lane
@@ -97,6 +98,7 @@ class Lane {
   std::string name_;
   std::mutex mu_;
   std::condition_variable cv_;
+  std::condition_variable drained_;
   std::vector<std::shared_ptr<Work>> inflight_;
   bool stop_ = false;
   std::thread thread_;

@@ -125,7 +125,8 @@ PYBIND11_MODULE(_C, m) {
       .def("in_flight", &Lane::in_flight)
       .def("fail", [](Lane& l, const std::string& why) { l.fail(why, nullptr); }, py::arg("why"),
            "Refuse new ops from now on (ranks no longer issue matching operations).")
-      .def("shutdown", &Lane::shutdown, py::arg("why"), py::call_guard<py::gil_scoped_release>())
+      .def("shutdown", &Lane::shutdown, py::arg("why"), py::arg("drain_timeout") = 0.0,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("name", &Lane::name);
 
   m.def("set_poll_spins", &set_poll_spins, py::arg("n"),

@@ -169,7 +169,7 @@ class MpiComm {
     auto s = std::make_shared<InFlight>();
     at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
     s->keep = {t, buf};
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("all_reduce");
     check_mpi(MPIC(MPI_Iallreduce)(MPI_IN_PLACE, buf.data_ptr(), to_mcount(buf.numel(), "all_reduce"),
                                    p.type, p.op, comm_, s->req()),
@@ -180,7 +180,7 @@ class MpiComm {
         if (p.average) buf.div_(n);
         if (p.upcast) t.copy_(buf);
       };
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object reduce(py::handle tensor, py::handle dst_, int rop, bool async_op) {
@@ -194,7 +194,7 @@ class MpiComm {
     at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
     s->keep = {t, buf};
     bool root = dst == rank_;
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("reduce");
     check_mpi(MPIC(MPI_Ireduce)(root ? MPI_IN_PLACE : buf.data_ptr(), root ? buf.data_ptr() : nullptr,
                                 to_mcount(buf.numel(), "reduce"), p.type, p.op, (int)dst, comm_,
@@ -206,7 +206,7 @@ class MpiComm {
         if (p.average) buf.div_(n);
         if (p.upcast) t.copy_(buf);
       };
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object bcast(py::handle tensor, py::handle src_, bool async_op) {
@@ -216,12 +216,12 @@ class MpiComm {
     check_device("bcast", t);
     auto s = std::make_shared<InFlight>();
     s->keep = {t};
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("bcast");
     check_mpi(MPIC(MPI_Ibcast)(t.data_ptr(), to_mcount(t.numel(), "bcast"), move_type(t.scalar_type()),
                                (int)src, comm_, s->req()),
               "MPI_Ibcast");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
@@ -236,12 +236,12 @@ class MpiComm {
     s->keep = {in, recv};
     MPI_Datatype dt = move_type(in.scalar_type());
     mcount n = to_mcount(in.numel(), "all_gather");
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("all_gather");
     check_mpi(MPIC(MPI_Iallgather)(in.data_ptr(), n, dt, recv.data_ptr(), n, dt, comm_, s->req()),
               "MPI_Iallgather");
     if (out.is_list) w->finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object gather(py::handle output, py::handle input, py::handle dst_, bool async_op) {
@@ -261,14 +261,14 @@ class MpiComm {
     s->keep = {in, recv};
     MPI_Datatype dt = move_type(in.scalar_type());
     mcount n = to_mcount(in.numel(), "gather");
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("gather");
     check_mpi(MPIC(MPI_Igather)(in.data_ptr(), n, dt, root ? recv.data_ptr() : nullptr, n, dt, (int)dst,
                                 comm_, s->req()),
               "MPI_Igather");
     if (root && out.is_list)
       w->finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object scatter(py::handle output, py::handle input, py::handle src_, bool async_op) {
@@ -288,12 +288,12 @@ class MpiComm {
     s->keep = {out, send};
     MPI_Datatype dt = move_type(out.scalar_type());
     mcount n = to_mcount(out.numel(), "scatter");
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("scatter");
     check_mpi(MPIC(MPI_Iscatter)(root ? send.data_ptr() : nullptr, n, dt, out.data_ptr(), n, dt, (int)src,
                                  comm_, s->req()),
               "MPI_Iscatter");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object reduce_scatter(py::handle output, py::handle input, int rop, bool async_op) {
@@ -309,7 +309,7 @@ class MpiComm {
     at::Tensor recv = p.upcast ? at::empty({out.numel()}, out.options().dtype(at::kFloat)) : out;
     auto s = std::make_shared<InFlight>();
     s->keep = {send, recv, out};
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("reduce_scatter");
     check_mpi(MPIC(MPI_Ireduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
                                               to_mcount(out.numel(), "reduce_scatter"), p.type, p.op,
@@ -321,7 +321,7 @@ class MpiComm {
         if (p.average) recv.div_(n);
         if (p.upcast) out.view({-1}).copy_(recv);
       };
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object all_to_all_single(py::handle output, py::handle input, py::handle out_splits_,
@@ -342,9 +342,9 @@ class MpiComm {
     auto s = std::make_shared<InFlight>();
     s->keep = {in, out};
     MPI_Datatype dt = move_type(in.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
-    if (!in_splits && !out_splits) {
+    if (!in_splits && !out_splits && in.numel() == out.numel()) {
       mcount n = to_mcount(in.numel() / size_, op);
       check_mpi(MPIC(MPI_Ialltoall)(in.data_ptr(), n, dt, out.data_ptr(), n, dt, comm_, s->req()),
                 "MPI_Ialltoall");
@@ -357,7 +357,7 @@ class MpiComm {
                                      s->c2.data(), s->d2.data(), dt, comm_, s->req()),
                 "MPI_Ialltoallv");
     }
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object all_to_all(py::handle output_list, py::handle input_list, bool async_op) {
@@ -381,13 +381,13 @@ class MpiComm {
     s->d1 = packed_disps(s->c1);
     s->d2 = packed_disps(s->c2);
     MPI_Datatype dt = move_type(send.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
     check_mpi(MPIC(MPI_Ialltoallv)(send.data_ptr(), s->c1.data(), s->d1.data(), dt, recv.data_ptr(),
                                    s->c2.data(), s->d2.data(), dt, comm_, s->req()),
               "MPI_Ialltoallv");
     w->finish = [recv, outs] { c10::NoGradGuard ng; scatter_into(recv, outs); };
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object gatherv(py::handle output, py::handle input, py::handle counts_, py::handle displs_,
@@ -408,13 +408,13 @@ class MpiComm {
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
     MPI_Datatype dt = move_type(in.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
     check_mpi(MPIC(MPI_Igatherv)(in.data_ptr(), to_mcount(in.numel(), op), dt,
                                  root ? out->data_ptr() : nullptr, s->c1.data(), s->d1.data(), dt,
                                  (int)dst, comm_, s->req()),
               "MPI_Igatherv");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object scatterv(py::handle output, py::handle input, py::handle counts_, py::handle displs_,
@@ -435,13 +435,13 @@ class MpiComm {
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
     MPI_Datatype dt = move_type(out.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
     check_mpi(MPIC(MPI_Iscatterv)(root ? in->data_ptr() : nullptr, s->c1.data(), s->d1.data(), dt,
                                   out.data_ptr(), to_mcount(out.numel(), op), dt, (int)src, comm_,
                                   s->req()),
               "MPI_Iscatterv");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object all_gatherv(py::handle output, py::handle input, py::handle counts_,
@@ -459,12 +459,12 @@ class MpiComm {
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
     MPI_Datatype dt = move_type(in.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
     check_mpi(MPIC(MPI_Iallgatherv)(in.data_ptr(), to_mcount(in.numel(), op), dt, out.data_ptr(),
                                     s->c1.data(), s->d1.data(), dt, comm_, s->req()),
               "MPI_Iallgatherv");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object all_to_allv(py::handle output, py::handle input, py::handle scounts_,
@@ -487,12 +487,12 @@ class MpiComm {
     s->d1 = to_disps(sd);
     s->d2 = to_disps(rd);
     MPI_Datatype dt = move_type(in.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
     check_mpi(MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
                                    s->c2.data(), s->d2.data(), dt, comm_, s->req()),
               "MPI_Ialltoallv");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   py::object send(py::handle tensor, py::handle dst, py::handle tag, bool async_op) {
@@ -505,10 +505,10 @@ class MpiComm {
 
   py::object barrier(bool async_op) {
     auto s = std::make_shared<InFlight>();
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work("barrier");
     check_mpi(MPI_Ibarrier(comm_, s->req()), "MPI_Ibarrier");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
  private:
@@ -534,7 +534,7 @@ class MpiComm {
     s->keep = {t};
     mcount n = to_mcount(t.numel(), op);
     MPI_Datatype dt = move_type(t.scalar_type());
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op);
     if (sending)
       check_mpi(MPIC(MPI_Isend)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
@@ -542,7 +542,7 @@ class MpiComm {
     else
       check_mpi(MPIC(MPI_Irecv)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
                 "MPI_Irecv");
-    return launch(w, s, async_op);
+    return launch(w, s, async_op, g);
   }
 
   void check_device(const char* op, const at::Tensor& t) const {
@@ -560,7 +560,11 @@ class MpiComm {
     return std::make_shared<Work>(op, backend_, group_, ++seq_, timeout_s_, lane_);
   }
 
-  py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<InFlight> s, bool async_op) {
+  // Called with the post lock held (ops are posted in issue order); releases it before
+  // waiting, so another thread can post while this one waits.
+  py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<InFlight> s, bool async_op,
+                    std::unique_lock<std::mutex>& posted) {
+    posted.unlock();
     w->test = [s, op = w->op()] {
       int flag = 0;
       check_mpi(MPI_Testall((int)s->reqs.size(), s->reqs.data(), &flag, MPI_STATUSES_IGNORE),
