@@ -20,7 +20,10 @@ def tune(args, timeout=240, expect_rc=0):
 
 def test_run_resume_and_plot(tmp_path):
     out = tmp_path / "table.json"
-    common = ["run", "--op", "all_reduce", "all_gather", "barrier", "--max-bytes", "1K",
+    # --min-bytes 4: 4 B and 16 B both round to one float per rank at 3 ranks (regression:
+    # a duplicate point once desynchronized the ranks)
+    common = ["run", "--op", "all_reduce", "all_gather", "barrier", "--min-bytes", "4",
+              "--max-bytes", "1K",
               "--factor", "4", "--group-sizes", "2", "3", "--iters", "2", "--warmup", "1",
               "--output", str(out)]
     tune(common)
@@ -45,6 +48,11 @@ def test_run_resume_and_plot(tmp_path):
     again = json.loads(out.read_text())
     assert set(again["ops"]["all_reduce"]) == {"2", "3"}
     assert again["ops"]["all_gather"] == data["ops"]["all_gather"]  # kept, not re-measured
+    model = run_launcher([sys.executable, "-m", "mcrdl.tuning.cli", "model", str(out)],
+                         timeout=120)
+    rows = [line.split() for line in model.splitlines() if line.startswith("  ")]
+    assert {(r[0], r[1]) for r in rows} >= {("mpi", "all_reduce"), ("gloo", "all_gather")}
+    assert all(r[4].endswith("%") for r in rows), model
     pytest.importorskip("matplotlib")
     plots = run_launcher([sys.executable, "-m", "mcrdl.tuning.cli", "plot", str(out),
                           "--out-dir", str(tmp_path / "png")], timeout=120)

@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue an interrupted run: keep the points already in --output")
     r.add_argument("--force", action="store_true", help="overwrite an existing --output")
     r.add_argument("--system", default="", help="system name stored in the provenance")
+    mo = sub.add_parser("model", help="fit the alpha-beta model, print held-out error")
+    mo.add_argument("table", help="tuning table (JSON)")
     pl = sub.add_parser("plot", help="heatmap of winners and latency curves (PNG)")
     pl.add_argument("table", help="tuning table (JSON)")
     pl.add_argument("--out-dir", default=".", help="where to write the PNGs (default .)")
@@ -143,10 +145,47 @@ class _progress:
         self._p.stop()
 
 
+def _model(args) -> int:
+    """Per (backend, op): alpha, beta and the relative error of the model on points it
+    was not fitted on, twice: held-out sizes (every third size) and the largest group
+    size (extrapolation in scale, what predictions for big machines rely on)."""
+    from . import model
+    from .table import TuningTable
+
+    table = TuningTable.load(args.table)
+    print(f"# alpha-beta model of {args.table} (relative error |predicted - measured| / "
+          "measured on held-out points)")
+    print(f"# {'backend':<8} {'op':<20} {'alpha(us)':>10} {'beta(ns/B)':>11} "
+          f"{'sizes: median':>14} {'max':>7} {'top group: median':>18} {'max':>7}")
+    for backend in table.backends():
+        for op in table.ops():
+            samples = table.samples(op, backend)
+            sizes = sorted({n for _, n, _ in samples})
+            top = max((g for g, _, _ in samples), default=0)
+            if len(sizes) < 3 or not model.is_modelled(op):
+                continue
+            third = set(sizes[1::3])
+            by_size = model.holdout_error(op, samples, lambda g, n, t, third=third: n in third)
+            groups = {g for g, _, _ in samples}
+            by_group = (model.holdout_error(op, samples, lambda g, n, t, top=top: g == top)
+                        if len(groups) > 1 else None)
+            full = model.fit(op, samples)
+            row = (f"  {backend:<8} {op:<20} {full.alpha * 1e6:>10.2f} "
+                   f"{full.beta * 1e9:>11.4f} {by_size['median_rel_err']:>14.1%} "
+                   f"{by_size['max_rel_err']:>7.1%}")
+            if by_group is not None:
+                row += (f" {by_group['median_rel_err']:>18.1%} "
+                        f"{by_group['max_rel_err']:>7.1%}")
+            print(row)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return _run(args)
+    if args.command == "model":
+        return _model(args)
     from .plot import plot_table
 
     for path in plot_table(args.table, args.out_dir):

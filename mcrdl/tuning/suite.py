@@ -98,20 +98,28 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     if cfg.overlap > 1:
         variants += [(f"{op}@overlap{cfg.overlap}", op, cfg.overlap)
                      for op in cfg.ops if op != "barrier"]
-    plan = [(name, base, k, s, b, nbytes)
-            for s in cfg.group_sizes for name, base, k in variants for b in cfg.backends
-            for nbytes in (cfg.sizes if base != "barrier" else cfg.sizes[:1])]
+    # One point per distinct real size (requested sizes round to whole elements per
+    # rank, so two can coincide), and skip decisions from the table as loaded: rank 0
+    # adds points as it goes, and every rank must make the same decisions.
+    plan = []
+    for s in cfg.group_sizes:
+        for name, base, k in variants:
+            for b in cfg.backends:
+                wanted = cfg.sizes if base != "barrier" else cfg.sizes[:1]
+                counts = sorted({element_count(base, n, itemsize, s) for n in wanted})
+                plan += [(name, base, k, s, b, count) for count in counts]
+    already = {p for p in plan if table.has(p[0], p[3], p[4], p[5] * itemsize)}
     done = 0
     unsaved = 0
     current_size = None
-    for name, base, k, s, backend, nbytes in plan:
+    for point in plan:
+        name, base, k, s, backend, count = point
         if s != current_size:
             _quiet_barrier(sync_backend)
             current_size = s
-        count = element_count(base, nbytes, itemsize, s)
         real_bytes = count * itemsize
         done += 1
-        if table.has(name, s, backend, real_bytes):
+        if point in already:
             continue
         if progress is not None and rank == 0:
             progress(done, len(plan), f"{name} on {backend}, {s} ranks, {real_bytes} B")
