@@ -45,7 +45,13 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
-from mcrdl.bench import element_count, format_size, parse_size, size_range
+from mcrdl.bench import (
+    add_size_sweep_args,
+    check_size_sweep,
+    element_count,
+    format_size,
+    size_range,
+)
 
 # mcrdl needs MPI_THREAD_MULTIPLE (importing mcrdl sets this too); MPI initialises here.
 mpi4py.rc.thread_level = "multiple"
@@ -89,26 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME",
         help="backends to compare (default: mpi and gloo when usable)",
     )
-    parser.add_argument(
-        "--min-bytes",
-        type=parse_size,
-        default=8,
-        metavar="SIZE",
-        help="smallest size, suffixes K/M/G allowed (default 8)",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=parse_size,
-        default=64 * MIB,
-        metavar="SIZE",
-        help="largest size, suffixes K/M/G allowed (default 64M)",
-    )
-    parser.add_argument(
-        "--factor",
-        type=int,
-        default=4,
-        help="step between sizes, integer >= 2 (default 4); --max-bytes is always measured",
-    )
+    add_size_sweep_args(parser, factor=4, factor_note="; --max-bytes is always measured")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument(
         "--iters",
@@ -133,10 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
-    if not 1 <= args.min_bytes <= args.max_bytes:
-        parser.error("need 1 <= --min-bytes <= --max-bytes")
-    if args.factor < 2:
-        parser.error(f"--factor must be >= 2, got {args.factor}")
+    check_size_sweep(parser, args)
     if min(args.iters, args.min_iters, args.block_iters) < 1 or args.warmup < 0:
         parser.error("--iters, --min-iters and --block-iters must be >= 1, --warmup >= 0")
     return args

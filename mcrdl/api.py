@@ -245,6 +245,7 @@ class _AutoByTable:
                 name = None
             return getattr(backends[name] if name else fixed, op)(*args)
 
+        self.__dict__[op] = call  # built once: later calls skip __getattr__
         return call
 
     def synchronize(self, timeout: float) -> None:
@@ -266,6 +267,7 @@ class _AutoByDevice:
         def call(*args):
             return getattr(gpu if _first_tensor_on_gpu(args) else cpu, op)(*args)
 
+        self.__dict__[op] = call  # built once: later calls skip __getattr__
         return call
 
     def synchronize(self, timeout: float) -> None:
@@ -479,4 +481,5 @@ class _Validated:
             size, rank = group_size_rank(group)
             return method(*validate_call(attr, tuple(rest), size, rank), group, async_op)
 
+        self.__dict__[attr] = call  # built once: later calls skip __getattr__
         return call

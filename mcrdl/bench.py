@@ -119,6 +119,31 @@ def element_count(op: str, nbytes: int, itemsize: int, nranks: int) -> int:
     return count
 
 
+def add_size_sweep_args(parser: argparse.ArgumentParser, factor: int,
+                        factor_note: str = "") -> None:
+    """--min-bytes, --max-bytes (K/M/G suffixes) and --factor, shared by mcrdl-bench,
+    mcrdl-tune and benchmarks/overhead.py; check them with check_size_sweep."""
+    parser.add_argument("--min-bytes", type=parse_size, default=8, metavar="SIZE",
+                        help="smallest size, suffixes K/M/G allowed (default 8)")
+    parser.add_argument("--max-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
+                        help="largest size, suffixes K/M/G allowed (default 64M)")
+    parser.add_argument("--factor", type=int, default=factor,
+                        help=f"multiplicative step between sizes, integer >= 2 "
+                             f"(default {factor}){factor_note}")
+
+
+def check_size_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with status 2 and a message when the sweep options are inconsistent."""
+    if args.min_bytes < 1:
+        parser.error("--min-bytes must be at least 1 byte")
+    if args.min_bytes > args.max_bytes:
+        parser.error(
+            f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})"
+        )
+    if args.factor < 2:
+        parser.error(f"--factor must be an integer >= 2, got {args.factor}")
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -165,26 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="backends to run (default: every usable one among mpi, gloo)",
     )
-    parser.add_argument(
-        "--min-bytes",
-        type=parse_size,
-        default=8,
-        metavar="SIZE",
-        help="smallest size, suffixes K/M/G allowed (default 8)",
-    )
-    parser.add_argument(
-        "--max-bytes",
-        type=parse_size,
-        default=64 << 20,
-        metavar="SIZE",
-        help="largest size, suffixes K/M/G allowed (default 64M)",
-    )
-    parser.add_argument(
-        "--factor",
-        type=int,
-        default=2,
-        help="multiplicative step between sizes, integer >= 2 (default 2)",
-    )
+    add_size_sweep_args(parser, factor=2)
     parser.add_argument(
         "--dtype",
         choices=tuple(DTYPES),
@@ -208,14 +214,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the command line; exits with status 2 and a message on error."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.min_bytes < 1:
-        parser.error("--min-bytes must be at least 1 byte")
-    if args.min_bytes > args.max_bytes:
-        parser.error(
-            f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})"
-        )
-    if args.factor < 2:
-        parser.error(f"--factor must be an integer >= 2, got {args.factor}")
+    check_size_sweep(parser, args)
     usable = mcrdl.available_backends()
     if args.backend is None:
         args.backend = [name for name in DEFAULT_BACKENDS if name in usable]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
-import time
 
 import numpy as np
 import torch
@@ -26,7 +25,7 @@ from .errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from .groups import Group, bad_group_error
 from .ops import ReduceOp
 from .validate import validate_call
-from .work import Work
+from .work import Work, poll_until
 
 _OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter", "reduce_scatter",
         "all_to_all_single", "all_to_all", "gatherv", "scatterv", "all_gatherv", "all_to_allv",
@@ -276,7 +275,8 @@ class Debugged:
 
     def __getattr__(self, attr):
         if attr in _OP_CODE:
-            return lambda *args: self._call(attr, args)
+            call = self.__dict__[attr] = lambda *args: self._call(attr, args)  # built once
+            return call
         return getattr(self._inner, attr)
 
     def _make_channel(self, group: Group) -> None:
@@ -365,20 +365,15 @@ class Debugged:
                 return
             try:
                 limit = self._timeout_of()
-                deadline = time.monotonic() + limit
-                delay = 1e-5
-                while not call.channel.done(call.handle):
-                    if time.monotonic() > deadline:
-                        gone = call.channel.missing(call.handle)
-                        world = [call.channel.ranks[p] for p in gone]
-                        self._fail(f"{call.op} timed out in debug mode")
-                        raise CommTimeoutError(
-                            f"{call.op} on backend '{self.name}' (group {call.group}) did not "
-                            f"start within {limit} s: group rank(s) {gone} (world rank(s) "
-                            f"{world}) never called it (debug mode: their call signature "
-                            "never arrived)")
-                    time.sleep(delay)
-                    delay = min(2 * delay, 1e-3)
+                if not poll_until(lambda c=call: c.channel.done(c.handle), limit):
+                    gone = call.channel.missing(call.handle)
+                    world = [call.channel.ranks[p] for p in gone]
+                    self._fail(f"{call.op} timed out in debug mode")
+                    raise CommTimeoutError(
+                        f"{call.op} on backend '{self.name}' (group {call.group}) did not "
+                        f"start within {limit} s: group rank(s) {gone} (world rank(s) "
+                        f"{world}) never called it (debug mode: their call signature "
+                        "never arrived)")
                 views = np.asarray(call.handle[1])
                 bad = disagreement(views)
                 if bad is not None:  # nothing was posted: the backend stays usable

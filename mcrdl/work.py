@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import abc
+import time
+from collections.abc import Callable
 
 
 class Work(abc.ABC):
@@ -24,3 +26,17 @@ class Work(abc.ABC):
 
     @abc.abstractmethod
     def is_completed(self) -> bool: ...
+
+
+def poll_until(done: Callable[[], bool], limit: float) -> bool:
+    """Poll `done` with a sleeping back-off (10 us doubling to 1 ms) for up to `limit`
+    seconds; True when it became true, False on timeout. For Python-side waits on
+    handles that offer no blocking wait with a deadline."""
+    deadline = time.monotonic() + limit
+    delay = 1e-5
+    while not done():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    return True

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from .. import _C
 from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
 from ..groups import Group, bad_group_error
 from ..ops import ReduceOp
-from ..work import Work
+from ..work import Work, poll_until
 from .base import Backend, InitContext
 
 _TORCH_OP = {
@@ -124,16 +123,10 @@ class C10dWork(Work):
 
 
 def _poll(works, limit: float, work: C10dWork) -> None:
-    deadline = time.monotonic() + limit
-    delay = 1e-5
-    while not all(w.is_completed() for w in works):
-        if time.monotonic() > deadline:
-            raise CommTimeoutError(
-                f"{work.op} on backend '{work.backend}' (group {work.group}, sequence number "
-                f"{work.seq}) "
-                f"did not complete within wait(timeout={limit}) s; it is still pending")
-        time.sleep(delay)
-        delay = min(delay * 2, 1e-3)
+    if not poll_until(lambda: all(w.is_completed() for w in works), limit):
+        raise CommTimeoutError(
+            f"{work.op} on backend '{work.backend}' (group {work.group}, sequence number "
+            f"{work.seq}) did not complete within wait(timeout={limit}) s; it is still pending")
 
 
 class _PG:

@@ -20,7 +20,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from ..bench import DTYPES, parse_size, size_range
+from ..bench import DTYPES, add_size_sweep_args, check_size_sweep, size_range
 
 
 def _sizes(args) -> list[int]:
@@ -38,10 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="OP", help=f"operations (default: all of {', '.join(DEFAULT_OPS)})")
     r.add_argument("--backend", nargs="+", default=None, metavar="NAME",
                    help="backends (default: every backend usable here)")
-    r.add_argument("--min-bytes", type=parse_size, default=8, help="smallest size (default 8)")
-    r.add_argument("--max-bytes", type=parse_size, default=64 << 20,
-                   help="largest size, K/M/G suffixes allowed (default 64M)")
-    r.add_argument("--factor", type=int, default=2, help="step between sizes (default 2)")
+    add_size_sweep_args(r, factor=2)
     r.add_argument("--group-sizes", type=int, nargs="+", default=None, metavar="S",
                    help="group sizes to measure (default 2, 4, ... and the world size)")
     r.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
@@ -69,10 +66,6 @@ def _run(args) -> int:
     from .suite import SuiteConfig, default_group_sizes, run_suite
     from .table import TuningTable, current_provenance
 
-    if args.factor < 2 or args.min_bytes < 1 or args.min_bytes > args.max_bytes:
-        print("mcrdl-tune: need --factor >= 2 and 1 <= --min-bytes <= --max-bytes",
-              file=sys.stderr)
-        return 2
     mcrdl.init(args.backend)
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
     backends = mcrdl.get_backends()
@@ -181,8 +174,10 @@ def _model(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "run":
+        check_size_sweep(parser, args)
         return _run(args)
     if args.command == "model":
         return _model(args)

@@ -11,16 +11,10 @@ from __future__ import annotations
 import math
 import os
 
+from ..bench import format_size
 from .table import TuningTable
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
-
-
-def _fmt(nbytes: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale}{unit}"
-    return str(nbytes)
 
 
 def plot_table(path: str, out_dir: str = ".") -> list[str]:
@@ -64,7 +58,7 @@ def plot_table(path: str, out_dir: str = ".") -> list[str]:
                         fontsize=6)
         ax.set_xlim(0, len(sizes))
         ax.set_ylim(0, len(gsizes))
-        ax.set_xticks([i + 0.5 for i in range(len(sizes))], [_fmt(n) for n in sizes],
+        ax.set_xticks([i + 0.5 for i in range(len(sizes))], [format_size(n) for n in sizes],
                       rotation=90, fontsize=7)
         ax.set_yticks([i + 0.5 for i in range(len(gsizes))], [str(g) for g in gsizes])
         ax.set_xlabel("message size (bytes)")
