@@ -194,7 +194,7 @@ def _load_tuning_table():
 
 
 def _nbytes(t) -> int:
-    return t.numel() * t.element_size()
+    return t.nbytes
 
 
 # op -> bytes of the call in the tuning table's convention (mcrdl.bench's size column):
@@ -219,6 +219,9 @@ _CALL_BYTES = {
 }
 
 
+_ROUTES_MAX = 4096  # distinct (group size, bytes) per op kept by "auto" before starting over
+
+
 class _AutoByTable:
     """"auto" with a tuning table: each call goes to the backend the table predicts
     fastest for (op, group size, bytes) among the initialized ones; calls the table
@@ -236,14 +239,24 @@ class _AutoByTable:
         table, backends, names, fixed = self._table, self._backends, self._names, self._fixed
         nbytes_of = _CALL_BYTES[op]
 
+        routes = {}  # (group size, bytes) -> the chosen backend's bound op: one dict hit
+        world_size = _state.world.size
+
         def call(*args):
             group = args[-2]
-            gsize = group.size if isinstance(group, Group) else _state.world.size
             try:
-                name = table.lookup(op, gsize, nbytes_of(args, gsize), names)
+                gsize = world_size if group is None else group.size
+                key = (gsize, nbytes_of(args, gsize))
             except (AttributeError, TypeError):  # malformed arguments: let a backend say so
-                name = None
-            return getattr(backends[name] if name else fixed, op)(*args)
+                return getattr(fixed, op)(*args)
+            fn = routes.get(key)
+            if fn is None:
+                name = table.lookup(op, gsize, key[1], names)
+                fn = getattr(backends[name] if name else fixed, op)
+                if len(routes) >= _ROUTES_MAX:
+                    routes.clear()
+                routes[key] = fn
+            return fn(*args)
 
         self.__dict__[op] = call  # built once: later calls skip __getattr__
         return call

@@ -25,7 +25,7 @@ def test_run_resume_and_plot(tmp_path):
     common = ["run", "--op", "all_reduce", "all_gather", "barrier", "--min-bytes", "4",
               "--max-bytes", "1K",
               "--factor", "4", "--group-sizes", "2", "3", "--iters", "2", "--warmup", "1",
-              "--output", str(out)]
+              "--confirm", "0", "--output", str(out)]
     tune(common)
     data = json.loads(out.read_text())
     assert data["schema"] == "mcrdl-tuning-table"
@@ -48,6 +48,16 @@ def test_run_resume_and_plot(tmp_path):
     again = json.loads(out.read_text())
     assert set(again["ops"]["all_reduce"]) == {"2", "3"}
     assert again["ops"]["all_gather"] == data["ops"]["all_gather"]  # kept, not re-measured
+    # confirmation pass: a forged isolated gloo win is re-measured, the median replaces it
+    entry = again["ops"]["all_reduce"]["2"]
+    forged = len(entry["sizes"]) // 2
+    entry["times"]["gloo"][forged] = 1e-9
+    entry.pop("winners")
+    out.write_text(json.dumps(again))
+    tune([*common[:-4], "--confirm", "2", "--output", str(out), "--resume"])
+    confirmed = json.loads(out.read_text())
+    assert confirmed["ops"]["all_reduce"]["2"]["times"]["gloo"][forged] > 1e-6
+    assert confirmed["ops"]["all_gather"] == data["ops"]["all_gather"]  # nothing forged there
     model = run_launcher([sys.executable, "-m", "mcrdl.tuning.cli", "model", str(out)],
                          timeout=120)
     rows = [line.split() for line in model.splitlines() if line.startswith("  ")]

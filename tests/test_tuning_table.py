@@ -695,3 +695,23 @@ def test_table_model_matches_model_fit():
     assert len(samples) == 3 * len(POW2)
     assert t.model("reduce_scatter", "mpi") == mdl.fit("reduce_scatter", samples)
     assert t.model("reduce_scatter", "gloo") is None
+
+
+def test_suspicious_points_are_isolated_flips_and_close_calls():
+    from mcrdl.tuning.suite import suspicious_points
+
+    t = TuningTable({})
+    sizes = [8, 64, 512, 4096, 32768]
+    mpi = [1.0, 2.0, 3.0, 4.0, 5.0]
+    gloo = [10.0, 20.0, 2.0, 40.0, 5.5]  # 512 B: an isolated gloo win; 32 KiB: within 10%
+    for n, a, b in zip(sizes, mpi, gloo, strict=True):
+        t.add("all_gather", 8, "mpi", n, a)
+        t.add("all_gather", 8, "gloo", n, b)
+    t.add("bcast", 8, "mpi", 8, 1.0)  # one backend only: nothing to confirm
+    assert suspicious_points(t, ["mpi", "gloo"], 1.25) == [
+        ("all_gather", 8, 512), ("all_gather", 8, 32768)]
+    assert suspicious_points(t, ["mpi", "gloo"], 1.05) == [("all_gather", 8, 512)]
+    # a run of two gloo wins is a regime, not a flip
+    t.add("all_gather", 8, "gloo", 4096, 3.0)
+    assert suspicious_points(t, ["mpi", "gloo"], 1.05) == []
+    assert suspicious_points(t, ["mpi"], 1.25) == []

@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--warmup", type=int, default=3, help="untimed iterations (default 3)")
     r.add_argument("--overlap", type=int, default=0, metavar="K",
                    help="also time K concurrent async ops per point (paper's overlapped mode)")
+    r.add_argument("--confirm", type=int, default=3, metavar="N",
+                   help="re-measure isolated or close winners N more times, keep the median "
+                        "(default 3; 0 turns the confirmation pass off)")
+    r.add_argument("--confirm-margin", type=float, default=1.25, metavar="R",
+                   help="a winner faster than the runner-up by less than R x is re-measured "
+                        "(default 1.25)")
     r.add_argument("--output", required=True, help="table to write (JSON)")
     r.add_argument("--resume", action="store_true",
                    help="continue an interrupted run: keep the points already in --output")
@@ -91,7 +97,8 @@ def _run(args) -> int:
         table = TuningTable.load(args.output)  # every rank reads it: same skip decisions
     cfg = SuiteConfig(ops=args.op, backends=backends, sizes=_sizes(args),
                       group_sizes=group_sizes, dtype=args.dtype, iters=args.iters,
-                      warmup=args.warmup, overlap=args.overlap)
+                      warmup=args.warmup, overlap=args.overlap, confirm=args.confirm,
+                      confirm_margin=args.confirm_margin)
     bar = _progress() if rank == 0 else None
     try:
         run_suite(cfg, table, lambda t: t.save(args.output), bar.update if bar else None)

@@ -8,12 +8,19 @@ the per-iteration maximum over ranks (``mcrdl.bench.time_call``). With ``overlap
 each op is also timed as K async ops in flight at once (time per op), as the MCR-DL
 paper does; those rows are stored under ``"<op>@overlap<K>"``.
 
+Then a confirmation pass: on an oversubscribed or shared machine a single point can be
+an outlier, and one outlier flips a routing decision. Every point whose winner differs
+from the winners of both neighbouring sizes, or wins by less than ``confirm_margin``, is
+re-measured ``confirm`` more times on every backend (each backend in its own block, the
+blocks in a random order); the stored time is the median of all measurements.
+
 Rank 0 writes the table atomically every few points, so an interrupted run keeps what
 it measured and ``--resume`` continues from there.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,6 +50,8 @@ class SuiteConfig:
     warmup: int = 3
     overlap: int = 0  # K > 1: also time K concurrent async ops
     save_every: int = 10
+    confirm: int = 3  # re-measure rounds for suspicious winners (0: none)
+    confirm_margin: float = 1.25  # a winner by less than this ratio is re-measured
 
 
 def default_group_sizes(world: int) -> list[int]:
@@ -144,5 +153,78 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     if rank == 0:
         save(table)
     if progress is not None and rank == 0:
+        progress(len(plan), len(plan), "measured")
+    if cfg.confirm > 0 and confirm_points(cfg, table, groups, progress) and rank == 0:
+        save(table)
+    if progress is not None and rank == 0:
         progress(len(plan), len(plan), "done")
     return table
+
+
+def suspicious_points(table: TuningTable, backends: Sequence[str],
+                      margin: float) -> list[tuple[str, int, int]]:
+    """(op, group size, bytes) whose winner among ``backends`` is an isolated flip (it
+    differs from the winners at both neighbouring sizes) or beats the runner-up by less
+    than ``margin``. An end point that differs from its one neighbour may be a regime
+    change: only the margin test applies there."""
+    out = []
+    for op in table.ops():
+        for g in table.group_sizes(op):
+            per_b = {b: table.times(op, g, b) for b in backends}
+            per_b = {b: pts for b, pts in per_b.items() if pts}
+            if len(per_b) < 2:
+                continue
+            sizes = sorted(set.intersection(*(set(p) for p in per_b.values())))
+            ranked = [sorted((per_b[b][n], b) for b in per_b) for n in sizes]
+            win = [r[0][1] for r in ranked]
+            for i, n in enumerate(sizes):
+                flip = 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]
+                close = ranked[i][1][0] < margin * ranked[i][0][0]
+                if flip or close:
+                    out.append((op, g, n))
+    return out
+
+
+def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
+                   progress: Callable[[int, int, str], None] | None = None) -> int:
+    """Re-measure rank 0's suspicious points on every rank; returns how many."""
+    import random
+
+    from .. import api
+
+    rank = mcrdl.get_rank()
+    dtype = DTYPES[cfg.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    points = suspicious_points(table, cfg.backends, cfg.confirm_margin) if rank == 0 else None
+    points = api._state.bootstrap.bcast_obj(points)
+    rng = random.Random(len(points))
+    for i, (name, s, nbytes) in enumerate(points):
+        base, _, k = name.partition("@overlap")
+        k = int(k or 1)
+        if base not in cfg.ops or s not in groups or nbytes % itemsize:
+            continue
+        _quiet_barrier(cfg.backends[0])
+        if progress is not None and rank == 0:
+            progress(i, len(points), f"confirming {name} ({i + 1}/{len(points)}), {s} ranks, "
+                                     f"{nbytes} B")
+        if rank >= s:
+            continue
+        count = nbytes // itemsize
+        measured = {b: [] for b in cfg.backends}
+        for _ in range(cfg.confirm):
+            for b in rng.sample(list(cfg.backends), len(cfg.backends)):
+                device = (torch.device("cuda", torch.cuda.current_device())
+                          if b in GPU_BACKENDS else torch.device("cpu"))
+                if k > 1:
+                    call = overlapped_call(base, b, count, dtype, device, rank, s, groups[s], k)
+                else:
+                    call = make_call(base, b, count, dtype, device, rank, s, groups[s])
+                measured[b].append(time_call(call, b, device, iters_for(nbytes, cfg),
+                                             cfg.warmup, group=groups[s]) / k)
+        if rank == 0:
+            for b, more in measured.items():
+                old = table.times(name, s, b).get(nbytes)
+                table.add(name, s, b, nbytes,
+                          statistics.median(more + ([old] if old is not None else [])))
+    _quiet_barrier(cfg.backends[0])
+    return len(points)

@@ -113,6 +113,11 @@ class TuningTable:
         """Whether this point was measured (the tuning suite skips it when resuming)."""
         return nbytes in self._times.get(op, {}).get(group_size, {}).get(backend, {})
 
+    def times(self, op: str, group_size: int, backend: str) -> dict[int, float]:
+        """``{bytes: seconds}`` measured for ``op`` on ``backend`` over ``group_size``
+        ranks (a copy; empty when none)."""
+        return dict(self._times.get(op, {}).get(group_size, {}).get(backend, {}))
+
     def ops(self) -> list[str]:
         """Operations with at least one measured point, sorted."""
         return sorted(self._times)
