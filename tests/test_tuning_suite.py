@@ -32,10 +32,11 @@ def test_run_resume_and_plot(tmp_path):
     assert data["provenance"]["command"].startswith("mcrdl-tune run")
     ops = data["ops"]
     assert set(ops) == {"all_reduce", "all_gather", "barrier"}
+    assert set(ops["barrier"]["3"]["times"]) == {"mpi", "gloo"}  # pccl has no barrier
     for op in ("all_reduce", "all_gather"):
         assert set(ops[op]) == {"2", "3"}
         for entry in ops[op].values():
-            assert set(entry["times"]) == {"mpi", "gloo"}
+            assert set(entry["times"]) == {"mpi", "gloo", "pccl"}  # every usable backend
             assert all(t is not None and t > 0 for ts in entry["times"].values() for t in ts)
             assert entry["winners"] and entry["winners"][0][1] in ("mpi", "gloo")
     # an existing table is not overwritten by accident

@@ -57,7 +57,7 @@ class MPIBackend(Backend):
             )
         self.library_version = loaded
         _C.set_poll_spins(poll_spins(ctx.bootstrap.info.local_size))
-        self._lane = _C.Lane("mpi")
+        self._lane = _C.Lane(self.name)
         self._mpi_comms: dict[int, object] = {}
         self._comms: dict[int, _C.MpiComm] = {}
         self._world = self._make(ctx.world, MPI.COMM_WORLD.Dup())
@@ -97,7 +97,7 @@ class MPIBackend(Backend):
         self._lane.synchronize(timeout)
 
     def finalize(self) -> None:
-        self._lane.shutdown("the 'mpi' backend was finalized", self.ctx.timeout)
+        self._lane.shutdown(f"the {self.name!r} backend was finalized", self.ctx.timeout)
         self._comms.clear()
         for comm in self._mpi_comms.values():
             if comm != self._MPI.COMM_NULL:

@@ -19,12 +19,11 @@ _BUILTIN = {
     "gloo": "mcrdl.backends.gloo:GlooBackend",
     "nccl": "mcrdl.backends.nccl:NCCLBackend",
     "rccl": "mcrdl.backends.nccl:RCCLBackend",
+    "pccl": "mcrdl.backends.pccl:PCCLBackend",
+    "cray-mpich": "mcrdl.backends.cray_mpich:CrayMPICHBackend",
 }
-#: API.md names that this build does not implement yet, with the reason shown to users.
-_NOT_BUILT = {
-    name: "not implemented in this version of mcrdl"
-    for name in ("cray-mpich", "pccl")
-}
+#: Names whose plug-in failed to load, with the reason shown to users.
+_NOT_BUILT: dict[str, str] = {}
 
 _classes: dict[str, type[Backend]] = {}
 _entry_points_loaded = False

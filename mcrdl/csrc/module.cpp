@@ -5,6 +5,7 @@
 namespace mcrdl {
 
 void bind_mpi(py::module_& m);
+void bind_pccl(py::module_& m);
 
 namespace {
 
@@ -135,4 +136,5 @@ PYBIND11_MODULE(_C, m) {
         "validate(op, *args): the local argument checks of operation `op` (see validate.h for "
         "the argument order); raises InvalidArgumentError. v variants return filled displs.");
   bind_mpi(m);
+  bind_pccl(m);
 }

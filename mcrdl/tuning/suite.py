@@ -111,9 +111,14 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     # rank, so two can coincide), and skip decisions from the table as loaded: rank 0
     # adds points as it goes, and every rank must make the same decisions.
     plan = []
+    from ..backends.registry import backend_class
+
+    supports = {b: backend_class(b).capabilities.ops for b in cfg.backends}
     for s in cfg.group_sizes:
         for name, base, k in variants:
             for b in cfg.backends:
+                if base not in supports[b]:
+                    continue  # e.g. pccl has all_gather, reduce_scatter, all_reduce only
                 wanted = cfg.sizes if base != "barrier" else cfg.sizes[:1]
                 counts = sorted({element_count(base, n, itemsize, s) for n in wanted})
                 plan += [(name, base, k, s, b, count) for count in counts]
@@ -191,6 +196,7 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
     import random
 
     from .. import api
+    from ..backends.registry import backend_class
 
     rank = mcrdl.get_rank()
     dtype = DTYPES[cfg.dtype]
@@ -210,9 +216,10 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
         if rank >= s:
             continue
         count = nbytes // itemsize
-        measured = {b: [] for b in cfg.backends}
+        here = [b for b in cfg.backends if base in backend_class(b).capabilities.ops]
+        measured = {b: [] for b in here}
         for _ in range(cfg.confirm):
-            for b in rng.sample(list(cfg.backends), len(cfg.backends)):
+            for b in rng.sample(here, len(here)):
                 device = (torch.device("cuda", torch.cuda.current_device())
                           if b in GPU_BACKENDS else torch.device("cpu"))
                 if k > 1:

@@ -1,0 +1,448 @@
+"""The "pccl" backend: hierarchical two-level all_gather, reduce_scatter and all_reduce
+(the PCCL paper), with the algorithms in C++ (``mcrdl._C.PcclComm``, csrc/pccl.cpp).
+
+Nodes come from MPI's shared-memory split, or ``MCRDL_RANKS_PER_NODE=k`` (world ranks
+``0..k-1`` are node 0, and so on) to simulate several nodes on one machine. For each
+group whose members spread evenly over N > 1 nodes with L > 1 ranks each, the backend
+builds an intra-node communicator (this node's members) and an inter-node one (the
+members with this rank's local index, one per node); every inter-node group runs its
+phase concurrently with the others. Groups that are not even (say 5 ranks as 2 + 2 + 1)
+or sit on one node run the inter-node algorithm over the whole group (flat).
+
+  all_gather:     inter-node phase, intra-node phase, local shuffle
+  reduce_scatter: local pre-shuffle, intra-node phase, inter-node phase
+  all_reduce:     reduce_scatter + all_gather (the tensor padded to a multiple of the
+                  group size)
+
+Algorithms (per phase): "ring", "rd" (recursive doubling / halving; any process count:
+the extra ranks fold in before and out after) and "mpi" (the MPI library's collective).
+The inter-node one is chosen per call by the alpha-beta cost model below ("auto", the
+default), or fixed with ``MCRDL_PCCL_INTER=ring|rd|mpi``; the intra-node one is "mpi"
+(the vendor library's role on CPU) unless ``MCRDL_PCCL_INTRA=ring|rd``. Both can be
+changed at run time with :func:`use_algorithms`.
+
+Every dtype of API.md: bool reduces as uint8 0/1 (SUM/MAX = or, PRODUCT/MIN = and),
+float16/bfloat16 reduce in float32 and round once, AVG is SUM then a division. Other
+operations raise UnsupportedOperationError naming the backends that have them. CPU
+tensors only (MPI point-to-point on GPU memory needs a CUDA-aware MPI, not assumed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import _C
+from ..bootstrap import mpi_module
+from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..groups import Group, bad_group_error
+from ..ops import ReduceOp
+from ..work import Work
+from .base import Backend, Capabilities, InitContext
+
+ALGORITHMS = ("ring", "rd", "mpi")
+_BOOL_OP = {ReduceOp.SUM: ReduceOp.BOR, ReduceOp.MAX: ReduceOp.BOR, ReduceOp.BOR: ReduceOp.BOR,
+            ReduceOp.PRODUCT: ReduceOp.BAND, ReduceOp.MIN: ReduceOp.BAND,
+            ReduceOp.BAND: ReduceOp.BAND, ReduceOp.BXOR: ReduceOp.BXOR}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Alpha-beta model of the inter-node phase over p ranks, b bytes per rank's block:
+
+        ring: (p - 1) (alpha + b beta_ring)
+        rd:   (log2 p2 + 2 f) alpha + (p - 1) b beta_rd (1 + f)
+
+    p2 is the largest power of two <= p and f = 1 when p != p2 (the fold and unfold
+    steps move the data once more). Fitted by ``benchmarks/pccl.py`` on the 2-core
+    machines; ``MCRDL_PCCL_MODEL="alpha,beta_ring,beta_rd"`` (seconds, seconds per byte)
+    replaces the coefficients."""
+
+    alpha: float = 6.0e-6
+    beta_ring: float = 2.0e-10
+    beta_rd: float = 2.6e-10
+
+    @classmethod
+    def from_env(cls) -> CostModel:
+        text = os.environ.get("MCRDL_PCCL_MODEL")
+        if not text:
+            return cls()
+        try:
+            a, br, bd = (float(x) for x in text.split(","))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"MCRDL_PCCL_MODEL={text!r}: expected three numbers 'alpha,beta_ring,beta_rd' "
+                "(seconds and seconds per byte)") from None
+        return cls(a, br, bd)
+
+    def ring(self, p: int, b: float) -> float:
+        return (p - 1) * (self.alpha + b * self.beta_ring)
+
+    def rd(self, p: int, b: float) -> float:
+        p2 = 1 << (p.bit_length() - 1)
+        f = 1 if p != p2 else 0
+        return (math.log2(p2) + 2 * f) * self.alpha + (p - 1) * b * self.beta_rd * (1 + f)
+
+    def choose(self, p: int, b: float) -> str:
+        return "rd" if self.rd(p, b) <= self.ring(p, b) else "ring"
+
+    def crossover(self, p: int) -> float | None:
+        """Bytes per block above which ring is predicted faster (None: never)."""
+        p2 = 1 << (p.bit_length() - 1)
+        f = 1 if p != p2 else 0
+        slope = (p - 1) * (self.beta_rd * (1 + f) - self.beta_ring)
+        gain = self.alpha * ((p - 1) - (math.log2(p2) + 2 * f))
+        if slope <= 0:
+            return None if gain >= 0 else 0.0
+        return max(0.0, gain / slope)
+
+
+def _algo_env(var: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(var, default)
+    if value not in allowed:
+        raise InvalidArgumentError(f"{var}={value!r}: expected one of {', '.join(allowed)}")
+    return value
+
+
+def node_ids(comm, world_size: int) -> list[int]:
+    """Node index of every world rank: MCRDL_RANKS_PER_NODE=k, else MPI's shared-memory
+    split (nodes numbered in order of their lowest world rank)."""
+    text = os.environ.get("MCRDL_RANKS_PER_NODE")
+    if text:
+        try:
+            k = int(text)
+        except ValueError:
+            k = 0
+        if k < 1:
+            raise InvalidArgumentError(
+                f"MCRDL_RANKS_PER_NODE={text!r}: expected a positive integer (ranks per "
+                "simulated node)")
+        return [r // k for r in range(world_size)]
+    MPI = mpi_module()
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
+    shared.Free()
+    leaders = comm.allgather(leader)
+    order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
+    return [order[lead] for lead in leaders]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a group's members sit on nodes: N nodes x L ranks each when even."""
+
+    nodes: int
+    per_node: int
+    node_of: tuple[int, ...]  # group rank -> node index within the group
+    local_of: tuple[int, ...]  # group rank -> local index on its node
+    hierarchical: bool
+
+    @classmethod
+    def of(cls, ranks: tuple[int, ...], world_nodes: list[int]) -> Layout:
+        order: dict[int, int] = {}
+        node_of, local_of, count = [], [], {}
+        for r in ranks:
+            n = order.setdefault(world_nodes[r], len(order))
+            node_of.append(n)
+            local_of.append(count.get(n, 0))
+            count[n] = count.get(n, 0) + 1
+        sizes = set(count.values())
+        even = len(sizes) == 1
+        per_node = sizes.pop() if even else 0
+        hier = even and len(order) > 1 and per_node > 1
+        return cls(len(order), per_node, tuple(node_of), tuple(local_of), hier)
+
+    def perm(self) -> list[int]:
+        """perm[l * N + j] = group rank of (node j, local l)."""
+        out = [0] * len(self.node_of)
+        for g, (j, loc) in enumerate(zip(self.node_of, self.local_of, strict=True)):
+            out[loc * self.nodes + j] = g
+        return out
+
+
+class PcclWork(Work):
+    """The C++ Work of one phase chain plus a Python finish step (copy-back, averaging)."""
+
+    __slots__ = ("_work", "_finish", "backend")
+
+    def __init__(self, work, finish):
+        self._work, self._finish, self.backend = work, finish, "pccl"
+
+    def _done(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            with torch.no_grad():
+                finish()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._work.wait(-1.0 if timeout is None else float(timeout))
+        self._done()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._work.is_completed():
+            self._done()
+            return True
+        return False
+
+
+class _Chain(Work):
+    """Two PCCL works in sequence (all_reduce = reduce_scatter, then all_gather): the
+    second is posted when the first is seen complete (ops of a communicator run in
+    issue order in C++, so posting late never reorders them)."""
+
+    __slots__ = ("_first", "_then", "_second", "backend")
+
+    def __init__(self, first, then):
+        self._first, self._then, self._second, self.backend = first, then, None, "pccl"
+
+    def _advance(self):
+        if self._second is None:
+            self._second = self._then()
+        return self._second
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._first.wait(timeout)
+        return self._advance().wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._first.is_completed() and self._advance().is_completed()
+
+
+class PCCLBackend(Backend):
+    name = "pccl"
+    capabilities = Capabilities(
+        ops=frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
+        notes={"layout": "hierarchical on even node layouts, flat otherwise",
+               "float16/bfloat16": "reduced in float32, rounded once"},
+    )
+
+    @classmethod
+    def availability(cls, launch) -> str | None:
+        if not launch.mpi_world:
+            return "needs an MPI world for its point-to-point phases: " + launch.why_no_mpi
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError:
+            return "mpi4py is not installed (pip install mpi4py, plus an MPI such as mpich)"
+        return None
+
+    def __init__(self, ctx: InitContext):
+        super().__init__(ctx)
+        MPI = mpi_module()
+        self._MPI = MPI
+        self._base = MPI.COMM_WORLD.Dup()
+        self.world_nodes = node_ids(self._base, self._base.Get_size())
+        self.model = CostModel.from_env()
+        self.inter_algo = _algo_env("MCRDL_PCCL_INTER", "auto", (*ALGORITHMS, "auto"))
+        self.intra_algo = _algo_env("MCRDL_PCCL_INTRA", "mpi", ALGORITHMS)
+        self._lane = _C.Lane("pccl")
+        self._mpi_comms: list = []
+        self._comms: dict[int, _C.PcclComm] = {}
+        self.layouts: dict[int, Layout] = {}
+        self._make(ctx.world)
+
+    # -- communicators ----------------------------------------------------------------
+    def _split(self, color, key):
+        c = self._base.Split(self._MPI.UNDEFINED if color is None else color, key)
+        if c != self._MPI.COMM_NULL:
+            self._mpi_comms.append(c)
+            return c
+        return None
+
+    def _make(self, group: Group) -> None:
+        lay = Layout.of(group.ranks, self.world_nodes)
+        me = group.rank if group.is_member else -1
+        if lay.hierarchical:
+            intra = self._split(lay.node_of[me] if me >= 0 else None, me)
+            inter = self._split(lay.local_of[me] if me >= 0 else None, me)
+        else:
+            intra, inter = None, self._split(0 if me >= 0 else None, me)
+        if me < 0:
+            return
+        self.layouts[group.id] = lay
+        timeout = self.ctx.timeout
+        if intra is None:
+            c = _C.PcclComm(inter.handle, inter.Get_rank(), inter.Get_size(), 0, 0, 1, [],
+                            group.describe(), self._lane, timeout)
+        else:
+            c = _C.PcclComm(inter.handle, inter.Get_rank(), inter.Get_size(), intra.handle,
+                            intra.Get_rank(), intra.Get_size(), lay.perm(), group.describe(),
+                            self._lane, timeout)
+        self._comms[group.id] = c
+
+    def add_group(self, group: Group) -> None:
+        self._make(group)
+
+    def comm(self, group: Group | None) -> _C.PcclComm:
+        try:
+            return self._comms[0 if group is None else group.id]
+        except (KeyError, AttributeError):
+            raise bad_group_error(group) from None
+
+    def set_timeout(self, timeout: float) -> None:
+        super().set_timeout(timeout)
+        for c in self._comms.values():
+            c.set_timeout(timeout)
+
+    def mark_failed(self, why: str) -> None:
+        self._lane.fail(why)
+
+    def synchronize(self, timeout: float) -> None:
+        self._lane.synchronize(timeout)
+
+    def finalize(self) -> None:
+        self._lane.shutdown("the 'pccl' backend was finalized", self.ctx.timeout)
+        self._comms.clear()
+        for c in self._mpi_comms:
+            c.Free()
+        self._mpi_comms.clear()
+        self._base.Free()
+
+    # -- algorithm choice ---------------------------------------------------------------
+    def algorithms(self, comm: _C.PcclComm, block_bytes: int) -> tuple[str, str]:
+        inter = self.inter_algo
+        if inter == "auto":
+            inter = self.model.choose(comm.nodes, block_bytes * comm.ranks_per_node)
+        return inter, self.intra_algo
+
+    # -- operations -----------------------------------------------------------------------
+    @staticmethod
+    def _check_device(op: str, t: torch.Tensor) -> None:
+        if t.device.type != "cpu":
+            raise BackendUnavailableError(
+                f"{op}: backend 'pccl' runs its phases over MPI point-to-point and handles CPU "
+                f"tensors only here (got a tensor on {t.device}); use 'nccl' for GPU tensors")
+
+    def _run(self, post, finish, async_op):
+        w = post(async_op)
+        if async_op:
+            return PcclWork(w, finish)
+        if finish is not None:
+            with torch.no_grad():
+                finish()
+        return None
+
+    def all_gather(self, output, input, group, async_op):
+        self._check_device("all_gather", input)
+        c = self.comm(group)
+        inp = input.reshape(-1)
+        is_list = isinstance(output, (list, tuple))
+        out = (torch.empty(inp.numel() * c.size, dtype=inp.dtype) if is_list
+               else output.view(-1))
+        if inp.data_ptr() and out.data_ptr() <= inp.data_ptr() < out.data_ptr() + out.nbytes:
+            inp = inp.clone()  # in place (input is this rank's block of output)
+        algos = self.algorithms(c, inp.nbytes)
+        finish = None
+        if is_list:
+            def finish(out=out, output=output):
+                for i, t in enumerate(output):
+                    t.view(-1).copy_(out[i * inp.numel():(i + 1) * inp.numel()])
+        return self._run(lambda a: c.all_gather(_words(out), _words(inp), *algos, a),
+                         finish, async_op)
+
+    def _reduce_plan(self, dtype, op):
+        """(work dtype, reduce op code, average) for a reduction of `dtype` with `op`."""
+        if dtype == torch.bool:
+            return torch.uint8, _BOOL_OP[op], False
+        work = torch.float32 if dtype in _HALF else dtype
+        if op == ReduceOp.AVG:
+            return work, ReduceOp.SUM, True
+        return work, op, False
+
+    def reduce_scatter(self, output, input, op, group, async_op):
+        self._check_device("reduce_scatter", output)
+        c = self.comm(group)
+        src = (torch.cat([t.reshape(-1) for t in input]) if isinstance(input, (list, tuple))
+               else input.reshape(-1))
+        wdtype, code, avg = self._reduce_plan(output.dtype, op)
+        src = _as(src, wdtype)
+        flat = output.view(-1)
+        out = _as(flat, wdtype) if output.dtype == torch.bool else (
+            flat if output.dtype == wdtype else torch.empty(flat.numel(), dtype=wdtype))
+        algos = self.algorithms(c, out.nbytes)
+        finish = None
+        if avg or out.data_ptr() != flat.data_ptr():
+            def finish(out=out, flat=flat, size=c.size, avg=avg):
+                if avg:
+                    out.div_(size)
+                if out.data_ptr() != flat.data_ptr():
+                    flat.copy_(out)
+        return self._run(lambda a: c.reduce_scatter(out, src, int(code), *algos, a),
+                         finish, async_op)
+
+    def all_reduce(self, tensor, op, group, async_op):
+        self._check_device("all_reduce", tensor)
+        c = self.comm(group)
+        p, count = c.size, tensor.numel()
+        wdtype, code, avg = self._reduce_plan(tensor.dtype, op)
+        m = -(-count // p)  # block per rank, the tensor padded to p * m
+        buf = torch.zeros(p * m, dtype=wdtype)
+        buf[:count].copy_(_as(tensor.reshape(-1), wdtype) if tensor.dtype == torch.bool
+                          else tensor.reshape(-1))
+        piece = torch.empty(m, dtype=wdtype)
+        algos = self.algorithms(c, m * buf.element_size())
+
+        def finish():
+            if avg:
+                buf.div_(p)
+            flat = tensor.view(-1)
+            flat.copy_(buf[:count].view(torch.bool) if tensor.dtype == torch.bool
+                       else buf[:count])
+
+        if not async_op:
+            c.reduce_scatter(piece, buf, int(code), *algos, False)
+            c.all_gather(_words(buf), _words(piece), *algos, False)
+            with torch.no_grad():
+                finish()
+            return None
+        first = c.reduce_scatter(piece, buf, int(code), *algos, True)
+        return _Chain(first, lambda: PcclWork(
+            c.all_gather(_words(buf), _words(piece), *algos, True), finish))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` reinterpreted (bool as uint8) or converted to `dtype`."""
+    if t.dtype == dtype:
+        return t
+    if t.dtype == torch.bool and dtype == torch.uint8:
+        return t.view(torch.uint8)
+    return t.to(dtype)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Data movement is bit-exact: move 16-bit and bool tensors as integer words."""
+    if t.dtype in _HALF:
+        return t.view(torch.int16)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
+@contextlib.contextmanager
+def use_algorithms(inter: str | None = None, intra: str | None = None):
+    """Within the block, the initialized "pccl" backend uses these algorithms ("ring",
+    "rd", "mpi"; inter also "auto"). For benchmarks and experiments."""
+    from .. import api
+
+    b = api._state.backends.get("pccl")
+    if b is None:
+        raise BackendUnavailableError("use_algorithms: backend 'pccl' is not initialized")
+    while "_inner" in vars(b):  # the validating / debug wrappers of mcrdl.api
+        b = vars(b)["_inner"]
+    for name, v, allowed in (("inter", inter, (*ALGORITHMS, "auto")), ("intra", intra, ALGORITHMS)):
+        if v is not None and v not in allowed:
+            raise InvalidArgumentError(f"use_algorithms: {name}={v!r}; expected one of "
+                                       f"{', '.join(allowed)}")
+    old = (b.inter_algo, b.intra_algo)
+    b.inter_algo = inter or b.inter_algo
+    b.intra_algo = intra or b.intra_algo
+    try:
+        yield b
+    finally:
+        b.inter_algo, b.intra_algo = old

@@ -1,0 +1,64 @@
+// MPI helpers shared by the "mpi" and "pccl" backends: large-count types, error checks,
+// communicator handles from mpi4py, and the MPI datatype of each tensor dtype.
+#pragma once
+
+#include <mpi.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "common.h"
+
+namespace mcrdl {
+
+#if MPI_VERSION >= 4
+using mcount = MPI_Count;
+using mdisp = MPI_Aint;
+#define MPIC(fn) fn##_c
+#else
+using mcount = int;
+using mdisp = int;
+#define MPIC(fn) fn
+#endif
+
+inline mcount to_mcount(int64_t n, const char* op) {
+  if (sizeof(mcount) < sizeof(int64_t) && n > INT_MAX)
+    throw Error(ErrorKind::Unsupported,
+                std::string(op) + ": " + std::to_string(n) +
+                    " elements exceed this MPI's int counts (MPI < 4.0 has no large-count calls)");
+  return static_cast<mcount>(n);
+}
+
+inline void check_mpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, buf, &len);
+  throw Error(ErrorKind::Runtime, std::string(what) + " failed: " + std::string(buf, len));
+}
+
+// mpi4py's Comm.handle: an int for MPICH-ABI libraries, a pointer value for Open MPI.
+template <typename C>
+C comm_from_handle(uint64_t h) {
+  if constexpr (std::is_pointer_v<C>)
+    return reinterpret_cast<C>(static_cast<uintptr_t>(h));
+  else
+    return static_cast<C>(static_cast<int64_t>(h));  // keeps the low bits of the int handle
+}
+
+inline MPI_Datatype move_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kChar: return MPI_INT8_T;
+    case at::kByte: case at::kBool: return MPI_UINT8_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kLong: return MPI_INT64_T;
+    case at::kHalf: case at::kBFloat16: return MPI_UINT16_T;
+    default: throw_invalid("unsupported dtype " + dtype_name(t));
+  }
+}
+
+}  // namespace mcrdl

@@ -1,0 +1,90 @@
+"""mcrdl-info: what this process can use: every backend, available or not and why, the
+launcher's view (rank, size, ranks per node), and the libraries.
+
+    mcrdl-info                 # one process
+    mpiexec -n 4 mcrdl-info    # rank 0 prints; the launch is detected as MPI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+
+def collect() -> dict:
+    import torch
+
+    from . import __version__
+    from .backends import registry
+    from .launch import detect
+
+    launch = detect()
+    backends = {}
+    for name, why in registry.availability(launch).items():
+        entry = {"available": why is None, "why": why}
+        if why is None:
+            try:
+                cls = registry.backend_class(name)
+                caps = cls.capabilities
+                entry["ops"] = len(caps.ops)
+                entry["devices"] = sorted(caps.devices)
+                entry["stream_aware"] = caps.stream_aware
+            except Exception as exc:  # a broken plug-in still gets listed
+                entry["why"] = f"class does not load: {exc}"
+        backends[name] = entry
+    mpi = ""
+    if launch.mpi_world:
+        try:
+            from .bootstrap import mpi_module
+
+            mpi = " ".join(mpi_module().Get_library_version().strip().splitlines()[0].split())
+        except Exception as exc:
+            mpi = f"does not load: {exc}"
+    return {
+        "mcrdl": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available() and torch.cuda.get_device_name(0) or "",
+        "mpi": mpi,
+        "launcher": launch.launcher,
+        "rank": launch.rank,
+        "size": launch.size,
+        "local_size": launch.local_size,
+        "ranks_per_node_override": os.environ.get("MCRDL_RANKS_PER_NODE", ""),
+        "backends": backends,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mcrdl-info", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+    info = collect()
+    if info["rank"] != 0:
+        return 0
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"mcrdl {info['mcrdl']}  python {info['python']}  torch {info['torch']}")
+    print(f"MPI: {info['mpi'] or '(not loaded: no MPI launch)'}")
+    print(f"GPU: {info['cuda'] or 'none'}")
+    rpn = info["ranks_per_node_override"]
+    print(f"launch: {info['launcher']}, {info['size']} ranks, {info['local_size']} on this node"
+          + (f" (MCRDL_RANKS_PER_NODE={rpn})" if rpn else ""))
+    print(f"{'backend':<12} {'status':<12} details")
+    for name, b in info["backends"].items():
+        if b["available"] and not b.get("why"):
+            detail = f"{b['ops']} ops on {', '.join(b['devices'])}" + (
+                ", stream-aware" if b.get("stream_aware") else "")
+            print(f"{name:<12} {'available':<12} {detail}")
+        else:
+            print(f"{name:<12} {'unavailable':<12} {b['why']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

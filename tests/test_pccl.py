@@ -1,0 +1,90 @@
+"""The "pccl" backend: multi-rank conformance (tests/pccl/check_pccl.py) at world sizes
+2..8 with simulated node layouts that are not powers of two, plus single-process checks
+of its layout logic, cost model and Python reference."""
+
+import math
+import os
+import re
+import sys
+
+import pytest
+
+from ._launch import mpiexec_or_skip, run_launcher
+
+HERE = os.path.join(os.path.dirname(__file__), "pccl")
+
+# (world size, MCRDL_RANKS_PER_NODE, expected layout)
+LAYOUTS = [
+    (2, 1, "2 nodes x 1 (flat)"),
+    (3, 3, "1 nodes x 3 (flat)"),
+    (4, 2, "2 nodes x 2 (hierarchical)"),
+    (5, 2, "3 nodes x 0 (flat)"),  # 2 + 2 + 1: uneven, the whole group runs flat
+    (6, 3, "2 nodes x 3 (hierarchical)"),
+    (6, 2, "3 nodes x 2 (hierarchical)"),
+    (7, 1, "7 nodes x 1 (flat)"),
+    (8, 4, "2 nodes x 4 (hierarchical)"),
+]
+
+
+@pytest.mark.parametrize("n,per_node,expected", LAYOUTS,
+                         ids=[f"{n}ranks-{k}pernode" for n, k, _ in LAYOUTS])
+def test_pccl_conformance(n, per_node, expected):
+    env = dict(os.environ, MCRDL_RANKS_PER_NODE=str(per_node), MCRDL_TIMEOUT="120")
+    if n >= 5 and (n, per_node) not in ((6, 3), (6, 2)):
+        env["PCCL_TEST_ALGOS"] = "core"
+    cmd = [mpiexec_or_skip(), "-n", str(n), sys.executable, os.path.join(HERE, "check_pccl.py")]
+    out = run_launcher(cmd, env=env, timeout=400)
+    m = re.search(r"pccl OK: world (\d+), (.*), (\d+) checks", out)
+    assert m, out
+    assert int(m.group(1)) == n and m.group(2) == expected, m.group(0)
+    assert int(m.group(3)) > 1000, m.group(0)
+
+
+def test_layout():
+    from mcrdl.backends.pccl import Layout
+
+    nodes = [r // 3 for r in range(6)]  # 2 nodes x 3, blocked
+    lay = Layout.of(tuple(range(6)), nodes)
+    assert (lay.nodes, lay.per_node, lay.hierarchical) == (2, 3, True)
+    # perm[l * N + j] = group rank of (node j, local l)
+    assert lay.perm() == [0, 3, 1, 4, 2, 5]
+    # a permuted group: nodes in order of first appearance, locals in group order
+    lay = Layout.of((5, 0, 4, 1, 3, 2), nodes)
+    assert lay.node_of == (0, 1, 0, 1, 0, 1) and lay.local_of == (0, 0, 1, 1, 2, 2)
+    assert lay.perm() == [0, 1, 2, 3, 4, 5]
+    uneven = Layout.of(tuple(range(5)), [r // 2 for r in range(5)])
+    assert not uneven.hierarchical and uneven.nodes == 3
+    assert not Layout.of((0, 1, 2), [0, 0, 0]).hierarchical  # one node
+
+
+def test_cost_model():
+    from mcrdl.backends.pccl import CostModel
+
+    m = CostModel(alpha=10e-6, beta_ring=1e-10, beta_rd=2e-10)
+    p = 16
+    assert m.ring(p, 0) == pytest.approx(15 * 10e-6)
+    assert m.rd(p, 0) == pytest.approx(4 * 10e-6)
+    x = m.crossover(p)  # alpha (15 - 4) = 15 b (2e-10 - 1e-10)
+    assert x == pytest.approx(10e-6 * 11 / (15 * 1e-10))
+    assert m.choose(p, x / 2) == "rd" and m.choose(p, 2 * x) == "ring"
+    # non-power of two: fold + unfold cost two more latency terms and the data once more
+    assert m.rd(6, 0) == pytest.approx((2 + 2) * 10e-6)
+    assert m.rd(6, 100) == pytest.approx(4 * 10e-6 + 5 * 100 * 2e-10 * 2)
+    assert CostModel(1e-6, 1e-10, 1e-10).crossover(16) is None  # rd never loses
+    assert math.isclose(CostModel().crossover(2) or 0.0, 0.0)  # p = 2: the same single step
+
+
+def test_model_and_env_errors(monkeypatch):
+    from mcrdl import InvalidArgumentError
+    from mcrdl.backends.pccl import CostModel, node_ids
+
+    monkeypatch.setenv("MCRDL_PCCL_MODEL", "1e-6,2e-10")
+    with pytest.raises(InvalidArgumentError, match="MCRDL_PCCL_MODEL"):
+        CostModel.from_env()
+    monkeypatch.setenv("MCRDL_PCCL_MODEL", "1e-6,2e-10,3e-10")
+    assert CostModel.from_env() == CostModel(1e-6, 2e-10, 3e-10)
+    monkeypatch.setenv("MCRDL_RANKS_PER_NODE", "zero")
+    with pytest.raises(InvalidArgumentError, match="MCRDL_RANKS_PER_NODE"):
+        node_ids(None, 4)
+    monkeypatch.setenv("MCRDL_RANKS_PER_NODE", "2")
+    assert node_ids(None, 5) == [0, 0, 1, 1, 2]
