@@ -82,6 +82,8 @@ def test_auto_routes_by_table(tmp_path):
         t.add("all_reduce", 3, "gloo", n, 2e-6 * (1 + n / 8192))
         t.add("all_gather", 3, "mpi", n, 9.0)
         t.add("all_gather", 3, "gloo", n, 1e-6)
+        t.add("reduce_scatter", 3, "mpi", n, 9.0)
+        t.add("reduce_scatter", 3, "pccl", n, 1e-6)
     path = tmp_path / "crafted.json"
     t.save(path)
     out = run_launcher([mpiexec_or_skip(), "-n", "3", sys.executable,
