@@ -323,6 +323,7 @@ def time_call(
 ) -> float:
     """Median over iterations of the per-iteration max over ranks (of `group`), in s."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    backend = _barrier_backend(backend)  # pccl has no barrier: line up on another one
     for _ in range(warmup):
         mcrdl.barrier(backend, group=group)
         call()
@@ -337,6 +338,20 @@ def time_call(
     worst = torch.tensor(times, dtype=torch.float64, device=device)
     mcrdl.all_reduce(backend, worst, op=mcrdl.ReduceOp.MAX, group=group)
     return statistics.median(worst.tolist())
+
+
+def _barrier_backend(backend: str) -> str:
+    """`backend` when it has barrier (and all_reduce), else the first initialized one
+    that has (the ranks line up before each timed call and agree on the slowest)."""
+    from .backends.registry import backend_class
+
+    def has(b: str) -> bool:
+        ops = backend_class(b).capabilities.ops
+        return "barrier" in ops and "all_reduce" in ops
+
+    if has(backend):
+        return backend
+    return next((b for b in mcrdl.get_backends() if has(b)), backend)
 
 
 def _device_for(backend: str) -> torch.device:
