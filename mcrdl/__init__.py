@@ -54,6 +54,18 @@ from .errors import (
     MCRDLError,
     UnsupportedOperationError,
 )
+from .fusion import (
+    CompressionConfig,
+    FusionConfig,
+    LoggingConfig,
+    compression_stats,
+    configure,
+    export_log,
+    export_trace,
+    extensions,
+    log_summary,
+    reset_log,
+)
 from .groups import Group
 from .ops import ReduceOp
 from .work import Work
@@ -71,4 +83,6 @@ __all__ = [
     "ReduceOp", "Group", "Work", "Backend", "Capabilities", "register_backend",
     "MCRDLError", "BackendUnavailableError", "InvalidArgumentError", "UnsupportedOperationError",
     "CommTimeoutError", "DesyncError",
+    "configure", "extensions", "FusionConfig", "CompressionConfig", "LoggingConfig",
+    "log_summary", "export_log", "export_trace", "reset_log", "compression_stats",
 ]

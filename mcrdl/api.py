@@ -21,6 +21,8 @@ from .backends.base import Backend, InitContext
 from .bootstrap import Bootstrap
 from .debug import Debugged
 from .errors import BackendUnavailableError, DesyncError, InvalidArgumentError
+from .fusion import chain as _extension_chain
+from .fusion.stream import ExtContext
 from .groups import Group, bad_group_error, check_ranks
 from .launch import LaunchInfo, detect
 from .ops import ReduceOp, to_reduce_op
@@ -53,6 +55,7 @@ class _State:
         self.groups: list[Group] = []  # every group, world first
         self.world: Group | None = None
         self.session = 0  # bumped by finalize: groups of an earlier session are refused
+        self.auto_table = None  # the tuning table "auto" routes by (None: fixed rule)
 
 
 _state = _State()
@@ -150,25 +153,43 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
         _state.backends[n] = backend
         _active[n] = backend
     _resolve_auto()
+    _install_extensions()
     log.info("mcrdl: initialized %s on rank %d of %d", list(_state.backends),
              _state.world.rank, _state.world.size)
 
 
 def _resolve_auto() -> None:
+    _state.auto_table = _load_tuning_table()
+    _build_auto(_state.backends)
+
+
+def _build_auto(backends: dict) -> None:
+    """Set _active["auto"] over `backends` (the backends, or their extension chains)."""
     def first(names):
-        return next((_state.backends[n] for n in names if n in _state.backends), None)
+        return next((backends[n] for n in names if n in backends), None)
 
     cpu = first(AUTO_PREFERENCE)
     gpu = first(AUTO_GPU_PREFERENCE)
     if cpu is not None and gpu is not None:
         fixed = _AutoByDevice(cpu, gpu)
-    elif cpu or gpu or _state.backends:
-        fixed = cpu or gpu or next(iter(_state.backends.values()))
+    elif cpu or gpu or backends:
+        fixed = cpu or gpu or next(iter(backends.values()))
     else:
         _active.pop("auto", None)
         return
-    table = _load_tuning_table()
-    _active["auto"] = fixed if table is None else _AutoByTable(table, _state.backends, fixed)
+    table = _state.auto_table
+    _active["auto"] = fixed if table is None else _AutoByTable(table, backends, fixed)
+
+
+def _install_extensions() -> None:
+    """Route every name through the extension chain of mcrdl.fusion when an extension is
+    on (mcrdl.configure / mcrdl.extensions), else straight to the backends: with none on
+    the hot path is exactly the same."""
+    ext = ExtContext(_state.world.rank, _state.world.size, lambda: _state.timeout,
+                     group_size_rank)
+    chained = _extension_chain.wrap(_state.backends, ext)
+    _active.update(chained)
+    _build_auto(chained)
 
 
 def _load_tuning_table():
@@ -298,7 +319,10 @@ def _first_tensor_on_gpu(args) -> bool:
 
 
 def finalize() -> None:
-    """Tear down every backend (outstanding ops are abandoned) and the bootstrap."""
+    """Tear down every backend (outstanding ops are abandoned) and the bootstrap.
+    Calls the extension chain still holds (fusion buffers) are posted first."""
+    if _state.backends:
+        _extension_chain.shutdown(_state.timeout)
     for b in reversed(list(_state.backends.values())):
         b.finalize()
     _active.clear()
@@ -368,9 +392,10 @@ def new_group(ranks: Sequence[int]) -> Group:
 
 
 def synchronize(backends: str | Sequence[str] | None = None) -> None:
-    """Wait for every outstanding op of the given backends (all when None)."""
+    """Wait for every outstanding op of the given backends (all when None), including
+    calls held by extensions (fused calls are flushed and their results copied back)."""
     if backends is None:
-        targets = list(_state.backends.values())
+        targets = [_active[n] for n in _state.backends]
     else:
         targets = list(dict.fromkeys(_backend(n) for n in _names(backends, "synchronize")))
     for b in targets:

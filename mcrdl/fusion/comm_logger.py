@@ -1,0 +1,525 @@
+"""Communication logging: what each rank sent, how long it took, and a timeline.
+
+With logging on, a :class:`Logged` wrapper in front of each backend records every call:
+operation, resolved backend, group, group size and bytes (the size convention of
+mcrdl-bench and the tuning tables: the largest buffer one rank touches) at issue, and
+the completion time when the call returns (blocking) or when its Work is waited or
+polled and found complete, or at synchronize/finalize (async: the end is when this rank
+*observed* completion). Level "call" is what the program called; with fusion or
+compression on, level "wire" is what went to the backend (fusion agreements and fused
+buffers, compressed size exchanges and payloads).
+
+- :func:`summary` / ``mcrdl.log_summary``: counts, bytes and latency min/median/max per
+  (level, op, backend, size bucket, group size), with algbw/busbw as nccl-tests defines
+  them (``algbw = bytes / time`` with the mean bytes of the row and its median latency,
+  ``busbw = algbw x factor``: ``2(n-1)/n`` all_reduce; ``(n-1)/n`` all_gather(v),
+  reduce_scatter, all_to_all*, gather(v), scatter(v); ``1`` bcast, reduce, send,
+  recv). With ``gather=True`` (collective) the rows pool every rank and add the
+  straggler view: the spread of the ranks' median latencies (max - min), and the
+  arrival skew of each collective (latest minus earliest issue time over the ranks;
+  the rank most often last is the straggler).
+- :func:`export_log`: the summary rows as JSON or CSV.
+- :func:`export_trace`: a Chrome trace (``traceEvents``, "X" complete events, ``pid`` =
+  rank, ``tid`` = backend lane) that Perfetto and chrome://tracing open. Async calls of
+  one backend that overlap in time go to sub-lanes (``mpi``, ``mpi #2``, ...), so that
+  events of one lane never overlap.
+
+Timestamps are this host's clock (time.time_ns at the first call, advanced by
+perf_counter_ns), so ranks on one node share a time base; across nodes their skew adds
+to the arrival skew.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+import threading
+import time
+
+from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..work import Work
+from .config import LoggingConfig
+from .stream import ExtContext
+
+#: nccl-tests bus bandwidth factors, by operation, as functions of the group size.
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_gatherv": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_to_allv": lambda n: (n - 1) / n,
+    "gather": lambda n: (n - 1) / n,
+    "gatherv": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "scatterv": lambda n: (n - 1) / n,
+    "bcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+_P2P = frozenset({"send", "recv"})
+
+# op -> bytes of a call (the Backend method's arguments, group and async_op last).
+_CALL_BYTES = {
+    "all_reduce": lambda a, g: a[0].nbytes,
+    "reduce": lambda a, g: a[0].nbytes,
+    "bcast": lambda a, g: a[0].nbytes,
+    "all_gather": lambda a, g: a[1].nbytes * g,
+    "gather": lambda a, g: a[1].nbytes * g,
+    "scatter": lambda a, g: a[0].nbytes * g,
+    "reduce_scatter": lambda a, g: a[0].nbytes * g,
+    "all_to_all_single": lambda a, g: a[1].nbytes,
+    "all_to_all": lambda a, g: sum(t.nbytes for t in a[1]),
+    "gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
+    "scatterv": lambda a, g: sum(a[2]) * a[0].element_size(),
+    "all_gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
+    "all_to_allv": lambda a, g: a[1].nbytes,
+    "send": lambda a, g: a[0].nbytes,
+    "recv": lambda a, g: a[0].nbytes,
+    "barrier": lambda a, g: 0,
+}
+
+ROW_FIELDS = ("level", "op", "backend", "bucket_bytes", "bucket", "group_size", "count",
+              "bytes", "completed", "lat_min_us", "lat_median_us", "lat_max_us",
+              "algbw_GBps", "busbw_GBps")
+STRAGGLER_FIELDS = ("ranks", "lat_median_spread_us", "slowest_rank", "fastest_rank",
+                    "arrival_skew_median_us", "arrival_skew_max_us", "last_arrival_rank")
+
+
+def bucket_of(nbytes: int) -> int:
+    """Lower bound of the power-of-two size bucket of `nbytes` (0 for 0)."""
+    return 0 if nbytes <= 0 else 1 << (nbytes.bit_length() - 1)
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+class Record:
+    """One logged call."""
+
+    __slots__ = ("level", "op", "backend", "gid", "gsize", "nbytes", "seq", "t0", "t1",
+                 "async_op")
+
+    def __init__(self, level, op, backend, gid, gsize, nbytes, seq, t0, async_op):
+        self.level, self.op, self.backend, self.gid = level, op, backend, gid
+        self.gsize, self.nbytes, self.seq, self.t0 = gsize, nbytes, seq, t0
+        self.t1 = 0
+        self.async_op = async_op
+
+
+class _Row:
+    __slots__ = ("count", "bytes", "lat_ns")
+
+    def __init__(self):
+        self.count = 0
+        self.bytes = 0
+        self.lat_ns: list[int] = []
+
+
+class CommLogger:
+    """The records of this process (one logger per process, see :func:`logger`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.rank = 0
+        self.trace = True
+        self.max_events = 1_000_000
+        self.epoch_ns = time.time_ns()
+        self.perf0_ns = time.perf_counter_ns()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every record (statistics, events, arrivals)."""
+        with self._lock:
+            self.rows: dict[tuple, _Row] = {}
+            self.events: list[Record] = []
+            self.dropped = 0
+            #: (level, backend, group id, op, group size) -> [(issue index, issue time)]
+            self.arrivals: dict[tuple, list[tuple[int, int]]] = {}
+            self.seqs: dict[tuple, int] = {}
+            self.pending: list[Record] = []
+
+    def configure(self, config: LoggingConfig, ext: ExtContext) -> None:
+        self.rank = ext.rank
+        self.trace = config.trace
+        self.max_events = config.max_events
+
+    # -- recording (hot path when logging is on) -----------------------------------
+    def start(self, level: str, op: str, backend: str, group, gsize: int, nbytes: int,
+              t0: int, async_op: bool) -> Record:
+        gid = 0 if group is None else group.id
+        with self._lock:
+            lane = (level, backend, gid)
+            seq = self.seqs.get(lane, 0) + 1
+            self.seqs[lane] = seq
+            rec = Record(level, op, backend, gid, gsize, nbytes, seq, t0, async_op)
+            key = (level, op, backend, bucket_of(nbytes), gsize)
+            row = self.rows.get(key)
+            if row is None:
+                row = self.rows[key] = _Row()
+            row.count += 1
+            row.bytes += nbytes
+            if op not in _P2P:
+                self.arrivals.setdefault((level, backend, gid, op, gsize), []).append((seq, t0))
+            if async_op:
+                if len(self.pending) >= 1024:
+                    self.pending = [r for r in self.pending if not r.t1]
+                self.pending.append(rec)
+        return rec
+
+    def finish(self, rec: Record, t1: int) -> None:
+        with self._lock:
+            if rec.t1:
+                return
+            rec.t1 = t1
+            self.rows[(rec.level, rec.op, rec.backend, bucket_of(rec.nbytes),
+                       rec.gsize)].lat_ns.append(t1 - rec.t0)
+            if self.trace:
+                if len(self.events) < self.max_events:
+                    self.events.append(rec)
+                else:
+                    self.dropped += 1
+
+    def finish_pending(self, backends: set | None = None) -> None:
+        """Close the records of async calls that completed without being observed
+        (after synchronize/finalize): their end is now."""
+        now = time.perf_counter_ns()
+        with self._lock:
+            pending, self.pending = self.pending, []
+        keep = []
+        for rec in pending:
+            if rec.t1:
+                continue
+            if backends is None or rec.backend in backends:
+                self.finish(rec, now)
+            else:
+                keep.append(rec)
+        with self._lock:
+            self.pending.extend(keep)
+
+    def to_us(self, t_ns: int) -> float:
+        """A perf_counter_ns time as microseconds of this host's clock."""
+        return (self.epoch_ns + (t_ns - self.perf0_ns)) / 1000.0
+
+    # -- summaries -------------------------------------------------------------------
+    def local_view(self) -> dict:
+        """This rank's statistics, in a form other ranks can merge (pickled by gather)."""
+        with self._lock:
+            rows = {k: (r.count, r.bytes, list(r.lat_ns)) for k, r in self.rows.items()}
+            arrivals = {k: [(s, self.to_us(t)) for s, t in v] for k, v in self.arrivals.items()}
+        return {"rank": self.rank, "rows": rows, "arrivals": arrivals}
+
+
+_LOGGER: CommLogger | None = None
+_LOGGER_LOCK = threading.Lock()
+
+
+def logger() -> CommLogger:
+    """The process's logger (created on first use)."""
+    global _LOGGER
+    if _LOGGER is None:
+        with _LOGGER_LOCK:
+            if _LOGGER is None:
+                _LOGGER = CommLogger()
+    return _LOGGER
+
+
+class LoggedWork(Work):
+    """The Work of a logged async call: closes its record when seen complete."""
+
+    __slots__ = ("_inner", "_rec", "_log", "backend")
+
+    def __init__(self, inner: Work, rec: Record, log: CommLogger):
+        self._inner, self._rec, self._log = inner, rec, log
+        self.backend = getattr(inner, "backend", rec.backend)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        result = self._inner.wait(timeout)
+        if not self._rec.t1:
+            self._log.finish(self._rec, time.perf_counter_ns())
+        return result
+
+    def is_completed(self) -> bool:
+        done = self._inner.is_completed()
+        if done and not self._rec.t1:
+            self._log.finish(self._rec, time.perf_counter_ns())
+        return done
+
+    def __repr__(self) -> str:
+        return f"<logged {self._inner!r}>"
+
+
+class Logged:
+    """Wrapper backend recording every call in the logger (see the module docstring)."""
+
+    def __init__(self, inner, log: CommLogger, level: str, ext: ExtContext):
+        self._inner = inner
+        self.name = inner.name
+        self._log = log
+        self._level = level
+        self._world_size = ext.world_size
+
+    def __getattr__(self, attr):
+        if attr not in _CALL_BYTES:
+            return getattr(self._inner, attr)
+        method = getattr(self._inner, attr)
+        nbytes_of = _CALL_BYTES[attr]
+        log, level, name, world_size = self._log, self._level, self.name, self._world_size
+        perf = time.perf_counter_ns
+
+        def call(*args):
+            t0 = perf()
+            result = method(*args)
+            group, async_op = args[-2], args[-1]
+            gsize = world_size if group is None else group.size
+            rec = log.start(level, attr, name, group, gsize, nbytes_of(args, gsize), t0,
+                            async_op)
+            if not async_op:
+                log.finish(rec, perf())
+                return result
+            return LoggedWork(result, rec, log)
+
+        self.__dict__[attr] = call  # built once: later calls skip __getattr__
+        return call
+
+    def synchronize(self, timeout: float) -> None:
+        self._inner.synchronize(timeout)
+        self._log.finish_pending({self.name})
+
+
+# -- summary, exports and traces --------------------------------------------------------
+
+def _rows_from(views: list[dict], level: str | None) -> list[dict]:
+    merged: dict[tuple, list] = {}
+    per_rank: dict[tuple, dict[int, list[int]]] = {}
+    for view in views:
+        for key, (count, nbytes, lats) in view["rows"].items():
+            if level is not None and key[0] != level:
+                continue
+            m = merged.setdefault(key, [0, 0, []])
+            m[0] += count
+            m[1] += nbytes
+            m[2].extend(lats)
+            per_rank.setdefault(key, {})[view["rank"]] = lats
+    rows = []
+    for key in sorted(merged, key=lambda k: (k[0], k[1], k[2], k[4], k[3])):
+        lvl, op, backend, bucket, gsize = key
+        count, nbytes, lats = merged[key]
+        row = {"level": lvl, "op": op, "backend": backend, "bucket_bytes": bucket,
+               "bucket": format_bytes(bucket), "group_size": gsize, "count": count,
+               "bytes": nbytes, "completed": len(lats)}
+        if lats:
+            med = statistics.median(lats) / 1000.0
+            row.update(lat_min_us=min(lats) / 1000.0, lat_median_us=med,
+                       lat_max_us=max(lats) / 1000.0)
+            algbw = (nbytes / count) / (med * 1e-6) / 1e9 if med > 0 else 0.0
+            row.update(algbw_GBps=algbw, busbw_GBps=algbw * BUS_FACTORS[op](gsize))
+        else:
+            row.update(lat_min_us=None, lat_median_us=None, lat_max_us=None, algbw_GBps=None,
+                       busbw_GBps=None)
+        if len(views) > 1:
+            medians = {r: statistics.median(v) / 1000.0 for r, v in per_rank[key].items() if v}
+            row["ranks"] = len(per_rank[key])
+            if medians:
+                row["lat_median_spread_us"] = max(medians.values()) - min(medians.values())
+                row["slowest_rank"] = max(medians, key=medians.get)
+                row["fastest_rank"] = min(medians, key=medians.get)
+        rows.append(row)
+    return rows
+
+
+def _arrival_skew(views: list[dict], rows: list[dict]) -> None:
+    """Add the arrival skew of each row's collectives (calls matched across ranks by
+    their issue index on (level, backend, group))."""
+    if len(views) < 2:
+        return
+    calls: dict[tuple, dict[int, dict[int, float]]] = {}
+    for view in views:
+        for key, arrivals in view["arrivals"].items():
+            by_seq = calls.setdefault(key, {})
+            for seq, t in arrivals:
+                by_seq.setdefault(seq, {})[view["rank"]] = t
+    skews: dict[tuple, list[tuple[float, int]]] = {}
+    for (level, backend, _gid, op, gsize), by_seq in calls.items():
+        for times in by_seq.values():
+            if gsize < 2 or len(times) != gsize:  # not every member logged it
+                continue
+            last = max(times, key=times.get)
+            skews.setdefault((level, op, backend, gsize), []).append(
+                (max(times.values()) - min(times.values()), last))
+    for row in rows:
+        s = skews.get((row["level"], row["op"], row["backend"], row["group_size"]))
+        if s:
+            values = [x for x, _ in s]
+            lasts = [r for _, r in s]
+            row["arrival_skew_median_us"] = statistics.median(values)
+            row["arrival_skew_max_us"] = max(values)
+            row["last_arrival_rank"] = max(set(lasts), key=lasts.count)
+
+
+def _views(gather: bool) -> list[dict]:
+    view = logger().local_view()
+    return _allgather(view) if gather else [view]
+
+
+def _allgather(obj: object) -> list:
+    """Every rank's `obj` (collective over the world, on mcrdl's bootstrap channel)."""
+    from .. import api
+
+    if not api.is_initialized():
+        raise BackendUnavailableError(
+            "gather=True exchanges the logs of every rank and needs mcrdl initialized; call it "
+            "on every rank before mcrdl.finalize(), or pass gather=False")
+    return api._state.bootstrap.allgather_obj(obj)
+
+
+def summary(*, gather: bool = False, level: str | None = "call", file=sys.stdout) -> list[dict]:
+    """The logged calls as rows (dicts with ROW_FIELDS, plus STRAGGLER_FIELDS when
+    gathered) per (level, op, backend, size bucket, group size); printed as a table to
+    `file` (None: not printed; with gather=True only rank 0 prints).
+
+    ``gather=True`` is collective: every rank must call it (mcrdl initialized); rows then
+    pool all ranks (count and bytes summed) and add the straggler view. ``level``:
+    "call" (what the program called), "wire" (what went to the backends), None (both).
+    """
+    views = _views(gather)
+    rows = _rows_from(views, level)
+    _arrival_skew(views, rows)
+    if file is not None and (not gather or logger().rank == 0):
+        print(format_table(rows, gathered=len(views) > 1, ranks=len(views)), file=file)
+    return rows
+
+
+def format_table(rows: list[dict], gathered: bool = False, ranks: int = 1) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    who = f"all {ranks} ranks" if gathered else f"rank {logger().rank}"
+    title = (f"# mcrdl communication log ({who}; the latency of an async call ends when "
+             "its Work was seen complete)")
+    head = (f"{'level':<5} {'op':<18} {'backend':<8} {'size':>9} {'n':>3} {'count':>7} "
+            f"{'bytes':>12} {'min(us)':>9} {'med(us)':>9} {'max(us)':>9} {'algbw':>8} "
+            f"{'busbw':>8}")
+    if gathered:
+        head += f" {'spread(us)':>10} {'skew(us)':>9} {'last':>4}"
+    lines = [title, head]
+    for r in rows:
+        line = (f"{r['level']:<5} {r['op']:<18} {r['backend']:<8} {r['bucket']:>9} "
+                f"{r['group_size']:>3} {r['count']:>7} {r['bytes']:>12} "
+                f"{num(r['lat_min_us'], '9.1f')} {num(r['lat_median_us'], '9.1f')} "
+                f"{num(r['lat_max_us'], '9.1f')} {num(r['algbw_GBps'], '8.3f')} "
+                f"{num(r['busbw_GBps'], '8.3f')}")
+        if gathered:
+            line += (f" {num(r.get('lat_median_spread_us'), '10.1f')} "
+                     f"{num(r.get('arrival_skew_median_us'), '9.1f')} "
+                     f"{r.get('last_arrival_rank', '-'):>4}")
+        lines.append(line)
+    if len(rows) == 0:
+        lines.append("(no calls logged: turn logging on with mcrdl.configure(logging=True))")
+    lines.append("# algbw/busbw in GB/s (1e9 B/s), nccl-tests formulas on the median latency")
+    return "\n".join(lines)
+
+
+def export_log(path: str, *, format: str | None = None, gather: bool = False,
+               level: str | None = None) -> str | None:
+    """Write the summary rows as JSON (``{"rows": [...], ...}``) or CSV (one row per
+    line, header first); format from `format` or the file suffix. With gather=True
+    (collective) rank 0 writes the pooled rows and returns the path, others None."""
+    fmt = format or ("csv" if str(path).endswith(".csv") else "json")
+    if fmt not in ("json", "csv"):
+        raise InvalidArgumentError(f"export_log: 'format' is {fmt!r}; expected 'json' or 'csv'")
+    rows = summary(gather=gather, level=level, file=None)
+    if gather and logger().rank != 0:
+        return None
+    fields = list(ROW_FIELDS) + ([f for f in STRAGGLER_FIELDS if any(f in r for r in rows)])
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        if fmt == "json":
+            json.dump({"rank": None if gather else logger().rank, "gathered": gather,
+                       "fields": fields, "rows": rows}, f, indent=1)
+        else:
+            w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    return str(path)
+
+
+def _trace_events(log: CommLogger) -> list[dict]:
+    """This rank's records as complete events; overlapping calls of one backend lane go
+    to numbered sub-lanes so that events of one tid never overlap."""
+    with log._lock:
+        recs = sorted(log.events, key=lambda r: r.t0)
+    lanes: dict[str, list[int]] = {}  # lane name -> end time (ns) of each sub-lane
+    out = []
+    for r in recs:
+        base = r.backend if r.level == "call" else f"{r.backend} wire"
+        ends = lanes.setdefault(base, [])
+        i = next((k for k, end in enumerate(ends) if end <= r.t0), len(ends))
+        if i == len(ends):
+            ends.append(0)
+        ends[i] = r.t1
+        lane = base if i == 0 else f"{base} #{i + 1}"
+        out.append({"name": r.op, "cat": f"mcrdl.{r.level}", "ph": "X",
+                    "ts": log.to_us(r.t0), "dur": (r.t1 - r.t0) / 1000.0,
+                    "lane": lane,
+                    "args": {"backend": r.backend, "bytes": r.nbytes, "group": r.gid,
+                             "group_size": r.gsize, "seq": r.seq, "async": r.async_op,
+                             "level": r.level}})
+    return out
+
+
+def export_trace(path: str, *, gather: bool = False) -> str | None:
+    """Write a Chrome-trace JSON of every logged call (open it in https://ui.perfetto.dev
+    or chrome://tracing): one process per rank, one thread per backend lane.
+
+    With gather=True (collective: every rank calls it) rank 0 writes every rank's events
+    into `path` and returns it; the others return None. Else each rank writes its own
+    (put ``{rank}`` in `path` to keep them apart)."""
+    log = logger()
+    mine = {"rank": log.rank, "events": _trace_events(log), "dropped": log.dropped}
+    if gather:
+        views = _allgather(mine)
+        if log.rank != 0:
+            return None
+    else:
+        views = [mine]
+    events = []
+    origin = min((e["ts"] for v in views for e in v["events"]), default=0.0)
+    for v in views:
+        pid = v["rank"]
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"name": f"rank {pid}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"sort_index": pid}})
+        tids: dict[str, int] = {}
+        for e in v["events"]:
+            lane = e.pop("lane")
+            if lane not in tids:
+                tids[lane] = len(tids) + 1
+                events.append({"name": "thread_name", "ph": "M", "pid": pid,
+                               "tid": tids[lane], "args": {"name": lane}})
+            e["pid"], e["tid"] = pid, tids[lane]
+            e["ts"] = round(e["ts"] - origin, 3)
+            e["dur"] = round(e["dur"], 3)
+            events.append(e)
+    out = str(path).format(rank=log.rank)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms",
+                   "otherData": {"producer": "mcrdl", "ranks": [v["rank"] for v in views],
+                                 "dropped_events": sum(v["dropped"] for v in views),
+                                 "clock": "host time_ns (microseconds from the first event)"}},
+                  f)
+    return out
+
+
+def reset() -> None:
+    """Forget every logged call."""
+    logger().reset()

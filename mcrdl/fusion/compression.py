@@ -1,0 +1,433 @@
+"""zfp compression of the data that collectives and point-to-point calls move.
+
+For float32/float64 CPU tensors, each block a rank sends (its input, or one block per
+peer) is compressed with zfpy in the configured mode; compressed sizes differ per rank,
+so every call first moves the sizes, then the bytes, both with the backend's own
+operations:
+
+============================  ======================================================
+operation                     protocol on the same backend and group
+============================  ======================================================
+all_gather, all_reduce        all_gather of the sizes, all_gatherv of the bytes;
+                              all_reduce then reduces the decompressed contributions
+                              locally, in rank order (SUM, AVG, MIN, MAX, PRODUCT)
+gather                        all_gather of the sizes, gatherv of the bytes
+scatter                       bcast of the sizes from the root, scatterv of the bytes
+bcast                         bcast of the size, bcast of the bytes
+all_to_all(_single)           all_to_all of the sizes, all_to_allv of the bytes
+send / recv                   the size, then the bytes (same tag)
+============================  ======================================================
+
+Every rank, the sender or root included, ends with the *decompressed* values (so all
+ranks hold the same bits, e.g. after a bcast of weights). Each block starts with one
+tag byte: zfp, or raw when zfp would not make it smaller or it holds NaN/Inf (zfp's
+lossy modes do not keep non-finite values); raw blocks are exact. Other dtypes
+(float16/bfloat16 included: zfp has no 16-bit floats), GPU tensors, the other
+operations and reduce ops are passed through uncompressed, in order. The sizes are
+exchanged before the bytes can be posted, so an async call is posted by the group's
+stream worker (mcrdl.fusion.stream), never blocking the caller.
+
+Error bounds (zfp 1.0 documentation): "accuracy" keeps every value within
+``tolerance`` (zfp rounds the tolerance down to a power of two); "precision" keeps
+``precision`` bit planes of the block transform, error at most
+``k(d) * 2**(emax - precision)`` for a block of 4**d values whose largest magnitude has
+exponent emax (k(1) = 20, k(2) = 125, ...); "rate" stores every block of 4**d values in
+``round(4**d * rate)`` bits (the stream is written in 64-bit words after a 96-bit
+header) with no error bound. A compressed all_reduce(SUM) adds up to one error bound
+per rank. Tensors are compressed with their own shape (up to 4-D; more dims are
+folded into the first).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from ..errors import DesyncError, MCRDLError
+from ..ops import ReduceOp
+from ..validate import validate_call
+from ..work import Work
+from .config import CompressionConfig
+from .stream import ExtContext, Finish, OrderedStream, StreamedBackend
+
+_FLOATS = (torch.float32, torch.float64)
+_RAW, _ZFP = 0, 1  # tag byte of a block
+_SIZE_BYTES = 8  # one int64 size per block
+_REDUCE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+}
+
+_stats_lock = threading.Lock()
+_stats: dict[str, list[int]] = {}  # op -> [calls, uncompressed bytes, bytes sent]
+
+
+def _count(op: str, raw: int, wire: int) -> None:
+    with _stats_lock:
+        s = _stats.setdefault(op, [0, 0, 0])
+        s[0] += 1
+        s[1] += raw
+        s[2] += wire
+
+
+def compression_stats(reset: bool = False) -> dict[str, dict]:
+    """Bytes this rank sent through compressed calls, per operation and in total:
+    ``calls``, ``raw_bytes`` (the bytes of the blocks it would have sent uncompressed),
+    ``wire_bytes`` (compressed blocks with their tag bytes, plus 8 bytes per size sent)
+    and ``ratio`` = wire / raw. ``reset=True`` starts counting afresh."""
+    with _stats_lock:
+        items = {op: list(v) for op, v in _stats.items()}
+        if reset:
+            _stats.clear()
+    out = {}
+    total = [0, 0, 0]
+    for op, (calls, raw, wire) in sorted(items.items()):
+        out[op] = {"calls": calls, "raw_bytes": raw, "wire_bytes": wire,
+                   "ratio": wire / raw if raw else None}
+        total = [a + b for a, b in zip(total, (calls, raw, wire), strict=True)]
+    out["total"] = {"calls": total[0], "raw_bytes": total[1], "wire_bytes": total[2],
+                    "ratio": total[2] / total[1] if total[1] else None}
+    return out
+
+
+def _zfp_shape(shape: tuple) -> tuple:
+    if not shape:
+        return (1,)
+    if len(shape) > 4:
+        return (-1, *shape[-3:])
+    return shape
+
+
+def encode(t: torch.Tensor, zfp_args: dict) -> torch.Tensor:
+    """The bytes of one block (uint8, tag byte first); empty for an empty tensor."""
+    import zfpy
+
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    a = t.detach().numpy().reshape(_zfp_shape(tuple(t.shape)))
+    if np.isfinite(a).all():
+        packed = zfpy.compress_numpy(a, **zfp_args)
+        if len(packed) < a.nbytes:
+            out = np.empty(1 + len(packed), dtype=np.uint8)
+            out[0] = _ZFP
+            out[1:] = np.frombuffer(packed, dtype=np.uint8)
+            return torch.from_numpy(out)
+    out = np.empty(1 + a.nbytes, dtype=np.uint8)
+    out[0] = _RAW
+    out[1:] = a.reshape(-1).view(np.uint8)
+    return torch.from_numpy(out)
+
+
+def decode(block: torch.Tensor, dst: torch.Tensor, where: str) -> None:
+    """Write the values of `block` (from :func:`encode`) into `dst`."""
+    import zfpy
+
+    n = dst.numel()
+    out = dst.detach().view(-1).numpy()
+    if block.numel() == 0:
+        if n:
+            raise DesyncError(f"{where}: received an empty block where {n} values were "
+                              "expected; the ranks passed tensors of different sizes")
+        return
+    data = block.numpy()
+    if data[0] == _RAW:
+        values = np.frombuffer(data[1:], dtype=out.dtype)
+    elif data[0] == _ZFP:
+        values = zfpy.decompress_numpy(data[1:].tobytes())
+    else:
+        raise MCRDLError(f"{where}: received a block with unknown tag {int(data[0])}; the "
+                         "ranks do not run the same compression protocol")
+    if values.size != n or values.dtype != out.dtype:
+        raise DesyncError(
+            f"{where}: received {values.size} {values.dtype} values where {n} {out.dtype} "
+            "were expected; the ranks passed tensors of different sizes or dtypes")
+    out[:] = values.reshape(-1)
+
+
+def _eligible(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.is_cpu
+
+
+class _Works(Work):
+    """Several backend works as one (a compressed send), keeping its buffers alive."""
+
+    __slots__ = ("_works", "_keep", "backend")
+
+    def __init__(self, works: list, keep: tuple, backend: str):
+        self._works, self._keep, self.backend = works, keep, backend
+
+    def wait(self, timeout: float | None = None) -> bool:
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+
+class Compressed(StreamedBackend):
+    """Wrapper backend compressing payloads with zfp; see the module docstring."""
+
+    def __init__(self, inner, ext: ExtContext, config: CompressionConfig):
+        super().__init__(inner, ext)
+        self._config = config
+        self._zfp = config.zfp_args()
+        self._p2p: dict[tuple, OrderedStream] = {}
+        for op in ("all_gather", "gather", "scatter", "bcast", "all_to_all_single",
+                   "all_to_all", "send", "recv", "all_reduce"):
+            if op not in config.ops:  # pass through, in order
+                self.__dict__[op] = self.__getattr__(op)
+
+    # -- helpers ---------------------------------------------------------------------
+    def _check(self, op: str, args: tuple, group) -> tuple[int, int, tuple]:
+        size, rank = self._ext.size_rank(group)
+        return size, rank, validate_call(op, args, size, rank)
+
+    def _run(self, group, post, async_op: bool):
+        return self._stream(group, "compression ").run_task(post, self.name, async_op)
+
+    def _sizes_all_gather(self, payload: torch.Tensor, group, size: int) -> list[int]:
+        mine = torch.tensor([payload.numel()], dtype=torch.int64)
+        sizes = torch.empty(size, dtype=torch.int64)
+        self._inner.all_gather(sizes, mine, group, False)
+        return sizes.tolist()
+
+    def _where(self, op: str, group) -> str:
+        gname = "world" if group is None else group.describe()
+        return f"compressed {op} on backend '{self.name}' (group {gname})"
+
+    # -- collectives -------------------------------------------------------------------
+    def all_gather(self, output, input, group, async_op):
+        if not _eligible(input):
+            return self._ordered("all_gather", self._inner.all_gather,
+                                 (output, input, group, async_op))
+        size, _, _ = self._check("all_gather", (output, input), group)
+        where = self._where("all_gather", group)
+
+        def post():
+            payload = encode(input, self._zfp)
+            counts = self._sizes_all_gather(payload, group, size)
+            recv = torch.empty(sum(counts), dtype=torch.uint8)
+            work = self._inner.all_gatherv(recv, payload, counts, None, group, True)
+            _count("all_gather", input.nbytes, payload.numel() + _SIZE_BYTES)
+
+            def then():
+                dsts = (list(output.view(size, -1)) if isinstance(output, torch.Tensor)
+                        else output)
+                for block, dst in zip(recv.split(counts), dsts, strict=True):
+                    decode(block, dst, where)
+
+            return Finish([work], then)
+
+        return self._run(group, post, async_op)
+
+    def all_reduce(self, tensor, op, group, async_op):
+        if not _eligible(tensor) or op not in _REDUCE:
+            return self._ordered("all_reduce", self._inner.all_reduce,
+                                 (tensor, op, group, async_op))
+        size, _, _ = self._check("all_reduce", (tensor, op), group)
+        where = self._where("all_reduce", group)
+        combine = _REDUCE[op]
+
+        def post():
+            payload = encode(tensor, self._zfp)
+            counts = self._sizes_all_gather(payload, group, size)
+            recv = torch.empty(sum(counts), dtype=torch.uint8)
+            work = self._inner.all_gatherv(recv, payload, counts, None, group, True)
+            _count("all_reduce", tensor.nbytes, payload.numel() + _SIZE_BYTES)
+
+            def then():
+                acc, part = torch.empty_like(tensor), torch.empty_like(tensor)
+                for r, block in enumerate(recv.split(counts)):
+                    decode(block, acc if r == 0 else part, where)
+                    if r:
+                        combine(acc, part, out=acc)
+                if op == ReduceOp.AVG:
+                    acc.div_(size)
+                tensor.copy_(acc)
+
+            return Finish([work], then)
+
+        return self._run(group, post, async_op)
+
+    def gather(self, output, input, dst, group, async_op):
+        if not _eligible(input):
+            return self._ordered("gather", self._inner.gather,
+                                 (output, input, dst, group, async_op))
+        size, rank, _ = self._check("gather", (output, input, dst), group)
+        where = self._where("gather", group)
+
+        def post():
+            payload = encode(input, self._zfp)
+            counts = self._sizes_all_gather(payload, group, size)
+            recv = torch.empty(sum(counts) if rank == dst else 0, dtype=torch.uint8)
+            work = self._inner.gatherv(recv if rank == dst else None, payload, counts, None,
+                                       dst, group, True)
+            _count("gather", input.nbytes, payload.numel() + _SIZE_BYTES)
+
+            def then():
+                if rank != dst:
+                    return
+                dsts = (list(output.view(size, -1)) if isinstance(output, torch.Tensor)
+                        else output)
+                for block, d in zip(recv.split(counts), dsts, strict=True):
+                    decode(block, d, where)
+
+            return Finish([work], then)
+
+        return self._run(group, post, async_op)
+
+    def scatter(self, output, input, src, group, async_op):
+        if not _eligible(output):
+            return self._ordered("scatter", self._inner.scatter,
+                                 (output, input, src, group, async_op))
+        size, rank, _ = self._check("scatter", (output, input, src), group)
+        where = self._where("scatter", group)
+
+        def post():
+            if rank == src:
+                blocks = (list(input.view(size, *output.shape)) if isinstance(input, torch.Tensor)
+                          else list(input))
+                payloads = [encode(b, self._zfp) for b in blocks]
+                sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
+                send = torch.cat(payloads)
+                _count("scatter", sum(b.nbytes for b in blocks),
+                       send.numel() + _SIZE_BYTES * size)
+            else:
+                sizes, send = torch.empty(size, dtype=torch.int64), None
+            self._inner.bcast(sizes, src, group, False)
+            counts = sizes.tolist()
+            recv = torch.empty(counts[rank], dtype=torch.uint8)
+            work = self._inner.scatterv(recv, send, counts, None, src, group, True)
+            return Finish([work], lambda: decode(recv, output, where))
+
+        return self._run(group, post, async_op)
+
+    def bcast(self, tensor, src, group, async_op):
+        if not _eligible(tensor):
+            return self._ordered("bcast", self._inner.bcast, (tensor, src, group, async_op))
+        _, rank, _ = self._check("bcast", (tensor, src), group)
+        where = self._where("bcast", group)
+
+        def post():
+            if rank == src:
+                buf = encode(tensor, self._zfp)
+                n = torch.tensor([buf.numel()], dtype=torch.int64)
+                _count("bcast", tensor.nbytes, buf.numel() + _SIZE_BYTES)
+            else:
+                n = torch.empty(1, dtype=torch.int64)
+            self._inner.bcast(n, src, group, False)
+            if rank != src:
+                buf = torch.empty(int(n[0]), dtype=torch.uint8)
+            work = self._inner.bcast(buf, src, group, True)
+            return Finish([work], lambda: decode(buf, tensor, where))
+
+        return self._run(group, post, async_op)
+
+    def _exchange(self, op, sends: list, dsts: list, group, size: int, where: str,
+                  raw: int):
+        """all_to_all of the block sizes, all_to_allv of the blocks (in post())."""
+        payloads = [encode(b, self._zfp) for b in sends]
+        send_sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
+        recv_sizes = torch.empty(size, dtype=torch.int64)
+        self._inner.all_to_all_single(recv_sizes, send_sizes, None, None, group, False)
+        scounts, rcounts = send_sizes.tolist(), recv_sizes.tolist()
+        send = torch.cat(payloads)
+        recv = torch.empty(sum(rcounts), dtype=torch.uint8)
+        work = self._inner.all_to_allv(recv, send, scounts, rcounts, None, None, group, True)
+        _count(op, raw, send.numel() + _SIZE_BYTES * size)
+
+        def then():
+            for block, d in zip(recv.split(rcounts), dsts, strict=True):
+                decode(block, d, where)
+
+        return Finish([work], then)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
+                          async_op):
+        if not _eligible(input) or input.dim() == 0:
+            return self._ordered("all_to_all_single", self._inner.all_to_all_single,
+                                 (output, input, output_split_sizes, input_split_sizes, group,
+                                  async_op))
+        size, _, _ = self._check("all_to_all_single", (output, input, output_split_sizes,
+                                                       input_split_sizes), group)
+        where = self._where("all_to_all_single", group)
+
+        def rows(t, splits):
+            return [int(s) for s in splits] if splits is not None else [t.shape[0] // size] * size
+
+        def post():
+            sends = list(input.split(rows(input, input_split_sizes)))
+            dsts = list(output.split(rows(output, output_split_sizes)))
+            return self._exchange("all_to_all_single", sends, dsts, group, size, where,
+                                  input.nbytes)
+
+        return self._run(group, post, async_op)
+
+    def all_to_all(self, output_list, input_list, group, async_op):
+        if not isinstance(input_list, (list, tuple)) or not input_list \
+                or not _eligible(input_list[0]):
+            return self._ordered("all_to_all", self._inner.all_to_all,
+                                 (output_list, input_list, group, async_op))
+        size, _, _ = self._check("all_to_all", (output_list, input_list), group)
+        where = self._where("all_to_all", group)
+
+        def post():
+            return self._exchange("all_to_all", list(input_list), list(output_list), group,
+                                  size, where, sum(t.nbytes for t in input_list))
+
+        return self._run(group, post, async_op)
+
+    # -- point to point ----------------------------------------------------------------
+    def send(self, tensor, dst, tag, group, async_op):
+        if not _eligible(tensor):
+            return self._inner.send(tensor, dst, tag, group, async_op)
+        self._check("send", (tensor, dst, tag), group)
+        payload = encode(tensor, self._zfp)
+        n = torch.tensor([payload.numel()], dtype=torch.int64)
+        works = [self._inner.send(n, dst, tag, group, True)]
+        if payload.numel():
+            works.append(self._inner.send(payload, dst, tag, group, True))
+        _count("send", tensor.nbytes, payload.numel() + _SIZE_BYTES)
+        work = _Works(works, (n, payload), self.name)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def recv(self, tensor, src, tag, group, async_op):
+        if not _eligible(tensor):
+            return self._inner.recv(tensor, src, tag, group, async_op)
+        self._check("recv", (tensor, src, tag), group)
+        where = self._where("recv", group)
+        gid = 0 if group is None else group.id
+        key = (gid, src, tag)
+        stream = self._p2p.get(key)
+        if stream is None:
+            with self._streams_lock:
+                stream = self._p2p.setdefault(key, OrderedStream(
+                    f"compression {self.name} recv from {src} tag {tag}", self._ext.timeout_of))
+
+        def post():
+            n = torch.empty(1, dtype=torch.int64)
+            self._inner.recv(n, src, tag, group, False)
+            buf = torch.empty(int(n[0]), dtype=torch.uint8)
+            works = [self._inner.recv(buf, src, tag, group, True)] if buf.numel() else []
+            return Finish(works, lambda: decode(buf, tensor, where))
+
+        return stream.run_task(post, self.name, async_op)
+
+    def drain(self, timeout: float) -> None:
+        super().drain(timeout)
+        for stream in list(self._p2p.values()):
+            stream.drain(timeout)
+
+    def close(self, timeout: float) -> None:
+        super().close(timeout)
+        for stream in list(self._p2p.values()):
+            stream.close(timeout)

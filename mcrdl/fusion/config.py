@@ -1,0 +1,186 @@
+"""Settings of the call-path extensions: tensor fusion, zfp compression, comm logging.
+
+Each extension has a frozen dataclass whose constructor checks its fields and raises
+InvalidArgumentError naming the bad field, the value and what is expected.
+:func:`coerce` turns what ``mcrdl.configure`` / ``mcrdl.extensions`` accept for one
+extension (None, False, True, a dict of fields or the dataclass) into the dataclass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError
+
+MIB = 1 << 20
+
+#: Operations tensor fusion can combine (calls of other operations pass through, in order).
+FUSABLE_OPS = frozenset({"all_reduce", "all_gather", "bcast", "reduce_scatter"})
+#: Operations zfp compression applies to (float32/float64 CPU tensors; others pass through).
+COMPRESSIBLE_OPS = frozenset({"all_gather", "gather", "scatter", "bcast", "all_to_all_single",
+                              "all_to_all", "send", "recv", "all_reduce"})
+COMPRESSION_MODES = ("rate", "precision", "accuracy")
+
+
+def _positive_number(where: str, name: str, value: object, *, integer: bool = False) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 \
+            or not math.isfinite(value):
+        what = "an int > 0" if integer else "a finite number > 0"
+        raise InvalidArgumentError(f"{where}: '{name}' is {value!r}; expected {what}")
+
+
+def _ops(where: str, ops: object, allowed: frozenset) -> frozenset:
+    if isinstance(ops, str) or not hasattr(ops, "__iter__"):
+        raise InvalidArgumentError(
+            f"{where}: 'ops' is {ops!r}; expected a collection of operation names from "
+            f"{sorted(allowed)}")
+    ops = frozenset(ops)
+    bad = sorted(str(o) for o in ops - allowed)
+    if bad:
+        raise InvalidArgumentError(
+            f"{where}: 'ops' names {bad}, which this extension does not apply to; "
+            f"choose from {sorted(allowed)}")
+    return ops
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """Tensor fusion (the paper's Tensor Fusion): small async calls with the same
+    (backend, group, operation, dtype, reduce op or root) are combined into one call.
+
+    ``buffer_bytes`` (B): a fused call carries at most this many bytes; a call of B bytes
+    or more is not fused. ``wait_us`` (T): a call waits at most this long (microseconds)
+    for others to join before its buffer is flushed anyway; waiting on a fused call,
+    a blocking call, a call that cannot be fused on the same (backend, group),
+    ``synchronize`` and ``finalize`` flush earlier. ``ops``: which operations fuse.
+    """
+
+    buffer_bytes: int = 16 * MIB
+    wait_us: float = 2000.0
+    ops: frozenset = FUSABLE_OPS
+
+    def __post_init__(self) -> None:
+        _positive_number("FusionConfig", "buffer_bytes", self.buffer_bytes, integer=True)
+        _positive_number("FusionConfig", "wait_us", self.wait_us)
+        object.__setattr__(self, "ops", _ops("FusionConfig", self.ops, FUSABLE_OPS))
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """zfp compression of float32/float64 payloads (see docs/extensions.md).
+
+    ``mode``: "rate" (``rate`` bits per value, fixed size), "precision" (``precision``
+    bit planes of the transform coefficients kept) or "accuracy" (absolute error at most
+    ``tolerance``). Only the parameter of the chosen mode may be set. ``ops``: which
+    operations compress (all of COMPRESSIBLE_OPS by default).
+    """
+
+    mode: str = "accuracy"
+    rate: float | None = None
+    precision: int | None = None
+    tolerance: float | None = None
+    ops: frozenset = COMPRESSIBLE_OPS
+
+    def __post_init__(self) -> None:
+        where = "CompressionConfig"
+        if self.mode not in COMPRESSION_MODES:
+            raise InvalidArgumentError(
+                f"{where}: 'mode' is {self.mode!r}; expected one of {list(COMPRESSION_MODES)}")
+        param = {"rate": "rate", "precision": "precision", "accuracy": "tolerance"}[self.mode]
+        for name in ("rate", "precision", "tolerance"):
+            value = getattr(self, name)
+            if name == param:
+                if value is None:
+                    raise InvalidArgumentError(
+                        f"{where}: mode {self.mode!r} needs '{param}' (e.g. "
+                        f"CompressionConfig({self.mode!r}, {param}="
+                        f"{ {'rate': 8, 'precision': 16, 'tolerance': 1e-3}[param]!r}))")
+                _positive_number(where, name, value, integer=name == "precision")
+            elif value is not None:
+                raise InvalidArgumentError(
+                    f"{where}: '{name}' is set but mode is {self.mode!r}, which takes only "
+                    f"'{param}'")
+        if self.mode == "precision" and self.precision > 64:
+            raise InvalidArgumentError(
+                f"{where}: 'precision' is {self.precision}; zfp keeps at most 64 bit planes")
+        object.__setattr__(self, "ops", _ops(where, self.ops, COMPRESSIBLE_OPS))
+
+    def zfp_args(self) -> dict:
+        """Keyword arguments of zfpy.compress_numpy for this mode."""
+        if self.mode == "rate":
+            return {"rate": float(self.rate)}
+        if self.mode == "precision":
+            return {"precision": int(self.precision)}
+        return {"tolerance": float(self.tolerance)}
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Communication logging: per-call records for ``mcrdl.log_summary`` and exports.
+
+    ``trace``: keep one event per call for ``mcrdl.export_trace`` (Chrome trace);
+    ``max_events``: events kept per process before new ones are only counted (the
+    summary statistics keep counting). ``wire``: when fusion or compression is on, also
+    log what is actually sent to the backends (fused buffers, size exchanges,
+    compressed payloads) as level "wire".
+    """
+
+    trace: bool = True
+    max_events: int = 1_000_000
+    wire: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("trace", "wire"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(
+                    f"LoggingConfig: '{name}' is {getattr(self, name)!r}; expected True or False")
+        _positive_number("LoggingConfig", "max_events", self.max_events, integer=True)
+
+
+@dataclass(frozen=True)
+class ExtensionConfig:
+    """Which extensions are on (None: off) and their settings."""
+
+    fusion: FusionConfig | None = None
+    compression: CompressionConfig | None = None
+    logging: LoggingConfig | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return any(x is not None for x in (self.fusion, self.compression, self.logging))
+
+
+_CLASSES = {"fusion": FusionConfig, "compression": CompressionConfig, "logging": LoggingConfig}
+
+
+def coerce(name: str, value: object, current: object) -> object:
+    """The setting of extension `name` from a configure()/extensions() argument:
+    None keeps `current`, False turns it off, True takes the defaults (for compression:
+    mode "accuracy" needs a tolerance, so True is refused), a dict gives fields."""
+    cls = _CLASSES[name]
+    if value is None:
+        return current
+    if value is False:
+        return None
+    if value is True:
+        if cls is CompressionConfig:
+            raise InvalidArgumentError(
+                "compression=True: say which zfp mode and parameter, e.g. "
+                "compression=mcrdl.CompressionConfig('accuracy', tolerance=1e-3) or "
+                "compression={'mode': 'rate', 'rate': 8}")
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise InvalidArgumentError(
+                f"{name}: unknown setting(s) {unknown}; {cls.__name__} has {sorted(fields)}")
+        return cls(**value)
+    raise InvalidArgumentError(
+        f"'{name}' is {value!r}; expected None (unchanged), False (off), True (defaults), "
+        f"a dict of settings or a mcrdl.{cls.__name__}")

@@ -1,0 +1,441 @@
+"""Issue order of one (backend, group) when an extension defers some of its calls.
+
+Fusion holds calls back until a buffer is flushed and compression posts some calls in
+several dependent steps (sizes first, then payloads). Both must still hand the backend
+the calls of one (backend, group) in the order the program issued them, and neither may
+block the calling thread on other ranks when the call was asynchronous (the caller may
+go on to issue the call on another backend that those ranks are waiting for).
+
+An :class:`OrderedStream` is the queue of one (backend, group): items are posted in
+FIFO order by whoever holds its *runner* lock, which is either
+
+- the calling thread, when nothing is queued ahead and no one else is posting (the
+  fast path: a call is posted inline, exactly as without the extension), or a thread
+  that is about to block anyway (a blocking call, ``Work.wait``, ``synchronize``);
+- else the stream's worker thread (started on first use), which may block on other
+  ranks; that stalls only this (backend, group), whose calls are ordered anyway.
+
+Point-to-point calls never go through a stream: their matching does not depend on the
+order of collectives, and queueing a send behind a collective could deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..errors import (
+    BackendUnavailableError,
+    CommTimeoutError,
+    InvalidArgumentError,
+    UnsupportedOperationError,
+)
+from ..ops import OPERATIONS
+from ..validate import validate_call
+from ..work import Work
+
+
+class Task:
+    """One deferred item: ``post()`` posts its calls and returns its finish step (a
+    :class:`Finish`, or None when nothing is left to do after posting).
+
+    Items of a stream (tasks here, buffered calls in fusion) have ``seq`` (issue
+    order), ``posted`` (set once their calls were handed to the backend) and ``error``.
+    """
+
+    __slots__ = ("seq", "post", "posted", "finish", "error")
+
+    def __init__(self, post: Callable[[], Finish | None]):
+        self.seq = 0
+        self.post = post
+        self.posted = False
+        self.finish: Finish | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.finish = self.post()
+        except BaseException as exc:  # delivered to whoever waits on the task
+            self.error = exc
+        finally:
+            self.post = None
+            self.posted = True
+
+
+class Finish:
+    """What completes a posted task: wait for its backend works, then run ``then``
+    (decompression, copies) once."""
+
+    __slots__ = ("works", "then")
+
+    def __init__(self, works: list, then: Callable[[], None] | None = None):
+        self.works, self.then = works, then
+
+    def ready(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def __call__(self, remaining: float) -> None:
+        deadline = time.monotonic() + remaining
+        for w in self.works:
+            w.wait(max(deadline - time.monotonic(), 0.0))
+        if self.then is not None:
+            with torch.no_grad():
+                self.then()
+
+
+class DeferredWork(Work):
+    """The Work of a deferred task: waits until the task posted its calls, then runs
+    the task's finish step (once) under the remaining timeout."""
+
+    __slots__ = ("_task", "_stream", "backend", "_lock", "_completed", "_error")
+
+    def __init__(self, task: Task, stream: OrderedStream, backend: str):
+        self._task, self._stream, self.backend = task, stream, backend
+        self._lock = threading.Lock()
+        self._completed = False
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._completed:
+            return True
+        deadline = self._stream.deadline(timeout)
+        self._stream.wait_posted(self._task, deadline)
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if not self._completed:
+                finish = self._task.finish
+                if finish is not None:
+                    try:
+                        finish(max(deadline - time.monotonic(), 0.0))
+                    except BaseException as exc:
+                        self._error = exc
+                        raise
+                self._completed = True
+        return True
+
+    def is_completed(self) -> bool:
+        if self._completed:
+            return True
+        task = self._task
+        if not task.posted:
+            self._stream.request(task.seq)
+            return False
+        if task.error is not None:
+            raise task.error
+        if task.finish is not None and not task.finish.ready():
+            return False
+        self.wait()
+        return True
+
+
+class OrderedStream:
+    """The issue-order queue of one (backend, group); see the module docstring."""
+
+    def __init__(self, name: str, timeout_of: Callable[[], float]):
+        self.name = name
+        self.timeout_of = timeout_of
+        self.failed: str | None = None
+        self._cv = threading.Condition(threading.Lock())
+        self._items: collections.deque = collections.deque()
+        self._runner = threading.Lock()
+        self._seq = 0
+        self._want = 0  # post every item with seq <= _want soon
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- for subclasses -------------------------------------------------------------
+    def _due_at(self) -> float | None:
+        """Monotonic time at which the worker must advance on its own (fusion's timer)."""
+        return None
+
+    def _on_due(self) -> None:
+        """Called by the worker, with the cv held, when _due_at() has passed."""
+
+    def _advance_head(self) -> None:
+        """Post the head item (runner held, items not empty). Tasks run here; fusion
+        overrides this to flush buffered calls. A failed task fails the stream: ranks
+        may have posted part of it."""
+        with self._cv:
+            task = self._items.popleft()
+        task.run()
+        if task.error is not None and not isinstance(task.error, _LOCAL_ERRORS):
+            self._fail(task.error)
+        self._notify_posted()
+
+    def _notify_posted(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # -- issuing ------------------------------------------------------------------
+    def deadline(self, timeout: float | None) -> float:
+        return time.monotonic() + (self.timeout_of() if timeout is None else float(timeout))
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise BackendUnavailableError(
+                f"{self.name} is unusable since an earlier call failed (ranks may no longer "
+                f"issue matching operations); finalize and restart the job. Earlier: "
+                f"{self.failed}")
+
+    def _append(self, item) -> None:
+        """Queue `item` (cv held); it gets the next sequence number."""
+        self._seq += 1
+        item.seq = self._seq
+        self._items.append(item)
+
+    def try_inline(self) -> bool:
+        """Take the runner when nothing is queued: the caller then posts directly and
+        must call :meth:`release`. False: queue the call instead."""
+        if not self._runner.acquire(blocking=False):
+            return False
+        with self._cv:
+            if not self._items:
+                return True
+        self._runner.release()
+        return False
+
+    def release(self) -> None:
+        self._runner.release()
+
+    def submit(self, task: Task) -> Task:
+        """Queue a task and have the worker post it soon."""
+        with self._cv:
+            self._check()
+            self._append(task)
+            self._want = task.seq
+            self._ensure_worker()
+            self._cv.notify()
+        return task
+
+    def run_task(self, post: Callable, backend: str, async_op: bool):
+        """Post a multi-step call: inline when the stream is idle and the caller blocks
+        anyway; else on the worker. Returns its Work (async) or None after completion."""
+        task = Task(post)
+        if not async_op and self.try_inline():
+            try:
+                task.run()
+                if task.error is not None and not isinstance(task.error, _LOCAL_ERRORS):
+                    self._fail(task.error)
+            finally:
+                self.release()
+        else:
+            self.submit(task)
+        work = DeferredWork(task, self, backend)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def request(self, seq: int) -> None:
+        """Ask the worker to post everything up to `seq` soon (non-blocking)."""
+        with self._cv:
+            if seq > self._want:
+                self._want = seq
+                self._ensure_worker()
+                self._cv.notify()
+
+    def wait_posted(self, item, deadline: float) -> None:
+        """Block until `item` was posted; posts it (and what precedes it) on this thread
+        when the worker is not busy, so a waiter does not pay a thread hand-off."""
+        if not item.posted:
+            self.request(item.seq)
+        while not item.posted:
+            if self._runner.acquire(blocking=False):
+                try:
+                    self._advance_upto(item.seq)
+                finally:
+                    self._runner.release()
+            else:
+                with self._cv:
+                    if not item.posted:
+                        self._cv.wait(min(max(deadline - time.monotonic(), 0.0), 0.05))
+            if not item.posted and time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"{self.name}: a deferred call was not posted within the timeout; a rank "
+                    "of the group may never have issued the calls before it")
+        if item.error is not None:
+            raise item.error
+
+    def drain(self, timeout: float) -> None:
+        """Post everything queued so far (blocking; used by synchronize/finalize)."""
+        with self._cv:
+            last = self._seq
+            if not self._items:
+                return
+        deadline = time.monotonic() + timeout
+        self.request(last)
+        while True:
+            with self._cv:
+                if not self._items or self._items[0].seq > last:
+                    return
+            if self._runner.acquire(timeout=0.05):
+                try:
+                    self._advance_upto(last)
+                finally:
+                    self._runner.release()
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"{self.name}: deferred calls were not posted within {timeout} s; a rank "
+                    "of the group may never have issued them")
+
+    def _advance_upto(self, seq: int) -> None:
+        """Post items while the head's seq <= `seq` (runner held)."""
+        while True:
+            with self._cv:
+                if not self._items or self._items[0].seq > seq:
+                    return
+            self._advance_head()
+
+    # -- the worker ----------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._work, name=f"mcrdl-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if self._closed and not self._items:
+                        return
+                    if self._items and self._items[0].seq <= self._want:
+                        break
+                    due = self._due_at()
+                    now = time.monotonic()
+                    if due is not None and now >= due:
+                        self._on_due()
+                        continue
+                    self._cv.wait(None if due is None else due - now)
+                upto = self._want
+            with self._runner:
+                try:
+                    self._advance_upto(upto)
+                except BaseException as exc:  # noqa: BLE001 - recorded, reported to waiters
+                    self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """A posting step raised: every queued item gets the error; the stream refuses
+        new calls (ranks no longer agree on what was posted)."""
+        with self._cv:
+            self.failed = self.failed or f"{type(exc).__name__}: {exc}"
+            items, self._items = list(self._items), collections.deque()
+        for item in items:
+            item.error = item.error or exc
+            item.posted = True
+        self._notify_posted()
+
+    def close(self, timeout: float) -> None:
+        """Stop the worker after it posted what is queued."""
+        with self._cv:
+            self._closed = True
+            self._want = self._seq
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+#: Errors a backend raises before posting anything: a task failing with one of these
+#: leaves the ranks in step, so the stream stays usable.
+_LOCAL_ERRORS = (InvalidArgumentError, UnsupportedOperationError)
+_P2P = frozenset({"send", "recv"})
+
+
+class StreamedBackend:
+    """Base of the wrapper backends that defer calls (fusion, compression).
+
+    Holds one :class:`OrderedStream` per group this wrapper ever deferred a call on.
+    Operations a subclass does not handle pass through in order: straight to the inner
+    backend when the group has no stream or its stream is idle (the caller posts
+    inline), else validated now and queued behind the deferred calls. Point-to-point
+    calls always go straight through (see the module docstring).
+    """
+
+    stream_class = OrderedStream
+
+    def __init__(self, inner, ext: ExtContext):
+        self._inner = inner
+        self.name = inner.name
+        self._ext = ext
+        self._streams: dict[int, OrderedStream] = {}
+        self._streams_lock = threading.Lock()
+
+    def __getattr__(self, attr):
+        if attr not in OPERATIONS:
+            return getattr(self._inner, attr)
+        method = getattr(self._inner, attr)
+        if attr in _P2P:
+            self.__dict__[attr] = method
+            return method
+
+        def call(*args):
+            return self._ordered(attr, method, args)
+
+        self.__dict__[attr] = call  # built once: later calls skip __getattr__
+        return call
+
+    def _ordered(self, op: str, method, args: tuple):
+        group = args[-2]
+        stream = self._streams.get(0 if group is None else getattr(group, "id", None))
+        if stream is None:
+            return method(*args)
+        if stream.try_inline():
+            try:
+                return method(*args)
+            finally:
+                stream.release()
+        *rest, group, async_op = args
+        size, rank = self._ext.size_rank(group)
+        rest = validate_call(op, tuple(rest), size, rank)  # errors now, not when posted
+
+        def post():
+            return Finish([method(*rest, group, True)])
+
+        return stream.run_task(post, self.name, async_op)
+
+    def _stream(self, group, what: str = "") -> OrderedStream:
+        """The stream of `group` (created on first use)."""
+        gid = 0 if group is None else group.id
+        stream = self._streams.get(gid)
+        if stream is None:
+            with self._streams_lock:
+                stream = self._streams.get(gid)
+                if stream is None:
+                    gname = "world" if group is None else group.describe()
+                    stream = self._make_stream(group, f"{what}{self.name} group {gname}")
+                    self._streams[gid] = stream
+        return stream
+
+    def _make_stream(self, group, name: str) -> OrderedStream:
+        return self.stream_class(name, self._ext.timeout_of)
+
+    def drain(self, timeout: float) -> None:
+        """Post every deferred call (blocking on the other ranks, bounded by `timeout`)."""
+        for stream in list(self._streams.values()):
+            stream.drain(timeout)
+
+    def synchronize(self, timeout: float) -> None:
+        self.drain(timeout)
+        self._inner.synchronize(timeout)
+
+    def close(self, timeout: float) -> None:
+        for stream in list(self._streams.values()):
+            stream.close(timeout)
+
+
+class ExtContext:
+    """What the extension wrappers need from the front: the world, the timeout and the
+    group check (mcrdl.api passes its own)."""
+
+    __slots__ = ("rank", "world_size", "timeout_of", "size_rank")
+
+    def __init__(self, rank: int, world_size: int, timeout_of: Callable[[], float],
+                 size_rank: Callable):
+        self.rank, self.world_size = rank, world_size
+        self.timeout_of, self.size_rank = timeout_of, size_rank
