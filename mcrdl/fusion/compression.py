@@ -21,7 +21,9 @@ send / recv                   the size, then the bytes (same tag)
 Every rank, the sender or root included, ends with the *decompressed* values (so all
 ranks hold the same bits, e.g. after a bcast of weights). Each block starts with one
 tag byte: zfp, or raw when zfp would not make it smaller or it holds NaN/Inf (zfp's
-lossy modes do not keep non-finite values); raw blocks are exact. Other dtypes
+lossy modes do not keep non-finite values, and fixed rates below zfp's minimum for
+the block shape - 9 bits per block of float32, 12 of float64 - are not given to it);
+raw blocks are exact. Other dtypes
 (float16/bfloat16 included: zfp has no 16-bit floats), GPU tensors, the other
 operations and reduce ops are passed through uncompressed, in order. The sizes are
 exchanged before the bytes can be posted, so an async call is posted by the group's
@@ -103,6 +105,14 @@ def _zfp_shape(shape: tuple) -> tuple:
     return shape
 
 
+def _rate_too_low(zfp_args: dict, ndim: int, itemsize: int) -> bool:
+    """Whether fixed-rate blocks of `ndim` dims would get fewer bits than zfp needs for
+    a float block (its common exponent plus one bit); zfpy 1.0.1 then overruns its
+    output buffer (heap corruption), so such tensors are never given to it."""
+    rate = zfp_args.get("rate")
+    return rate is not None and round(4 ** ndim * rate) < (9 if itemsize == 4 else 12)
+
+
 def encode(t: torch.Tensor, zfp_args: dict) -> torch.Tensor:
     """The bytes of one block (uint8, tag byte first); empty for an empty tensor."""
     import zfpy
@@ -110,7 +120,7 @@ def encode(t: torch.Tensor, zfp_args: dict) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     a = t.detach().numpy().reshape(_zfp_shape(tuple(t.shape)))
-    if np.isfinite(a).all():
+    if not _rate_too_low(zfp_args, a.ndim, a.itemsize) and np.isfinite(a).all():
         packed = zfpy.compress_numpy(a, **zfp_args)
         if len(packed) < a.nbytes:
             out = np.empty(1 + len(packed), dtype=np.uint8)
@@ -135,8 +145,11 @@ def decode(block: torch.Tensor, dst: torch.Tensor, where: str) -> None:
                               "expected; the ranks passed tensors of different sizes")
         return
     data = block.numpy()
-    if data[0] == _RAW:
+    if data[0] == _RAW and (data.size - 1) % out.itemsize == 0:
         values = np.frombuffer(data[1:], dtype=out.dtype)
+    elif data[0] == _RAW:
+        raise DesyncError(f"{where}: received {data.size - 1} bytes, not a whole number of "
+                          f"{out.dtype} values; the ranks passed tensors of different dtypes")
     elif data[0] == _ZFP:
         values = zfpy.decompress_numpy(data[1:].tobytes())
     else:

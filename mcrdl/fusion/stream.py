@@ -68,7 +68,9 @@ class Task:
 
 class Finish:
     """What completes a posted task: wait for its backend works, then run ``then``
-    (decompression, copies) once."""
+    (decompression, copies) once. Called with the caller's remaining timeout, or None
+    when the caller gave none: the backends then apply their own (a Gloo recv completes
+    only through a wait without timeout)."""
 
     __slots__ = ("works", "then")
 
@@ -78,10 +80,10 @@ class Finish:
     def ready(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
-    def __call__(self, remaining: float) -> None:
-        deadline = time.monotonic() + remaining
+    def __call__(self, remaining: float | None) -> None:
+        deadline = None if remaining is None else time.monotonic() + remaining
         for w in self.works:
-            w.wait(max(deadline - time.monotonic(), 0.0))
+            w.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         if self.then is not None:
             with torch.no_grad():
                 self.then()
@@ -111,7 +113,8 @@ class DeferredWork(Work):
                 finish = self._task.finish
                 if finish is not None:
                     try:
-                        finish(max(deadline - time.monotonic(), 0.0))
+                        finish(None if timeout is None
+                               else max(deadline - time.monotonic(), 0.0))
                     except BaseException as exc:
                         self._error = exc
                         raise

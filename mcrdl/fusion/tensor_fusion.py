@@ -84,13 +84,16 @@ class FusedCall(Work):
         self.backend = stream.backend
 
     def wait(self, timeout: float | None = None) -> bool:
+        batch = self.batch
+        if batch is not None and batch.done:
+            return True
         stream = self._stream
         deadline = stream.deadline(timeout)
         if not self.posted:
             stream.wait_posted(self, deadline)
         elif self.error is not None:
             raise self.error
-        self.batch.complete(deadline)
+        self.batch.complete(None if timeout is None else deadline)
         return True
 
     def is_completed(self) -> bool:
@@ -118,7 +121,9 @@ class Batch:
         self.done = False
         self.error: BaseException | None = None
 
-    def complete(self, deadline: float) -> None:
+    def complete(self, deadline: float | None) -> None:
+        """Wait for the fused call (until `deadline`, else under the backend's own
+        timeout) and copy the results back, once."""
         if self.done:
             return
         with self.lock:
@@ -128,7 +133,7 @@ class Batch:
                 return
             try:
                 for w in self.works:
-                    w.wait(max(deadline - time.monotonic(), 0.0))
+                    w.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
                 if self.copy_back is not None:
                     with torch.no_grad():
                         self.copy_back()
@@ -144,13 +149,18 @@ class Batch:
         if self.error is not None:
             raise self.error
         if all(w.is_completed() for w in self.works):
-            self.complete(time.monotonic() + 1e9)
+            self.complete(None)
             return True
         return False
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.view(-1)
+    return t if t.dim() == 1 else t.view(-1)
+
+
+def _scatter(buf: torch.Tensor, sizes: list[int], dsts: list[torch.Tensor]):
+    """The copy-back of a flat fused buffer into 1-D tensors (one C++ call)."""
+    return lambda: torch.split_with_sizes_copy(buf, sizes, out=dsts)
 
 
 # Post one fusion key's calls of a round: (backend Work, copy-back or None). A lone call
@@ -164,8 +174,7 @@ def _post_all_reduce(inner, calls, group, gsize, grank):
     dsts = [_flat(c.args[0]) for c in calls]
     buf = torch.cat(dsts)
     work = inner.all_reduce(buf, op, group, True)
-    sizes = [d.numel() for d in dsts]
-    return work, lambda: torch._foreach_copy_(dsts, list(buf.split(sizes)))
+    return work, _scatter(buf, [d.numel() for d in dsts], dsts)
 
 
 def _post_bcast(inner, calls, group, gsize, grank):
@@ -178,7 +187,7 @@ def _post_bcast(inner, calls, group, gsize, grank):
         return inner.bcast(torch.cat(dsts), root, group, True), None
     buf = torch.empty(sum(sizes), dtype=dsts[0].dtype)
     work = inner.bcast(buf, root, group, True)
-    return work, lambda: torch._foreach_copy_(dsts, list(buf.split(sizes)))
+    return work, _scatter(buf, sizes, dsts)
 
 
 def _post_all_gather(inner, calls, group, gsize, grank):
@@ -225,7 +234,7 @@ def _post_reduce_scatter(inner, calls, group, gsize, grank):
     sizes = [d.numel() for d in dsts]
     fused_out = torch.empty(sum(sizes), dtype=fused_in.dtype)
     work = inner.reduce_scatter(fused_out, fused_in.view(-1), op, group, True)
-    return work, lambda: torch._foreach_copy_(dsts, list(fused_out.split(sizes)))
+    return work, _scatter(fused_out, sizes, dsts)
 
 
 _POST = {"all_reduce": _post_all_reduce, "bcast": _post_bcast, "all_gather": _post_all_gather,
@@ -252,9 +261,12 @@ class FusionStream(OrderedStream):
     def add(self, call: FusedCall) -> FusedCall:
         """Buffer `call`; flush soon when B bytes are buffered."""
         with self._cv:
-            self._check()
+            if self.failed is not None:
+                self._check()
             first = not self._items
-            self._append(call)
+            self._seq += 1
+            call.seq = self._seq
+            self._items.append(call)
             call.t = time.monotonic()
             self.buffered += call.nbytes
             if self.buffered >= self.limit:
@@ -357,7 +369,9 @@ class Fused(StreamedBackend):
         return FusionStream(name, self._ext, self._inner, group, gsize, self.name, self._config)
 
     def _buffer(self, op: str, key: tuple, nbytes: int, args: tuple, group, async_op: bool):
-        stream = self._stream(group, "fusion ")
+        stream = self._streams.get(0 if group is None else group.id)
+        if stream is None:
+            stream = self._stream(group, "fusion ")
         call = stream.add(FusedCall(key, nbytes, args, stream))
         if async_op:
             return call

@@ -1,0 +1,137 @@
+"""Tensor fusion: many small all_reduces, fused vs unfused, side by side in one run.
+
+Each iteration issues ``--count`` async all_reduces of ``--bytes`` each (float32, the
+pattern of data-parallel gradient all-reduce) and waits for all of them; "fused" runs
+the same iteration inside ``mcrdl.extensions(fusion=...)``. Results are checked.
+
+Usage::
+
+    mpiexec -n 2 python benchmarks/fusion.py
+    mpiexec -n 4 python benchmarks/fusion.py --backend gloo --count 512 --bytes 1K
+
+Method: warm up both variants, then time them in alternating blocks of
+``--block-iters`` iterations (the order reverses every block); an untimed mpi4py
+barrier on a communicator of its own precedes each iteration; one ``Allreduce(MAX)``
+at the end gives the per-iteration maximum over ranks; each figure is the median of
+those. ``speedup`` = unfused / fused time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+
+import mpi4py
+import numpy as np
+import torch
+
+import mcrdl
+from mcrdl.bench import parse_size
+from mcrdl.fusion import FusionConfig, fusion_stats
+
+mpi4py.rc.thread_level = "multiple"
+MPI = importlib.import_module("mpi4py.MPI")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="fused vs unfused small all_reduces")
+    p.add_argument("--backend", nargs="+", default=["mpi", "gloo"], metavar="NAME")
+    p.add_argument("--count", type=int, default=512, help="all_reduces per iteration (512)")
+    p.add_argument("--bytes", type=parse_size, default=1024, help="bytes of each (1K)")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per variant (20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant (3)")
+    p.add_argument("--block-iters", type=int, default=5,
+                   help="iterations of one variant before the other takes over (5)")
+    p.add_argument("--buffer-bytes", type=parse_size, default=FusionConfig().buffer_bytes,
+                   help="fusion buffer size B (default 16M)")
+    p.add_argument("--wait-us", type=float, default=FusionConfig().wait_us,
+                   help="fusion wait time T in microseconds (default 2000)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = p.parse_args(argv)
+    if min(args.count, args.bytes, args.iters, args.block_iters) < 1 or args.warmup < 0 \
+            or args.bytes % 4:
+        p.error("--count, --bytes (a multiple of 4), --iters, --block-iters must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    mcrdl.init(args.backend)
+    sync = MPI.COMM_WORLD.Dup()
+    rank, size = sync.Get_rank(), sync.Get_size()
+    config = FusionConfig(buffer_bytes=args.buffer_bytes, wait_us=args.wait_us)
+    tensors = [torch.zeros(args.bytes // 4) for _ in range(args.count)]
+
+    def emit(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    def iteration(backend: str) -> float:
+        for k, t in enumerate(tensors):
+            t.fill_(rank + k)
+        sync.Barrier()
+        start = time.perf_counter()
+        works = [mcrdl.all_reduce(backend, t, async_op=True) for t in tensors]
+        for w in works:
+            w.wait()
+        took = time.perf_counter() - start
+        base = size * (size - 1) / 2
+        if any(t[0].item() != base + size * k for k, t in enumerate(tensors[:8])) \
+                or tensors[-1][-1].item() != base + size * (args.count - 1):
+            raise SystemExit(f"rank {rank}: wrong all_reduce result on {backend}")
+        return took
+
+    def run(backend: str, fused: bool, n: int) -> list[float]:
+        if not fused:
+            return [iteration(backend) for _ in range(n)]
+        with mcrdl.extensions(fusion=config):
+            return [iteration(backend) for _ in range(n)]
+
+    emit(f"# tensor fusion: {args.count} async all_reduces of {args.bytes} B (float32) per "
+         f"iteration, then wait for all; B = {args.buffer_bytes} B, T = {args.wait_us} us")
+    emit(f"# ranks {size}, cpu_count {os.cpu_count()}, python {platform.python_version()}, "
+         f"torch {torch.__version__}, mpi4py {mpi4py.__version__}, "
+         f"{' '.join(MPI.Get_library_version().splitlines()[0].split())}")
+    emit("# time: median over iterations of the per-iteration max over ranks; "
+         "speedup = unfused / fused")
+    emit(f"{'backend':<8} {'unfused(ms)':>12} {'fused(ms)':>10} {'speedup':>8} "
+         f"{'flushes/iter':>13}")
+    results = []
+    for backend in args.backend:
+        for fused in (False, True):
+            run(backend, fused, args.warmup)
+        times = {False: [], True: []}
+        fusion_stats(reset=True)
+        blocks = range(0, args.iters, args.block_iters)
+        for b, first in enumerate(blocks):
+            n = min(args.block_iters, args.iters - first)
+            for fused in ((False, True) if b % 2 == 0 else (True, False)):
+                times[fused].extend(run(backend, fused, n))
+        flushes = fusion_stats()["flushes"] / args.iters
+        med = {}
+        for fused, row in times.items():
+            arr = np.asarray(row)
+            sync.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
+            med[fused] = float(np.median(arr))
+        speedup = med[False] / med[True]
+        results.append({"backend": backend, "ranks": size, "unfused_s": med[False],
+                        "fused_s": med[True], "speedup": speedup,
+                        "flushes_per_iter": flushes})
+        emit(f"{backend:<8} {med[False] * 1e3:>12.3f} {med[True] * 1e3:>10.3f} "
+             f"{speedup:>7.1f}x {flushes:>13.1f}")
+    if rank == 0 and args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    sync.Free()
+    mcrdl.finalize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
