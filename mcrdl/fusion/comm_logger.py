@@ -143,8 +143,9 @@ class CommLogger:
             self.rows: dict[tuple, _Row] = {}
             self.events: list[Record] = []
             self.dropped = 0
-            #: (level, backend, group id, op, group size) -> [(issue index, issue time)]
-            self.arrivals: dict[tuple, list[tuple[int, int]]] = {}
+            #: (level, backend, group id, op, group size) -> [(issue index, issue time,
+            #: size bucket)]: collectives are matched across ranks by their issue index
+            self.arrivals: dict[tuple, list[tuple[int, int, int]]] = {}
             self.seqs: dict[tuple, int] = {}
             self.pending: list[Record] = []
 
@@ -169,7 +170,8 @@ class CommLogger:
             row.count += 1
             row.bytes += nbytes
             if op not in _P2P:
-                self.arrivals.setdefault((level, backend, gid, op, gsize), []).append((seq, t0))
+                self.arrivals.setdefault((level, backend, gid, op, gsize), []).append(
+                    (seq, t0, key[3]))
             if async_op:
                 if len(self.pending) >= 1024:
                     self.pending = [r for r in self.pending if not r.t1]
@@ -215,7 +217,8 @@ class CommLogger:
         """This rank's statistics, in a form other ranks can merge (pickled by gather)."""
         with self._lock:
             rows = {k: (r.count, r.bytes, list(r.lat_ns)) for k, r in self.rows.items()}
-            arrivals = {k: [(s, self.to_us(t)) for s, t in v] for k, v in self.arrivals.items()}
+            arrivals = {k: [(s, self.to_us(t), b) for s, t, b in v]
+                        for k, v in self.arrivals.items()}
         return {"rank": self.rank, "rows": rows, "arrivals": arrivals}
 
 
@@ -343,21 +346,25 @@ def _arrival_skew(views: list[dict], rows: list[dict]) -> None:
     if len(views) < 2:
         return
     calls: dict[tuple, dict[int, dict[int, float]]] = {}
-    for view in views:
+    buckets: dict[tuple, int] = {}  # the row of a call: its bucket on the lowest rank
+    for view in sorted(views, key=lambda v: -v["rank"]):
         for key, arrivals in view["arrivals"].items():
             by_seq = calls.setdefault(key, {})
-            for seq, t in arrivals:
+            for seq, t, bucket in arrivals:
                 by_seq.setdefault(seq, {})[view["rank"]] = t
+                buckets[(key, seq)] = bucket
     skews: dict[tuple, list[tuple[float, int]]] = {}
-    for (level, backend, _gid, op, gsize), by_seq in calls.items():
-        for times in by_seq.values():
+    for key, by_seq in calls.items():
+        level, backend, _gid, op, gsize = key
+        for seq, times in by_seq.items():
             if gsize < 2 or len(times) != gsize:  # not every member logged it
                 continue
             last = max(times, key=times.get)
-            skews.setdefault((level, op, backend, gsize), []).append(
+            skews.setdefault((level, op, backend, buckets[(key, seq)], gsize), []).append(
                 (max(times.values()) - min(times.values()), last))
     for row in rows:
-        s = skews.get((row["level"], row["op"], row["backend"], row["group_size"]))
+        s = skews.get((row["level"], row["op"], row["backend"], row["bucket_bytes"],
+                       row["group_size"]))
         if s:
             values = [x for x, _ in s]
             lasts = [r for _, r in s]
@@ -382,10 +389,11 @@ def _allgather(obj: object) -> list:
     return api._state.bootstrap.allgather_obj(obj)
 
 
-def summary(*, gather: bool = False, level: str | None = "call", file=sys.stdout) -> list[dict]:
+def summary(*, gather: bool = False, level: str | None = "call", file=None,
+            quiet: bool = False) -> list[dict]:
     """The logged calls as rows (dicts with ROW_FIELDS, plus STRAGGLER_FIELDS when
-    gathered) per (level, op, backend, size bucket, group size); printed as a table to
-    `file` (None: not printed; with gather=True only rank 0 prints).
+    gathered) per (level, op, backend, size bucket, group size), also printed as a table
+    to `file` (default stdout) unless `quiet`; with gather=True only rank 0 prints.
 
     ``gather=True`` is collective: every rank must call it (mcrdl initialized); rows then
     pool all ranks (count and bytes summed) and add the straggler view. ``level``:
@@ -394,38 +402,43 @@ def summary(*, gather: bool = False, level: str | None = "call", file=sys.stdout
     views = _views(gather)
     rows = _rows_from(views, level)
     _arrival_skew(views, rows)
-    if file is not None and (not gather or logger().rank == 0):
-        print(format_table(rows, gathered=len(views) > 1, ranks=len(views)), file=file)
+    if not quiet and (not gather or logger().rank == 0):
+        print(format_table(rows, gathered=len(views) > 1, ranks=len(views)),
+              file=sys.stdout if file is None else file)
     return rows
 
 
 def format_table(rows: list[dict], gathered: bool = False, ranks: int = 1) -> str:
-    def num(v, fmt):
-        return "-" if v is None else format(v, fmt)
+    """The rows as the text table :func:`summary` prints."""
+    def num(v, width: int, digits: int = 1) -> str:  # "-" where there is no value
+        return "-".rjust(width) if v is None else f"{v:{width}.{digits}f}"
 
     who = f"all {ranks} ranks" if gathered else f"rank {logger().rank}"
-    title = (f"# mcrdl communication log ({who}; the latency of an async call ends when "
-             "its Work was seen complete)")
+    lines = [f"# mcrdl communication log ({who}; the latency of an async call ends when its "
+             "Work was seen complete)"]
     head = (f"{'level':<5} {'op':<18} {'backend':<8} {'size':>9} {'n':>3} {'count':>7} "
             f"{'bytes':>12} {'min(us)':>9} {'med(us)':>9} {'max(us)':>9} {'algbw':>8} "
             f"{'busbw':>8}")
     if gathered:
         head += f" {'spread(us)':>10} {'skew(us)':>9} {'last':>4}"
-    lines = [title, head]
+    lines.append(head)
     for r in rows:
         line = (f"{r['level']:<5} {r['op']:<18} {r['backend']:<8} {r['bucket']:>9} "
                 f"{r['group_size']:>3} {r['count']:>7} {r['bytes']:>12} "
-                f"{num(r['lat_min_us'], '9.1f')} {num(r['lat_median_us'], '9.1f')} "
-                f"{num(r['lat_max_us'], '9.1f')} {num(r['algbw_GBps'], '8.3f')} "
-                f"{num(r['busbw_GBps'], '8.3f')}")
+                f"{num(r['lat_min_us'], 9)} {num(r['lat_median_us'], 9)} "
+                f"{num(r['lat_max_us'], 9)} {num(r['algbw_GBps'], 8, 3)} "
+                f"{num(r['busbw_GBps'], 8, 3)}")
         if gathered:
-            line += (f" {num(r.get('lat_median_spread_us'), '10.1f')} "
-                     f"{num(r.get('arrival_skew_median_us'), '9.1f')} "
-                     f"{r.get('last_arrival_rank', '-'):>4}")
+            last = r.get("last_arrival_rank")
+            line += (f" {num(r.get('lat_median_spread_us'), 10)} "
+                     f"{num(r.get('arrival_skew_median_us'), 9)} "
+                     f"{'-' if last is None else last:>4}")
         lines.append(line)
-    if len(rows) == 0:
+    if not rows:
         lines.append("(no calls logged: turn logging on with mcrdl.configure(logging=True))")
-    lines.append("# algbw/busbw in GB/s (1e9 B/s), nccl-tests formulas on the median latency")
+    lines.append("# algbw/busbw in GB/s (1e9 B/s), nccl-tests formulas on the median latency; "
+                 "spread: max - min over ranks of their median latency; skew: median over "
+                 "calls of latest - earliest issue time; last: rank most often last to issue")
     return "\n".join(lines)
 
 
@@ -437,7 +450,7 @@ def export_log(path: str, *, format: str | None = None, gather: bool = False,
     fmt = format or ("csv" if str(path).endswith(".csv") else "json")
     if fmt not in ("json", "csv"):
         raise InvalidArgumentError(f"export_log: 'format' is {fmt!r}; expected 'json' or 'csv'")
-    rows = summary(gather=gather, level=level, file=None)
+    rows = summary(gather=gather, level=level, quiet=True)
     if gather and logger().rank != 0:
         return None
     fields = list(ROW_FIELDS) + ([f for f in STRAGGLER_FIELDS if any(f in r for r in rows)])

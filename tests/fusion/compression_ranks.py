@@ -24,6 +24,17 @@ import mcrdl
 from mcrdl import api
 from mcrdl.fusion import compression_stats
 
+
+def _abort_on_error(exc_type, exc, tb):
+    """An uncaught error ends the whole job at once (the other ranks would wait)."""
+    sys.__excepthook__(exc_type, exc, tb)
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
+
+
+sys.excepthook = _abort_on_error
+
 mcrdl.init(["mpi", "gloo"], timeout=60)
 rank, size = mcrdl.get_rank(), mcrdl.get_size()
 MODES = {"rate": {"mode": "rate", "rate": 8}, "precision": {"mode": "precision", "precision": 16},

@@ -40,6 +40,17 @@ import mcrdl
 from mcrdl import api
 from mcrdl.fusion import FusionConfig, fusion_stats
 
+
+def _abort_on_error(exc_type, exc, tb):
+    """An uncaught error ends the whole job at once (the other ranks would wait)."""
+    sys.__excepthook__(exc_type, exc, tb)
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(1)
+
+
+sys.excepthook = _abort_on_error
+
 SEED = int(os.environ.get("MCRDL_FUSION_SEED", "777"))
 ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 6
 PER_ROUND = int(sys.argv[2]) if len(sys.argv) > 2 else 40
