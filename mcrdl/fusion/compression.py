@@ -435,12 +435,5 @@ class Compressed(StreamedBackend):
 
         return stream.run_task(post, self.name, async_op)
 
-    def drain(self, timeout: float) -> None:
-        super().drain(timeout)
-        for stream in list(self._p2p.values()):
-            stream.drain(timeout)
-
-    def close(self, timeout: float) -> None:
-        super().close(timeout)
-        for stream in list(self._p2p.values()):
-            stream.close(timeout)
+    def _all_streams(self) -> list:
+        return [*self._streams.values(), *self._p2p.values()]

@@ -150,6 +150,7 @@ class OrderedStream:
         self._want = 0  # post every item with seq <= _want soon
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.outstanding: list[DeferredWork] = []  # async tasks' works, for synchronize
 
     # -- for subclasses -------------------------------------------------------------
     def _due_at(self) -> float | None:
@@ -230,9 +231,19 @@ class OrderedStream:
             self.submit(task)
         work = DeferredWork(task, self, backend)
         if async_op:
+            if len(self.outstanding) >= 64:  # amortized: drop the completed ones
+                self.outstanding = [w for w in self.outstanding if not w._completed]
+            self.outstanding.append(work)
             return work
         work.wait()
         return None
+
+    def complete_all(self, timeout: float) -> None:
+        """Complete every async task's Work (synchronize): results reach the tensors."""
+        deadline = time.monotonic() + timeout
+        works, self.outstanding = self.outstanding, []
+        for w in works:
+            w.wait(max(deadline - time.monotonic(), 0.0))
 
     def request(self, seq: int) -> None:
         """Ask the worker to post everything up to `seq` soon (non-blocking)."""
@@ -420,15 +431,23 @@ class StreamedBackend:
 
     def drain(self, timeout: float) -> None:
         """Post every deferred call (blocking on the other ranks, bounded by `timeout`)."""
-        for stream in list(self._streams.values()):
+        for stream in self._all_streams():
             stream.drain(timeout)
 
     def synchronize(self, timeout: float) -> None:
+        """Post every deferred call, complete them (their results reach the tensors),
+        then synchronize the inner backend."""
+        deadline = time.monotonic() + timeout
         self.drain(timeout)
-        self._inner.synchronize(timeout)
+        for stream in self._all_streams():
+            stream.complete_all(max(deadline - time.monotonic(), 0.0))
+        self._inner.synchronize(max(deadline - time.monotonic(), 0.0))
+
+    def _all_streams(self) -> list:
+        return list(self._streams.values())
 
     def close(self, timeout: float) -> None:
-        for stream in list(self._streams.values()):
+        for stream in self._all_streams():
             stream.close(timeout)
 
 

@@ -346,11 +346,13 @@ class FusionStream(OrderedStream):
                 c.posted = True
 
     def complete_all(self, timeout: float) -> None:
-        """Wait for every posted batch and copy the results back (synchronize)."""
+        """Wait for every posted batch and deferred call and copy the results back
+        (synchronize)."""
         deadline = time.monotonic() + timeout
         batches, self.batches = self.batches, []
         for b in batches:
             b.complete(deadline)
+        super().complete_all(max(deadline - time.monotonic(), 0.0))
 
 
 class Fused(StreamedBackend):
@@ -422,14 +424,6 @@ class Fused(StreamedBackend):
         _C.validate("reduce_scatter", output, input, op, size)
         return self._buffer("reduce_scatter", ("reduce_scatter", output.dtype, op), nbytes,
                             (output, input), group, async_op)
-
-    def synchronize(self, timeout: float) -> None:
-        """Flush every buffer, wait for the fused calls and copy their results back."""
-        deadline = time.monotonic() + timeout
-        self.drain(timeout)
-        for stream in list(self._streams.values()):
-            stream.complete_all(max(deadline - time.monotonic(), 0.0))
-        self._inner.synchronize(max(deadline - time.monotonic(), 0.0))
 
     def stats(self) -> dict[int, tuple[int, int]]:
         """(flushes, flushes that took fewer calls than this rank proposed) per group id."""
