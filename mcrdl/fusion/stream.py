@@ -160,10 +160,11 @@ class OrderedStream:
     def _on_due(self) -> None:
         """Called by the worker, with the cv held, when _due_at() has passed."""
 
-    def _advance_head(self) -> None:
+    def _advance_head(self, waiting: bool) -> None:
         """Post the head item (runner held, items not empty). Tasks run here; fusion
-        overrides this to flush buffered calls. A failed task fails the stream: ranks
-        may have posted part of it."""
+        overrides this to flush buffered calls. `waiting`: the posting thread is a
+        caller about to wait (it may post blocking calls). A failed task fails the
+        stream: ranks may have posted part of it."""
         with self._cv:
             task = self._items.popleft()
         task.run()
@@ -256,15 +257,17 @@ class OrderedStream:
     def wait_posted(self, item, deadline: float) -> None:
         """Block until `item` was posted; posts it (and what precedes it) on this thread
         when the worker is not busy, so a waiter does not pay a thread hand-off."""
-        if not item.posted:
-            self.request(item.seq)
+        requested = False
         while not item.posted:
             if self._runner.acquire(blocking=False):
                 try:
-                    self._advance_upto(item.seq)
+                    self._advance_upto(item.seq, True)
                 finally:
                     self._runner.release()
             else:
+                if not requested:  # the worker is posting: have it go on up to `item`
+                    self.request(item.seq)
+                    requested = True
                 with self._cv:
                     if not item.posted:
                         self._cv.wait(min(max(deadline - time.monotonic(), 0.0), 0.05))
@@ -289,7 +292,7 @@ class OrderedStream:
                     return
             if self._runner.acquire(timeout=0.05):
                 try:
-                    self._advance_upto(last)
+                    self._advance_upto(last, True)
                 finally:
                     self._runner.release()
             if time.monotonic() > deadline:
@@ -297,13 +300,13 @@ class OrderedStream:
                     f"{self.name}: deferred calls were not posted within {timeout} s; a rank "
                     "of the group may never have issued them")
 
-    def _advance_upto(self, seq: int) -> None:
+    def _advance_upto(self, seq: int, waiting: bool) -> None:
         """Post items while the head's seq <= `seq` (runner held)."""
         while True:
             with self._cv:
                 if not self._items or self._items[0].seq > seq:
                     return
-            self._advance_head()
+            self._advance_head(waiting)
 
     # -- the worker ----------------------------------------------------------------
     def _ensure_worker(self) -> None:
@@ -329,7 +332,7 @@ class OrderedStream:
                 upto = self._want
             with self._runner:
                 try:
-                    self._advance_upto(upto)
+                    self._advance_upto(upto, False)
                 except BaseException as exc:  # noqa: BLE001 - recorded, reported to waiters
                     self._fail(exc)
 

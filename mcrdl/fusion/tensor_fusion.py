@@ -163,42 +163,42 @@ def _scatter(buf: torch.Tensor, sizes: list[int], dsts: list[torch.Tensor]):
     return lambda: torch.split_with_sizes_copy(buf, sizes, out=dsts)
 
 
-# Post one fusion key's calls of a round: (backend Work, copy-back or None). A lone call
-# is posted as it is (nothing to copy). Arguments: inner backend, calls, group, group
-# size, this rank's group rank.
+# Post one fusion key's calls of a round: (backend Work or None when posted blocking,
+# copy-back or None). A lone call is posted as it is (nothing to copy). Arguments: inner
+# backend, calls, group, group size, this rank's group rank, async_op.
 
-def _post_all_reduce(inner, calls, group, gsize, grank):
+def _post_all_reduce(inner, calls, group, gsize, grank, async_op):
     op = calls[0].key[2]
     if len(calls) == 1:
-        return inner.all_reduce(calls[0].args[0], op, group, True), None
+        return inner.all_reduce(calls[0].args[0], op, group, async_op), None
     dsts = [_flat(c.args[0]) for c in calls]
     buf = torch.cat(dsts)
-    work = inner.all_reduce(buf, op, group, True)
+    work = inner.all_reduce(buf, op, group, async_op)
     return work, _scatter(buf, [d.numel() for d in dsts], dsts)
 
 
-def _post_bcast(inner, calls, group, gsize, grank):
+def _post_bcast(inner, calls, group, gsize, grank, async_op):
     root = calls[0].key[2]
     if len(calls) == 1:
-        return inner.bcast(calls[0].args[0], root, group, True), None
+        return inner.bcast(calls[0].args[0], root, group, async_op), None
     dsts = [_flat(c.args[0]) for c in calls]
     sizes = [d.numel() for d in dsts]
     if grank == root:
-        return inner.bcast(torch.cat(dsts), root, group, True), None
+        return inner.bcast(torch.cat(dsts), root, group, async_op), None
     buf = torch.empty(sum(sizes), dtype=dsts[0].dtype)
-    work = inner.bcast(buf, root, group, True)
+    work = inner.bcast(buf, root, group, async_op)
     return work, _scatter(buf, sizes, dsts)
 
 
-def _post_all_gather(inner, calls, group, gsize, grank):
+def _post_all_gather(inner, calls, group, gsize, grank, async_op):
     if len(calls) == 1:
         out, inp = calls[0].args
-        return inner.all_gather(out, inp, group, True), None
+        return inner.all_gather(out, inp, group, async_op), None
     ins = [_flat(c.args[1]) for c in calls]
     sizes = [t.numel() for t in ins]
     total = sum(sizes)
     fused_out = torch.empty(gsize * total, dtype=ins[0].dtype)
-    work = inner.all_gather(fused_out, torch.cat(ins), group, True)
+    work = inner.all_gather(fused_out, torch.cat(ins), group, async_op)
 
     def copy_back():
         blocks = fused_out.view(gsize, total)
@@ -217,11 +217,11 @@ def _post_all_gather(inner, calls, group, gsize, grank):
     return work, copy_back
 
 
-def _post_reduce_scatter(inner, calls, group, gsize, grank):
+def _post_reduce_scatter(inner, calls, group, gsize, grank, async_op):
     op = calls[0].key[2]
     if len(calls) == 1:
         out, inp = calls[0].args
-        return inner.reduce_scatter(out, inp, op, group, True), None
+        return inner.reduce_scatter(out, inp, op, group, async_op), None
     rows = []
     for c in calls:
         inp = c.args[1]
@@ -233,7 +233,7 @@ def _post_reduce_scatter(inner, calls, group, gsize, grank):
     dsts = [_flat(c.args[0]) for c in calls]
     sizes = [d.numel() for d in dsts]
     fused_out = torch.empty(sum(sizes), dtype=fused_in.dtype)
-    work = inner.reduce_scatter(fused_out, fused_in.view(-1), op, group, True)
+    work = inner.reduce_scatter(fused_out, fused_in.view(-1), op, group, async_op)
     return work, _scatter(fused_out, sizes, dsts)
 
 
@@ -255,11 +255,14 @@ class FusionStream(OrderedStream):
         self.wait_s = config.wait_us * 1e-6
         self.buffered = 0  # bytes of buffered calls
         self.batches: list[Batch] = []  # posted, not known complete (for synchronize)
+        self._count = torch.empty(1, dtype=torch.int64)  # the agreement's buffer
         self.rounds = 0  # flushes so far
         self.short_rounds = 0  # flushes that took fewer calls than this rank proposed
 
-    def add(self, call: FusedCall) -> FusedCall:
-        """Buffer `call`; flush soon when B bytes are buffered."""
+    def add(self, call: FusedCall, wake: bool = True) -> FusedCall:
+        """Buffer `call`; flush soon when B bytes are buffered. ``wake=False``: the
+        caller flushes it itself right away (a blocking call), the worker's timer need
+        not start."""
         with self._cv:
             if self.failed is not None:
                 self._check()
@@ -273,7 +276,7 @@ class FusionStream(OrderedStream):
                 self._want = call.seq
                 self._ensure_worker()
                 self._cv.notify()
-            elif first:  # the worker's timer starts from the oldest buffered call
+            elif first and wake:  # the worker's timer starts from the oldest buffered call
                 self._ensure_worker()
                 self._cv.notify()
         return call
@@ -285,7 +288,7 @@ class FusionStream(OrderedStream):
     def _on_due(self) -> None:
         self._want = self._seq
 
-    def _advance_head(self) -> None:
+    def _advance_head(self, waiting: bool) -> None:
         with self._cv:
             head = self._items[0]
             if head.__class__ is Task:
@@ -299,7 +302,7 @@ class FusionStream(OrderedStream):
                     total += item.nbytes
                     proposal += 1
         if head.__class__ is Task:
-            super()._advance_head()
+            super()._advance_head(waiting)
             return
         agreed = proposal if self.gsize == 1 else self._agree(proposal)
         if not 1 <= agreed <= proposal:
@@ -315,7 +318,7 @@ class FusionStream(OrderedStream):
         _tally(agreed, proposal)
         try:
             with torch.no_grad():  # grad mode is per thread; rounds may run on the worker
-                self._post(calls)
+                self._post(calls, blocking=waiting)
         except BaseException as exc:
             for c in calls:
                 c.error = c.error or exc
@@ -325,12 +328,14 @@ class FusionStream(OrderedStream):
 
     def _agree(self, proposal: int) -> int:
         """all_reduce(MIN) of the proposals on this (backend, group) - blocking."""
-        count = torch.tensor([proposal], dtype=torch.int64)
+        count = self._count.fill_(proposal)
         self.inner.all_reduce(count, ReduceOp.MIN, self.group, False)
-        return int(count[0])
+        return count.item()
 
-    def _post(self, calls: list[FusedCall]) -> None:
-        """One backend call per fusion key, in order of each key's first call."""
+    def _post(self, calls: list[FusedCall], blocking: bool) -> None:
+        """One backend call per fusion key, in order of each key's first call; blocking
+        calls (completed here) when the posting thread is about to wait anyway, which
+        spares the hand-off to the backend's lane."""
         by_key: dict[tuple, list[FusedCall]] = {}
         for c in calls:
             by_key.setdefault(c.key, []).append(c)
@@ -338,8 +343,11 @@ class FusionStream(OrderedStream):
             self.batches = [b for b in self.batches if not b.done]
         for key, group_calls in by_key.items():
             work, copy_back = _POST[key[0]](self.inner, group_calls, self.group, self.gsize,
-                                            self.grank)
-            batch = Batch([work], copy_back, f"fused {key[0]} of {len(group_calls)} call(s)")
+                                            self.grank, not blocking)
+            batch = Batch([] if work is None else [work], copy_back,
+                          f"fused {key[0]} of {len(group_calls)} call(s)")
+            if blocking:
+                batch.complete(None)
             self.batches.append(batch)
             for c in group_calls:
                 c.batch = batch
@@ -374,7 +382,7 @@ class Fused(StreamedBackend):
         stream = self._streams.get(0 if group is None else group.id)
         if stream is None:
             stream = self._stream(group, "fusion ")
-        call = stream.add(FusedCall(key, nbytes, args, stream))
+        call = stream.add(FusedCall(key, nbytes, args, stream), async_op)
         if async_op:
             return call
         call.wait()
