@@ -105,7 +105,7 @@ class DeferredWork(Work):
         if self._completed:
             return True
         deadline = self._stream.deadline(timeout)
-        self._stream.wait_posted(self._task, deadline)
+        self._stream.wait_posted(self._task, deadline, inline=timeout is None)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -116,7 +116,8 @@ class DeferredWork(Work):
                         finish(None if timeout is None
                                else max(deadline - time.monotonic(), 0.0))
                     except BaseException as exc:
-                        self._error = exc
+                        if timeout is None:  # not just the caller's own short timeout
+                            self._error = exc
                         raise
                 self._completed = True
         return True
@@ -254,14 +255,20 @@ class OrderedStream:
                 self._ensure_worker()
                 self._cv.notify()
 
-    def wait_posted(self, item, deadline: float) -> None:
-        """Block until `item` was posted; posts it (and what precedes it) on this thread
-        when the worker is not busy, so a waiter does not pay a thread hand-off."""
+    def wait_posted(self, item, deadline: float, inline: bool = True) -> None:
+        """Block until `item` was posted. With `inline`, posts it (and what precedes it)
+        on this thread when the worker is not busy, so a waiter does not pay a thread
+        hand-off; without (a wait with an explicit timeout: posting may block on other
+        ranks for the backend's whole timeout, and cannot be taken back), the worker
+        posts and this thread only waits until `deadline`."""
         requested = False
         while not item.posted:
-            if self._runner.acquire(blocking=False):
+            if inline and self._runner.acquire(blocking=False):
                 try:
                     self._advance_upto(item.seq, True)
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
                 finally:
                     self._runner.release()
             else:
@@ -293,6 +300,9 @@ class OrderedStream:
             if self._runner.acquire(timeout=0.05):
                 try:
                     self._advance_upto(last, True)
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
                 finally:
                     self._runner.release()
             if time.monotonic() > deadline:

@@ -90,7 +90,7 @@ class FusedCall(Work):
         stream = self._stream
         deadline = stream.deadline(timeout)
         if not self.posted:
-            stream.wait_posted(self, deadline)
+            stream.wait_posted(self, deadline, inline=timeout is None)
         elif self.error is not None:
             raise self.error
         self.batch.complete(None if timeout is None else deadline)
@@ -138,7 +138,8 @@ class Batch:
                     with torch.no_grad():
                         self.copy_back()
             except BaseException as exc:
-                self.error = exc
+                if deadline is None:  # not just a caller's own short timeout
+                    self.error = exc
                 raise
             self.works, self.copy_back = (), None
             self.done = True

@@ -277,6 +277,23 @@ with mcrdl.extensions(fusion={"wait_us": 2000}):  # the timer alone flushes it
     if t[0].item() != sum(range(size)):
         failures.append("fused call completed by polling has a wrong result")
 
+with mcrdl.extensions(fusion={"wait_us": 1e6}):  # wait(timeout) honours a short timeout
+    t = torch.full((3,), float(rank))
+    if rank == size - 1:
+        time.sleep(1.0)
+    w = mcrdl.all_reduce("mpi", t, async_op=True)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            w.wait(timeout=0.2)
+            failures.append("wait(timeout=0.2) returned before the last rank issued the call")
+        except mcrdl.CommTimeoutError:
+            if time.monotonic() - start > 0.8:
+                failures.append(f"wait(timeout=0.2) took {time.monotonic() - start:.2f} s")
+    w.wait()  # a later wait still completes it
+    if t[0].item() != sum(range(size)):
+        failures.append("fused call waited after a timeout has a wrong result")
+
 with mcrdl.extensions(fusion=True):
     for bad, why in ((lambda: mcrdl.all_reduce("mpi", torch.ones(4, 4).t(), async_op=True),
                       "non-contiguous"),
@@ -305,8 +322,8 @@ if rank == 0:
     if bad:
         print(f"fusion FAILED ({len(bad)}):\n" + "\n".join(bad[:40]), flush=True)
     else:
-        print("fusion OK targeted: synchronize, timer flush by polling, call-time errors, "
-              "hot path restored", flush=True)
+        print("fusion OK targeted: synchronize, timer flush by polling, wait(timeout), "
+              "call-time errors, hot path restored", flush=True)
 ok = not any(all_failures)
 mcrdl.finalize()
 sys.exit(0 if ok else 1)
