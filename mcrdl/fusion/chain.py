@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import Iterator
 
+from ..errors import InvalidArgumentError
 from .config import CompressionConfig, ExtensionConfig, FusionConfig, LoggingConfig, coerce
 
 log = logging.getLogger("mcrdl")
@@ -43,11 +44,19 @@ def current() -> ExtensionConfig:
 
 
 def _merge(base: ExtensionConfig, fusion, compression, logging_) -> ExtensionConfig:
-    return ExtensionConfig(
+    config = ExtensionConfig(
         fusion=coerce("fusion", fusion, base.fusion),
         compression=coerce("compression", compression, base.compression),
         logging=coerce("logging", logging_, base.logging),
     )
+    if config.compression is not None:
+        try:
+            import zfpy  # noqa: F401
+        except ImportError:
+            raise InvalidArgumentError(
+                "compression: zfpy is not installed in this environment; pip install zfpy "
+                "(it is in mcrdl's 'test' extra)") from None
+    return config
 
 
 def configure(*, fusion: bool | dict | FusionConfig | None = None,
