@@ -64,10 +64,10 @@ BUS_FACTORS: dict[str, Callable[[int], float]] = {
     "all_to_allv": lambda n: (n - 1) / n,
     "bcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
-    "gather": lambda n: 1.0,
-    "gatherv": lambda n: 1.0,
-    "scatter": lambda n: 1.0,
-    "scatterv": lambda n: 1.0,
+    "gather": lambda n: (n - 1) / n,
+    "gatherv": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "scatterv": lambda n: (n - 1) / n,
     "barrier": lambda n: 0.0,
 }
 OPS = tuple(BUS_FACTORS)
