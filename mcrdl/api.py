@@ -25,7 +25,7 @@ from .fusion import chain as _extension_chain
 from .fusion.stream import ExtContext
 from .groups import Group, bad_group_error, check_ranks
 from .launch import LaunchInfo, detect
-from .ops import ReduceOp, to_reduce_op
+from .ops import CALL_BYTES, ReduceOp, to_reduce_op
 from .validate import OPERATIONS as VALIDATED_OPS
 from .validate import validate_call
 
@@ -214,30 +214,6 @@ def _load_tuning_table():
     return table
 
 
-def _nbytes(t) -> int:
-    return t.nbytes
-
-
-# op -> bytes of the call in the tuning table's convention (mcrdl.bench's size column):
-# the largest buffer one rank touches. args are the Backend method's (group, async last).
-_CALL_BYTES = {
-    "all_reduce": lambda a, g: _nbytes(a[0]),
-    "reduce": lambda a, g: _nbytes(a[0]),
-    "bcast": lambda a, g: _nbytes(a[0]),
-    "all_gather": lambda a, g: _nbytes(a[1]) * g,
-    "gather": lambda a, g: _nbytes(a[1]) * g,
-    "scatter": lambda a, g: _nbytes(a[0]) * g,
-    "reduce_scatter": lambda a, g: _nbytes(a[0]) * g,
-    "all_to_all_single": lambda a, g: _nbytes(a[1]),
-    "all_to_all": lambda a, g: sum(_nbytes(t) for t in a[1]),
-    "gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
-    "scatterv": lambda a, g: sum(a[2]) * a[0].element_size(),
-    "all_gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
-    "all_to_allv": lambda a, g: _nbytes(a[1]),
-    "send": lambda a, g: _nbytes(a[0]),
-    "recv": lambda a, g: _nbytes(a[0]),
-    "barrier": lambda a, g: 0,
-}
 
 
 _ROUTES_MAX = 4096  # distinct (group size, bytes) per op kept by "auto" before starting over
@@ -255,10 +231,10 @@ class _AutoByTable:
         self.name = "auto"
 
     def __getattr__(self, op):
-        if op not in _CALL_BYTES:
+        if op not in CALL_BYTES:
             return getattr(self._fixed, op)
         table, backends, names, fixed = self._table, self._backends, self._names, self._fixed
-        nbytes_of = _CALL_BYTES[op]
+        nbytes_of = CALL_BYTES[op]
 
         routes = {}  # (group size, bytes) -> the chosen backend's bound op: one dict hit
         world_size = _state.world.size

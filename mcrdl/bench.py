@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import mcrdl
+from mcrdl.ops import BUS_FACTORS
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -53,24 +54,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 
-# op name -> bus bandwidth factor as a function of the group size n (nccl-tests).
-BUS_FACTORS: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_gatherv": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "all_to_allv": lambda n: (n - 1) / n,
-    "bcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "gather": lambda n: (n - 1) / n,
-    "gatherv": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-    "scatterv": lambda n: (n - 1) / n,
-    "barrier": lambda n: 0.0,
-}
-OPS = tuple(BUS_FACTORS)
+OPS = tuple(op for op in BUS_FACTORS if op not in ("send", "recv"))  # collectives
 # Operations whose buffer is split into one block per rank.
 BLOCKED_OPS = frozenset(OPS) - {"all_reduce", "bcast", "reduce", "barrier"}
 DEFAULT_BACKENDS = ("mpi", "gloo")

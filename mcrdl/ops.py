@@ -88,3 +88,47 @@ DTYPES = (
     torch.int64,
     torch.bool,
 )
+
+
+#: Bus bandwidth factor of each operation as a function of the group size n, as
+#: nccl-tests computes busbw = algbw * factor (mcrdl-bench and the comm logger).
+BUS_FACTORS = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_gatherv": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_to_allv": lambda n: (n - 1) / n,
+    "bcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+    "gather": lambda n: (n - 1) / n,
+    "gatherv": lambda n: (n - 1) / n,
+    "scatter": lambda n: (n - 1) / n,
+    "scatterv": lambda n: (n - 1) / n,
+    "barrier": lambda n: 0.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+}
+
+#: Bytes of a call in the tuning table's convention (mcrdl.bench's size column): the
+#: largest buffer one rank touches. ``args`` are the Backend method's arguments (group
+#: and async_op last), ``g`` the group size. Used by "auto" and the comm logger.
+CALL_BYTES = {
+    "all_reduce": lambda a, g: a[0].nbytes,
+    "reduce": lambda a, g: a[0].nbytes,
+    "bcast": lambda a, g: a[0].nbytes,
+    "all_gather": lambda a, g: a[1].nbytes * g,
+    "gather": lambda a, g: a[1].nbytes * g,
+    "scatter": lambda a, g: a[0].nbytes * g,
+    "reduce_scatter": lambda a, g: a[0].nbytes * g,
+    "all_to_all_single": lambda a, g: a[1].nbytes,
+    "all_to_all": lambda a, g: sum(t.nbytes for t in a[1]),
+    "gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
+    "scatterv": lambda a, g: sum(a[2]) * a[0].element_size(),
+    "all_gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
+    "all_to_allv": lambda a, g: a[1].nbytes,
+    "send": lambda a, g: a[0].nbytes,
+    "recv": lambda a, g: a[0].nbytes,
+    "barrier": lambda a, g: 0,
+}

@@ -39,50 +39,12 @@ import threading
 import time
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..ops import BUS_FACTORS, CALL_BYTES
 from ..work import Work
 from .config import LoggingConfig
 from .stream import ExtContext
 
-#: nccl-tests bus bandwidth factors, by operation, as functions of the group size.
-BUS_FACTORS = {
-    "all_reduce": lambda n: 2.0 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_gatherv": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "all_to_allv": lambda n: (n - 1) / n,
-    "gather": lambda n: (n - 1) / n,
-    "gatherv": lambda n: (n - 1) / n,
-    "scatter": lambda n: (n - 1) / n,
-    "scatterv": lambda n: (n - 1) / n,
-    "bcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send": lambda n: 1.0,
-    "recv": lambda n: 1.0,
-    "barrier": lambda n: 0.0,
-}
 _P2P = frozenset({"send", "recv"})
-
-# op -> bytes of a call (the Backend method's arguments, group and async_op last).
-_CALL_BYTES = {
-    "all_reduce": lambda a, g: a[0].nbytes,
-    "reduce": lambda a, g: a[0].nbytes,
-    "bcast": lambda a, g: a[0].nbytes,
-    "all_gather": lambda a, g: a[1].nbytes * g,
-    "gather": lambda a, g: a[1].nbytes * g,
-    "scatter": lambda a, g: a[0].nbytes * g,
-    "reduce_scatter": lambda a, g: a[0].nbytes * g,
-    "all_to_all_single": lambda a, g: a[1].nbytes,
-    "all_to_all": lambda a, g: sum(t.nbytes for t in a[1]),
-    "gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
-    "scatterv": lambda a, g: sum(a[2]) * a[0].element_size(),
-    "all_gatherv": lambda a, g: sum(a[2]) * a[1].element_size(),
-    "all_to_allv": lambda a, g: a[1].nbytes,
-    "send": lambda a, g: a[0].nbytes,
-    "recv": lambda a, g: a[0].nbytes,
-    "barrier": lambda a, g: 0,
-}
 
 ROW_FIELDS = ("level", "op", "backend", "bucket_bytes", "bucket", "group_size", "count",
               "bytes", "completed", "lat_min_us", "lat_median_us", "lat_max_us",
@@ -272,10 +234,10 @@ class Logged:
         self._world_size = ext.world_size
 
     def __getattr__(self, attr):
-        if attr not in _CALL_BYTES:
+        if attr not in CALL_BYTES:
             return getattr(self._inner, attr)
         method = getattr(self._inner, attr)
-        nbytes_of = _CALL_BYTES[attr]
+        nbytes_of = CALL_BYTES[attr]
         log, level, name, world_size = self._log, self._level, self.name, self._world_size
         perf = time.perf_counter_ns
 
