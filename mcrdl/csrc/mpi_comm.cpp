@@ -12,7 +12,7 @@
 
 #include <climits>
 
-#include "lane.h"
+#include "launch_work.h"
 #include "mpi_util.h"
 #include "pyargs.h"
 
@@ -524,20 +524,7 @@ class MpiComm {
                 op.c_str());
       return flag != 0;
     };
-    if (async_op) {
-      lane_->track(w);
-      return py::cast(w);
-    }
-    {
-      py::gil_scoped_release nogil;
-      try {
-        w->wait();
-      } catch (const Error& e) {
-        if (e.kind() == ErrorKind::Timeout) lane_->fail(e.what(), w);  // keeps buffers alive
-        throw;
-      }
-    }
-    return py::none();
+    return launch_work(lane_, w, async_op);
   }
 
   MPI_Comm comm_;

@@ -33,7 +33,7 @@
 
 #include <atomic>
 
-#include "lane.h"
+#include "launch_work.h"
 #include "mpi_util.h"
 #include "pyargs.h"
 
@@ -434,20 +434,7 @@ class PcclComm {
                     std::unique_lock<std::mutex>& posted) {
     posted.unlock();
     w->test = [s] { return s->test(); };
-    if (async_op) {
-      lane_->track(w);
-      return py::cast(w);
-    }
-    {
-      py::gil_scoped_release nogil;
-      try {
-        w->wait();
-      } catch (const Error& e) {
-        if (e.kind() == ErrorKind::Timeout) lane_->fail(e.what(), w);
-        throw;
-      }
-    }
-    return py::none();
+    return launch_work(lane_, w, async_op);
   }
 
   Peer inter_, intra_;
