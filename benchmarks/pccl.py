@@ -30,7 +30,7 @@ import torch
 import mcrdl
 from mcrdl import _C
 from mcrdl.backends import pccl_ref
-from mcrdl.backends.pccl import CostModel, use_algorithms
+from mcrdl.backends.pccl import CostModel, initialized, use_algorithms
 from mcrdl.bench import format_size, parse_size, size_range
 
 
@@ -71,10 +71,7 @@ def main() -> int:
     backends = ["mpi", "pccl"] + ([] if args.no_gloo else ["gloo"])
     mcrdl.init(backends)
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
-    pc = mcrdl.api._state.backends["pccl"]
-    while "_inner" in vars(pc):
-        pc = vars(pc)["_inner"]
-    lay = pc.layouts[0]
+    lay = initialized().layouts[0]
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# pccl benchmark: {world} ranks, {lay.nodes} nodes x {lay.per_node} per node "
         f"({'hierarchical' if lay.hierarchical else 'flat'}), torch {torch.__version__}, "

@@ -26,12 +26,10 @@ def poll_spins(ranks_on_node: int) -> int:
     return 64 if ranks_on_node <= (cores or 1) else 0
 
 
-class MPIBackend(Backend):
-    name = "mpi"
-    capabilities = Capabilities(
-        notes={"float16/bfloat16": "moved as 16-bit words; reduced in float32, rounded once"}
-    )
-    validates_arguments = True
+class MPILaneBackend(Backend):
+    """What the backends whose ops run in mcrdl._C over mpi4py communicators share
+    ("mpi", "cray-mpich", "pccl"): the MPI checks, the lane, one C++ communicator per
+    group in ``self._comms`` (the world under id 0), timeouts, failure, synchronize."""
 
     @classmethod
     def availability(cls, launch) -> str | None:
@@ -58,9 +56,42 @@ class MPIBackend(Backend):
         self.library_version = loaded
         _C.set_poll_spins(poll_spins(ctx.bootstrap.info.local_size))
         self._lane = _C.Lane(self.name)
+        self._comms: dict[int, object] = {}
+
+    def comm(self, group: Group | None):
+        try:
+            return self._comms[0 if group is None else group.id]
+        except (KeyError, AttributeError):
+            raise bad_group_error(group) from None
+
+    def set_timeout(self, timeout: float) -> None:
+        super().set_timeout(timeout)
+        for c in self._comms.values():
+            c.set_timeout(timeout)
+
+    def mark_failed(self, why: str) -> None:
+        self._lane.fail(why)
+
+    def synchronize(self, timeout: float) -> None:
+        self._lane.synchronize(timeout)
+
+    def finalize(self) -> None:
+        """Drain and stop the lane; subclasses then free their MPI communicators."""
+        self._lane.shutdown(f"the {self.name!r} backend was finalized", self.ctx.timeout)
+        self._comms.clear()
+
+
+class MPIBackend(MPILaneBackend):
+    name = "mpi"
+    capabilities = Capabilities(
+        notes={"float16/bfloat16": "moved as 16-bit words; reduced in float32, rounded once"}
+    )
+    validates_arguments = True
+
+    def __init__(self, ctx: InitContext):
+        super().__init__(ctx)
         self._mpi_comms: dict[int, object] = {}
-        self._comms: dict[int, _C.MpiComm] = {}
-        self._world = self._make(ctx.world, MPI.COMM_WORLD.Dup())
+        self._world = self._make(ctx.world, self._MPI.COMM_WORLD.Dup())
 
     def _make(self, group: Group, comm) -> _C.MpiComm:
         self._mpi_comms[group.id] = comm
@@ -77,28 +108,8 @@ class MPIBackend(Backend):
         if group.is_member:
             self._make(group, comm)
 
-    def comm(self, group: Group | None) -> _C.MpiComm:
-        if group is None:
-            return self._world
-        try:
-            return self._comms[group.id]
-        except (KeyError, AttributeError):
-            raise bad_group_error(group) from None
-
-    def set_timeout(self, timeout: float) -> None:
-        super().set_timeout(timeout)
-        for c in self._comms.values():
-            c.set_timeout(timeout)
-
-    def mark_failed(self, why: str) -> None:
-        self._lane.fail(why)
-
-    def synchronize(self, timeout: float) -> None:
-        self._lane.synchronize(timeout)
-
     def finalize(self) -> None:
-        self._lane.shutdown(f"the {self.name!r} backend was finalized", self.ctx.timeout)
-        self._comms.clear()
+        super().finalize()
         for comm in self._mpi_comms.values():
             if comm != self._MPI.COMM_NULL:
                 comm.Free()

@@ -39,10 +39,11 @@ import torch
 from .. import _C
 from ..bootstrap import mpi_module
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..groups import Group, bad_group_error
+from ..groups import Group
 from ..ops import ReduceOp
 from ..work import Work
-from .base import Backend, Capabilities, InitContext
+from .base import Capabilities, InitContext
+from .mpi import MPILaneBackend
 
 ALGORITHMS = ("ring", "rd", "mpi")
 _BOOL_OP = {ReduceOp.SUM: ReduceOp.BOR, ReduceOp.MAX: ReduceOp.BOR, ReduceOp.BOR: ReduceOp.BOR,
@@ -214,7 +215,7 @@ class _Chain(Work):
         return self._first.is_completed() and self._advance().is_completed()
 
 
-class PCCLBackend(Backend):
+class PCCLBackend(MPILaneBackend):
     name = "pccl"
     capabilities = Capabilities(
         ops=frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
@@ -224,26 +225,19 @@ class PCCLBackend(Backend):
 
     @classmethod
     def availability(cls, launch) -> str | None:
-        if not launch.mpi_world:
-            return "needs an MPI world for its point-to-point phases: " + launch.why_no_mpi
-        try:
-            import mpi4py  # noqa: F401
-        except ImportError:
-            return "mpi4py is not installed (pip install mpi4py, plus an MPI such as mpich)"
-        return None
+        why = super().availability(launch)
+        if why and not launch.mpi_world:
+            return "needs an MPI world for its point-to-point phases: " + why
+        return why
 
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
-        MPI = mpi_module()
-        self._MPI = MPI
-        self._base = MPI.COMM_WORLD.Dup()
+        self._base = self._MPI.COMM_WORLD.Dup()
         self.world_nodes = node_ids(self._base, self._base.Get_size())
         self.model = CostModel.from_env()
         self.inter_algo = _algo_env("MCRDL_PCCL_INTER", "auto", (*ALGORITHMS, "auto"))
         self.intra_algo = _algo_env("MCRDL_PCCL_INTRA", "mpi", ALGORITHMS)
-        self._lane = _C.Lane("pccl")
         self._mpi_comms: list = []
-        self._comms: dict[int, _C.PcclComm] = {}
         self.layouts: dict[int, Layout] = {}
         self._make(ctx.world)
 
@@ -279,26 +273,8 @@ class PCCLBackend(Backend):
     def add_group(self, group: Group) -> None:
         self._make(group)
 
-    def comm(self, group: Group | None) -> _C.PcclComm:
-        try:
-            return self._comms[0 if group is None else group.id]
-        except (KeyError, AttributeError):
-            raise bad_group_error(group) from None
-
-    def set_timeout(self, timeout: float) -> None:
-        super().set_timeout(timeout)
-        for c in self._comms.values():
-            c.set_timeout(timeout)
-
-    def mark_failed(self, why: str) -> None:
-        self._lane.fail(why)
-
-    def synchronize(self, timeout: float) -> None:
-        self._lane.synchronize(timeout)
-
     def finalize(self) -> None:
-        self._lane.shutdown("the 'pccl' backend was finalized", self.ctx.timeout)
-        self._comms.clear()
+        super().finalize()
         for c in self._mpi_comms:
             c.Free()
         self._mpi_comms.clear()
@@ -424,17 +400,24 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@contextlib.contextmanager
-def use_algorithms(inter: str | None = None, intra: str | None = None):
-    """Within the block, the initialized "pccl" backend uses these algorithms ("ring",
-    "rd", "mpi"; inter also "auto"). For benchmarks and experiments."""
+def initialized(where: str = "pccl") -> PCCLBackend:
+    """The initialized "pccl" backend object itself (under mcrdl.api's validating and
+    debug wrappers): its layouts, cost model and algorithm settings."""
     from .. import api
 
     b = api._state.backends.get("pccl")
     if b is None:
-        raise BackendUnavailableError("use_algorithms: backend 'pccl' is not initialized")
-    while "_inner" in vars(b):  # the validating / debug wrappers of mcrdl.api
+        raise BackendUnavailableError(f"{where}: backend 'pccl' is not initialized")
+    while "_inner" in vars(b):
         b = vars(b)["_inner"]
+    return b
+
+
+@contextlib.contextmanager
+def use_algorithms(inter: str | None = None, intra: str | None = None):
+    """Within the block, the initialized "pccl" backend uses these algorithms ("ring",
+    "rd", "mpi"; inter also "auto"). For benchmarks and experiments."""
+    b = initialized("use_algorithms")
     for name, v, allowed in (("inter", inter, (*ALGORITHMS, "auto")), ("intra", intra, ALGORITHMS)):
         if v is not None and v not in allowed:
             raise InvalidArgumentError(f"use_algorithms: {name}={v!r}; expected one of "

@@ -22,7 +22,7 @@ import _ref as R  # noqa: E402
 
 import mcrdl  # noqa: E402
 from mcrdl import _C  # noqa: E402
-from mcrdl.backends import pccl_ref  # noqa: E402
+from mcrdl.backends import pccl, pccl_ref  # noqa: E402
 from mcrdl.backends.pccl import use_algorithms  # noqa: E402
 
 ALGOS = [("auto", "mpi"), ("ring", "ring"), ("rd", "rd"), ("mpi", "rd"), ("rd", "mpi")]
@@ -56,10 +56,7 @@ def main() -> int:
     checks += check_cpp_vs_python(rank, world)
     total = torch.tensor([checks])
     mcrdl.all_reduce("mpi", total)
-    layout = mcrdl.api._state.backends["pccl"]
-    while "_inner" in vars(layout):
-        layout = vars(layout)["_inner"]
-    lay = layout.layouts[0]
+    lay = pccl.initialized().layouts[0]
     if rank == 0:
         print(f"pccl OK: world {world}, {lay.nodes} nodes x {lay.per_node} "
               f"({'hierarchical' if lay.hierarchical else 'flat'}), {int(total)} checks")
