@@ -338,7 +338,7 @@ def _barrier_backend(backend: str) -> str:
     return next((b for b in mcrdl.get_backends() if has(b)), backend)
 
 
-def _device_for(backend: str) -> torch.device:
+def device_for(backend: str) -> torch.device:
     if backend in GPU_BACKENDS:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -369,7 +369,7 @@ def run_table(
     """Benchmark ``op`` on ``backend`` over ``sizes``; print and return the rows."""
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    device = _device_for(backend)
+    device = device_for(backend)
     factor = BUS_FACTORS[op](nranks)
     counts = sorted({element_count(op, size, itemsize, nranks) for size in sizes})
     emit("#")

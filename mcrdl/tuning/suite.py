@@ -29,7 +29,7 @@ import torch
 
 import mcrdl
 
-from ..bench import DTYPES, GPU_BACKENDS, element_count, make_call, time_call
+from ..bench import DTYPES, device_for, element_count, make_call, time_call
 from .table import TuningTable
 
 #: Operations tuned by default: every operation of API.md but send/recv (point to point).
@@ -93,6 +93,21 @@ def overlapped_call(op: str, backend: str, count: int, dtype, device, rank: int,
     return run
 
 
+def measure_point(cfg: SuiteConfig, op: str, k: int, backend: str, count: int, rank: int,
+                  s: int, group) -> float:
+    """Seconds per call of `op` on `backend` over the first `s` ranks (`group`), `count`
+    elements of cfg.dtype per rank; with k > 1, per op of k concurrent async ops."""
+    dtype = DTYPES[cfg.dtype]
+    device = device_for(backend)
+    if k > 1:
+        call = overlapped_call(op, backend, count, dtype, device, rank, s, group, k)
+    else:
+        call = make_call(op, backend, count, dtype, device, rank, s, group)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    return time_call(call, backend, device, iters_for(nbytes, cfg), cfg.warmup,
+                     group=group) / k
+
+
 def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable], None],
               progress: Callable[[int, int, str], None] | None = None) -> TuningTable:
     """Measure every missing point of the plan into `table` (rank 0's copy is the one
@@ -139,15 +154,7 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
             progress(done, len(plan), f"{name} on {backend}, {s} ranks, {real_bytes} B")
         if rank >= s:
             continue  # not in this group: wait at the next quiet barrier
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if backend in GPU_BACKENDS else torch.device("cpu"))
-        group = groups[s]
-        if k > 1:
-            call = overlapped_call(base, backend, count, dtype, device, rank, s, group, k)
-        else:
-            call = make_call(base, backend, count, dtype, device, rank, s, group)
-        seconds = time_call(call, backend, device, iters_for(real_bytes, cfg), cfg.warmup,
-                            group=group) / k
+        seconds = measure_point(cfg, base, k, backend, count, rank, s, groups[s])
         if rank == 0:
             table.add(name, s, backend, real_bytes, seconds)
             unsaved += 1
@@ -220,14 +227,7 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
         measured = {b: [] for b in here}
         for _ in range(cfg.confirm):
             for b in rng.sample(here, len(here)):
-                device = (torch.device("cuda", torch.cuda.current_device())
-                          if b in GPU_BACKENDS else torch.device("cpu"))
-                if k > 1:
-                    call = overlapped_call(base, b, count, dtype, device, rank, s, groups[s], k)
-                else:
-                    call = make_call(base, b, count, dtype, device, rank, s, groups[s])
-                measured[b].append(time_call(call, b, device, iters_for(nbytes, cfg),
-                                             cfg.warmup, group=groups[s]) / k)
+                measured[b].append(measure_point(cfg, base, k, b, count, rank, s, groups[s]))
         if rank == 0:
             for b, more in measured.items():
                 old = table.times(name, s, b).get(nbytes)
