@@ -1,0 +1,195 @@
+"""Sharded, atomic, resumable checkpoints, and a tool that consolidates them.
+
+Layout of ``<checkpoint-dir>``::
+
+    step_000010/stage_00.pt ...   one shard per pipeline stage (model + optimizer state),
+                                  written by the stage's data-parallel rank 0
+    step_000010/manifest.json     written last, by world rank 0: step, grid, partition,
+                                  model config, and each shard's size and sha256
+    latest                        name of the newest complete checkpoint
+
+Every file is written to a temporary name, flushed to disk and renamed, so a crash
+leaves either the old file or the new one. A checkpoint without a manifest was not
+completely written and is never loaded; older checkpoints are never touched, so
+nothing already saved is lost. Loading verifies each shard's size and sha256 and all
+ranks agree before any state changes: a truncated or corrupt shard raises
+``CheckpointError`` on every rank, naming the file and the intact checkpoints to use.
+
+    python -m training.checkpoint consolidate runs/ckpt/step_000020 -o gpt.pt
+
+writes one ordinary PyTorch ``state_dict`` of the whole model (load it with
+``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+FORMAT = "mcrdl-training-checkpoint/1"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, incomplete, truncated, corrupt, mismatched)."""
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step_{step:06d}"
+
+
+def shard_name(stage: int) -> str:
+    return f"stage_{stage:02d}.pt"
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_save(obj, path: Path) -> tuple[int, str]:
+    """torch.save to a temp file, fsync, rename; returns (bytes, sha256)."""
+    import io
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    _fsync_write(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Step directories under `root` that have a manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "manifest.json").exists()]
+    return sorted(out, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    root = Path(root)
+    ptr = root / "latest"
+    if ptr.exists():
+        cand = root / ptr.read_text().strip()
+        if (cand / "manifest.json").exists():
+            return cand
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    _fsync_write(directory / "manifest.json", json.dumps(manifest, indent=1).encode())
+    _fsync_write(directory.parent / "latest", (directory.name + "\n").encode())
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    directory = Path(directory)
+    mpath = directory / "manifest.json"
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} does not exist{_alternatives(directory)}")
+    if not mpath.exists():
+        raise CheckpointError(f"checkpoint {directory} has no manifest.json: it was not "
+                              f"completely written{_alternatives(directory)}")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath} is not valid JSON ({e}){_alternatives(directory)}") from e
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def _alternatives(directory: Path) -> str:
+    others = [p for p in complete_checkpoints(directory.parent) if p.name != directory.name]
+    if not others:
+        return "; no other complete checkpoint exists in " + str(directory.parent)
+    return ("; complete checkpoints: " + ", ".join(p.name for p in others[-3:])
+            + f" (resume from one with --resume {others[-1]})")
+
+
+def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict:
+    """Read and verify (size, sha256) one stage's shard."""
+    directory = Path(directory)
+    entry = next((s for s in manifest["shards"] if s["stage"] == stage), None)
+    if entry is None:
+        raise CheckpointError(f"{directory}/manifest.json lists no shard for stage {stage}")
+    path = directory / entry["file"]
+    if not path.exists():
+        raise CheckpointError(f"shard {path} is missing{_alternatives(directory)}")
+    data = path.read_bytes()
+    if len(data) != entry["bytes"]:
+        raise CheckpointError(f"shard {path} is truncated or overwritten: {len(data)} bytes, "
+                              f"the manifest says {entry['bytes']}{_alternatives(directory)}")
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"shard {path} is corrupt: its sha256 differs from the "
+                              f"manifest's{_alternatives(directory)}")
+    import io
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
+    """(state_dict of the whole model, model config dict) from a checkpoint's shards."""
+    manifest = read_manifest(directory)
+    state: dict[str, torch.Tensor] = {}
+    for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
+        shard = load_shard(directory, manifest, entry["stage"])
+        overlap = set(state) & set(shard["model"])
+        if overlap:
+            raise CheckpointError(f"stage {entry['stage']} repeats parameters {sorted(overlap)[:3]}")
+        state.update(shard["model"])
+    n_units = manifest["model"]["n_layer"] + 2
+    present = {int(k.split(".")[1]) for k in state}
+    missing = sorted(set(range(n_units)) - present)
+    if missing:
+        raise CheckpointError(f"{directory}: no shard holds units {missing}")
+    order = sorted(state, key=lambda k: (int(k.split(".")[1]), k))
+    return {k: state[k] for k in order}, manifest["model"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m training.checkpoint",
+                                 description="Inspect and consolidate training checkpoints.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("consolidate", help="merge a checkpoint's shards into one state_dict")
+    c.add_argument("checkpoint", help="a step directory, or a checkpoint dir (its latest)")
+    c.add_argument("-o", "--out", required=True, help="output .pt (state_dict); config -> .json")
+    ls = sub.add_parser("list", help="list the complete checkpoints of a directory")
+    ls.add_argument("directory")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "list":
+            for p in complete_checkpoints(args.directory):
+                m = read_manifest(p)
+                print(f"{p}  step {m['step']}  grid {m['grid']}  {len(m['shards'])} shards")
+            return 0
+        path = Path(args.checkpoint)
+        if not (path / "manifest.json").exists() and latest_checkpoint(path):
+            path = latest_checkpoint(path)
+        state, cfg = consolidate(path)
+        out = Path(args.out)
+        atomic_save(state, out)
+        _fsync_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
+        n = sum(t.numel() for t in state.values())
+        print(f"consolidated {path} -> {out}: {len(state)} tensors, {n} parameters; "
+              f"config in {out.with_suffix('.json')}")
+        return 0
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Optimizers of the training package, with the data-parallel gradient all-reduce.
+
+Two implementations of AdamW (decoupled weight decay; decay on matrices and embeddings,
+none on biases and LayerNorm, as nanoGPT):
+
+- ``DataParallelAdamW``: gradients flattened, all-reduced (AVG over the data-parallel
+  group, backend "auto"), optionally clipped by the global norm (over the pipeline group
+  too), then ``torch.optim.AdamW`` steps the parameters in place. The reference.
+- ``OffloadedAdamW``: AxoNN's memory layout. The model keeps its parameters and
+  gradients in the training dtype (bf16/fp16 on GPUs, fp32 or bf16 on CPU) in one flat
+  buffer; fp32 master weights and both Adam moments live in host memory. The gradient
+  is all-reduced in chunks of ``coarsening`` buckets, all posted at once on the "auto"
+  backend's lane; the optimizer processes each bucket (copy the gradient to the host in
+  fp32, AdamW on the master, copy the new weights back in the training dtype) as soon
+  as its chunk has arrived, so the optimizer of chunk c overlaps the all-reduce of the
+  chunks after it. Global-norm clipping and fp16 overflow checks need the whole
+  gradient first; with either on, the chunks are checked as they arrive and the
+  updates run after the last one.
+
+Both give the same result to rounding (the parity tests compare them with a serial run).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import mcrdl
+
+from .timers import NullTimers, PhaseTimers
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    decay_steps: int = 1000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0           # 0 disables
+    bucket_mib: float = 4.0          # OffloadedAdamW bucket size
+    coarsening: int = 2              # buckets per all-reduce chunk (k)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to lr, then cosine decay to min_lr at decay_steps (step is 0-based)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if step >= self.decay_steps:
+            return self.min_lr
+        ratio = (step - self.warmup_steps) / max(1, self.decay_steps - self.warmup_steps)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (self.lr - self.min_lr)
+
+
+def decays(p: torch.Tensor) -> bool:
+    return p.dim() >= 2
+
+
+def param_groups(params, weight_decay: float) -> list[dict]:
+    params = list(params)
+    return [{"params": [p for p in params if decays(p)], "weight_decay": weight_decay},
+            {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (disabled: scale 1, never skips)."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+        self.skipped = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale /= 2.0
+            self.good_steps = 0
+            self.skipped += 1
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.scale, self.good_steps, self.skipped = sd["scale"], sd["good_steps"], sd["skipped"]
+
+
+class _GradientComm:
+    """What every optimizer here shares: the data-parallel all-reduce and the global norm."""
+
+    def __init__(self, cfg: OptimConfig, data_group, pipe_group, world_reduce: bool,
+                 timers: PhaseTimers | None):
+        self.cfg = cfg
+        self.data_group, self.pipe_group = data_group, pipe_group
+        self.world_reduce = world_reduce  # several ranks: overflow flags agree world-wide
+        self.timers = timers or NullTimers()
+        self.step_count = 0
+
+    def _all_reduce(self, t: torch.Tensor, op, group, async_op=False):
+        return mcrdl.all_reduce("auto", t, op=op, group=group, async_op=async_op)
+
+    def global_sumsq(self, local: torch.Tensor) -> float:
+        """Sum of squares over the pipeline group (the data group holds equal copies)."""
+        if self.pipe_group is not None:
+            with self.timers("collective"):
+                self._all_reduce(local, mcrdl.ReduceOp.SUM, self.pipe_group)
+        return float(local)
+
+    def any_world(self, flag: bool) -> bool:
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        if self.world_reduce:
+            with self.timers("collective"):
+                self._all_reduce(t, mcrdl.ReduceOp.MAX, None)
+        return bool(t.item())
+
+    def clip_coef(self, sumsq: float) -> float:
+        """torch.nn.utils.clip_grad_norm_'s factor (1 when clipping is off)."""
+        if self.cfg.grad_clip <= 0:
+            return 1.0
+        norm = math.sqrt(sumsq)
+        return min(1.0, self.cfg.grad_clip / (norm + 1e-6))
+
+
+class DataParallelAdamW(_GradientComm):
+    """All-reduce + clip + torch.optim.AdamW (parameters and states in the model dtype)."""
+
+    def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
+                 world_reduce: bool = False, timers: PhaseTimers | None = None):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
+        self.params = [p for p in params if p.requires_grad]
+        self.opt = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=cfg.lr,
+                                     betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+        self.scaler = LossScaler(False)
+        self.last_grad_norm = float("nan")
+
+    def step(self) -> bool:
+        lr = self.cfg.lr_at(self.step_count)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.data_group is not None:
+            with self.timers("collective"):
+                flat = torch._utils._flatten_dense_tensors(grads)
+                self._all_reduce(flat, mcrdl.ReduceOp.AVG, self.data_group)
+                for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
+                                strict=True):
+                    g.copy_(r)
+        with self.timers("optimizer"):
+            local = torch.zeros(1, dtype=torch.float64)
+            for g in grads:
+                local += g.double().pow(2).sum()
+        sumsq = self.global_sumsq(local) if self.cfg.grad_clip > 0 else 0.0
+        self.last_grad_norm = math.sqrt(sumsq)
+        with self.timers("optimizer"):
+            coef = self.clip_coef(sumsq)
+            for p, g in zip(self.params, grads, strict=True):
+                if coef < 1.0:
+                    g.mul_(coef)
+                p.grad = g
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return True
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict:
+        return {"kind": "adamw", "step_count": self.step_count, "torch": self.opt.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        _check_kind(sd, "adamw")
+        self.step_count = sd["step_count"]
+        self.opt.load_state_dict(sd["torch"])
+
+
+def _check_kind(sd: dict, kind: str) -> None:
+    if sd.get("kind") != kind:
+        raise ValueError(f"optimizer state is of kind {sd.get('kind')!r}, this run uses {kind!r}"
+                         "; resume with the same --offload-optimizer setting")
+
+
+class OffloadedAdamW(_GradientComm):
+    """fp32 master weights and moments in host memory, bucketed, overlapped (module doc)."""
+
+    def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
+                 world_reduce: bool = False, timers: PhaseTimers | None = None,
+                 loss_scaling: bool = False):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
+        params = [p for p in params if p.requires_grad]
+        # decaying parameters first, so that a bucket holds at most two runs of equal decay
+        self.params = sorted(params, key=lambda p: not decays(p))
+        if not self.params:
+            raise ValueError("OffloadedAdamW: no trainable parameters")
+        dev, dtype = self.params[0].device, self.params[0].dtype
+        if any(p.device != dev or p.dtype != dtype for p in self.params):
+            raise ValueError("OffloadedAdamW: all parameters must share one device and dtype")
+        n = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(n, dtype=dtype, device=dev)
+        self.flat_grad = torch.zeros(n, dtype=dtype, device=dev)
+        pin = dev.type == "cuda"
+        self.master = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        self.offsets = []
+        off = 0
+        for p in self.params:
+            k = p.numel()
+            self.flat[off:off + k].copy_(p.detach().reshape(-1))
+            self.master[off:off + k].copy_(p.detach().reshape(-1).float())
+            p.data = self.flat[off:off + k].view_as(p)  # the model now lives in the flat buffer
+            self.offsets.append(off)
+            off += k
+        self.buckets = self._make_buckets(max(1, int(cfg.bucket_mib * 2**20) // 4))
+        self.scaler = LossScaler(loss_scaling)
+        self.last_grad_norm = float("nan")
+
+    def _make_buckets(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, float]]]]:
+        """(start, end, runs) with runs = [(start, end, weight decay)], whole parameters."""
+        buckets, start, runs = [], 0, []
+        for p, off in zip(self.params, self.offsets, strict=True):
+            wd = self.cfg.weight_decay if decays(p) else 0.0
+            end = off + p.numel()
+            if runs and runs[-1][2] == wd:
+                runs[-1] = (runs[-1][0], end, wd)
+            else:
+                runs.append((off, end, wd))
+            if end - start >= limit:
+                buckets.append((start, end, runs))
+                start, runs = end, []
+        if runs:
+            buckets.append((start, runs[-1][1], runs))
+        return buckets
+
+    def chunks(self) -> list[list[int]]:
+        k = max(1, self.cfg.coarsening)
+        idx = list(range(len(self.buckets)))
+        return [idx[i:i + k] for i in range(0, len(idx), k)]
+
+    def _gather_grads(self) -> None:
+        for p, off in zip(self.params, self.offsets, strict=True):
+            dst = self.flat_grad[off:off + p.numel()]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+                p.grad = None
+
+    def step(self) -> bool:
+        """One AdamW step; False when skipped (fp16 overflow)."""
+        with self.timers("optimizer"):
+            self._gather_grads()
+        chunks = self.chunks()
+        spans = [(self.buckets[c[0]][0], self.buckets[c[-1]][1]) for c in chunks]
+        works = []
+        if self.data_group is not None:
+            with self.timers("collective"):
+                works = [self._all_reduce(self.flat_grad[a:b], mcrdl.ReduceOp.AVG,
+                                          self.data_group, async_op=True) for a, b in spans]
+        needs_whole = self.cfg.grad_clip > 0 or self.scaler.enabled
+        lr = self.cfg.lr_at(self.step_count)
+        if not needs_whole:
+            for i, chunk in enumerate(chunks):
+                if works:
+                    with self.timers("collective"):
+                        works[i].wait()
+                with self.timers("optimizer"):
+                    for b in chunk:
+                        self._update(self.buckets[b], lr, 1.0 / self.scaler.scale)
+            self.step_count += 1
+            self.scaler.update(False)
+            return True
+        local = torch.zeros(1, dtype=torch.float64)
+        for i, (a, b) in enumerate(spans):
+            if works:
+                with self.timers("collective"):
+                    works[i].wait()
+            with self.timers("optimizer"):
+                local += self.flat_grad[a:b].double().pow(2).sum()
+        inv = 1.0 / self.scaler.scale
+        sumsq = self.global_sumsq(local) * inv * inv
+        found_inf = not math.isfinite(sumsq)
+        if self.scaler.enabled:
+            found_inf = self.any_world(found_inf)
+        self.scaler.update(found_inf)
+        if found_inf:
+            return False
+        self.last_grad_norm = math.sqrt(sumsq)
+        coef = self.clip_coef(sumsq) * inv
+        with self.timers("optimizer"):
+            for bucket in self.buckets:
+                self._update(bucket, lr, coef)
+        self.step_count += 1
+        return True
+
+    def _update(self, bucket, lr: float, grad_coef: float) -> None:
+        """torch.optim.AdamW's single-tensor update, run by run, on the host in fp32."""
+        c = self.cfg
+        step = self.step_count + 1
+        bias1 = 1 - c.beta1 ** step
+        bias2_sqrt = math.sqrt(1 - c.beta2 ** step)
+        step_size = lr / bias1
+        start, end, runs = bucket
+        g = self.flat_grad[start:end].to("cpu", torch.float32, copy=True)
+        if grad_coef != 1.0:
+            g.mul_(grad_coef)
+        for a, b, wd in runs:
+            gi = g[a - start:b - start]
+            p, m, v = self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b]
+            p.mul_(1 - lr * wd)
+            m.lerp_(gi, 1 - c.beta1)
+            v.mul_(c.beta2).addcmul_(gi, gi, value=1 - c.beta2)
+            denom = (v.sqrt() / bias2_sqrt).add_(c.eps)
+            p.addcdiv_(m, denom, value=-step_size)
+        self.flat[start:end].copy_(self.master[start:end], non_blocking=True)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        """Master weights and moments per parameter (by position in `params`)."""
+        out = {"kind": "offloaded-adamw", "step_count": self.step_count,
+               "scaler": self.scaler.state_dict(), "master": [], "exp_avg": [], "exp_avg_sq": []}
+        for p, off in zip(self.params, self.offsets, strict=True):
+            s = slice(off, off + p.numel())
+            out["master"].append(self.master[s].clone())
+            out["exp_avg"].append(self.exp_avg[s].clone())
+            out["exp_avg_sq"].append(self.exp_avg_sq[s].clone())
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        _check_kind(sd, "offloaded-adamw")
+        if len(sd["master"]) != len(self.params):
+            raise ValueError(f"optimizer state has {len(sd['master'])} parameters, this stage "
+                             f"has {len(self.params)}")
+        self.step_count = sd["step_count"]
+        self.scaler.load_state_dict(sd["scaler"])
+        for i, (p, off) in enumerate(zip(self.params, self.offsets, strict=True)):
+            s = slice(off, off + p.numel())
+            self.master[s].copy_(sd["master"][i])
+            self.exp_avg[s].copy_(sd["exp_avg"][i])
+            self.exp_avg_sq[s].copy_(sd["exp_avg_sq"][i])
+        self.flat.copy_(self.master)

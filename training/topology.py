@@ -1,0 +1,112 @@
+"""Process grids: named parallel axes mapped onto ranks, one mcrdl group per grid line.
+
+    grid = ProcessGrid({"data": 2, "pipe": 4})          # 8 ranks
+    grid.coord("pipe"), grid.size("pipe"), grid.group("data")
+
+``order`` lists the axes from the fastest-varying (consecutive ranks, e.g. the
+ranks of one node) to the slowest; by default the order of ``sizes``. With
+``{"data": 2, "pipe": 4}`` ranks 0 and 1 form a data-parallel pair and ranks 0, 2, 4, 6
+a pipeline. Groups are created collectively on every rank in one fixed order, so the
+grid must be built by every rank of the world with the same arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import mcrdl
+
+
+class GridError(ValueError):
+    """A process grid that does not fit the world."""
+
+
+class ProcessGrid:
+    def __init__(self, sizes: Mapping[str, int], order: Sequence[str] | None = None, *,
+                 world_size: int | None = None, rank: int | None = None):
+        sizes = dict(sizes)
+        for axis, n in sizes.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise GridError(f"process grid: axis '{axis}' has degree {n!r}; "
+                                "expected a positive integer")
+        order = list(sizes) if order is None else list(order)
+        if sorted(order) != sorted(sizes):
+            raise GridError(f"process grid: order {order} must list each axis of "
+                            f"{list(sizes)} exactly once")
+        self.world_size = mcrdl.get_size() if world_size is None else world_size
+        self.rank = mcrdl.get_rank() if rank is None else rank
+        total = math.prod(sizes.values())
+        if total != self.world_size:
+            shown = " x ".join(f"{a}={n}" for a, n in sizes.items())
+            raise GridError(f"process grid {shown} needs {total} ranks but the world has "
+                            f"{self.world_size}; launch with -n {total} or change the degrees "
+                            f"so that their product is {self.world_size}")
+        self.sizes = sizes
+        self.order = order
+        self._stride = {}
+        s = 1
+        for a in order:
+            self._stride[a] = s
+            s *= sizes[a]
+        self._groups: dict[str, mcrdl.Group | None] = {}
+        self._made_groups = False
+
+    # --- coordinates -------------------------------------------------------------------
+    def coords_of(self, rank: int) -> dict[str, int]:
+        return {a: (rank // self._stride[a]) % self.sizes[a] for a in self.sizes}
+
+    def rank_of(self, **coords: int) -> int:
+        if sorted(coords) != sorted(self.sizes):
+            raise GridError(f"rank_of: give a coordinate for each axis of {list(self.sizes)}")
+        for a, c in coords.items():
+            if not 0 <= c < self.sizes[a]:
+                raise GridError(f"rank_of: {a}={c} outside 0..{self.sizes[a] - 1}")
+        return sum(c * self._stride[a] for a, c in coords.items())
+
+    def coord(self, axis: str) -> int:
+        return self.coords_of(self.rank)[self._axis(axis)]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[self._axis(axis)]
+
+    def line(self, axis: str, rank: int | None = None) -> list[int]:
+        """Ranks that differ from `rank` (default: this one) only along `axis`, in axis order."""
+        c = self.coords_of(self.rank if rank is None else rank)
+        out = []
+        for i in range(self.size(axis)):
+            c[axis] = i
+            out.append(self.rank_of(**c))
+        return out
+
+    def _axis(self, axis: str) -> str:
+        if axis not in self.sizes:
+            raise GridError(f"unknown axis {axis!r}; this grid has {list(self.sizes)}")
+        return axis
+
+    # --- groups ------------------------------------------------------------------------
+    def make_groups(self) -> None:
+        """Create one mcrdl group per line of every axis of degree > 1 (collective)."""
+        if self._made_groups:
+            return
+        for axis in self.order:
+            if self.sizes[axis] == 1:
+                self._groups[axis] = None
+                continue
+            lines = sorted({tuple(self.line(axis, r)) for r in range(self.world_size)})
+            mine = tuple(self.line(axis))
+            for ln in lines:
+                g = mcrdl.new_group(list(ln))
+                if ln == mine:
+                    self._groups[axis] = g
+        self._made_groups = True
+
+    def group(self, axis: str) -> mcrdl.Group | None:
+        """This rank's group along `axis` (None when the axis has degree 1)."""
+        self._axis(axis)
+        self.make_groups()
+        return self._groups[axis]
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{a}={self.sizes[a]}" for a in self.order)
+        return f"ProcessGrid({axes}; rank {self.rank} at {self.coords_of(self.rank)})"
