@@ -148,7 +148,8 @@ def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
         shard = load_shard(directory, manifest, entry["stage"])
         overlap = set(state) & set(shard["model"])
         if overlap:
-            raise CheckpointError(f"stage {entry['stage']} repeats parameters {sorted(overlap)[:3]}")
+            raise CheckpointError(f"stage {entry['stage']} repeats parameters "
+                                  f"{sorted(overlap)[:3]}")
         state.update(shard["model"])
     n_units = manifest["model"]["n_layer"] + 2
     present = {int(k.split(".")[1]) for k in state}

@@ -20,7 +20,6 @@ import math
 import os
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +79,7 @@ class TrainConfig:
     log_interval: int = 1
     plot: bool = True
     progress: bool = True
+    quiet: bool = False              # no start line, step lines or breakdown (benchmarks)
     timeout: float | None = None
 
     def validate(self) -> None:
@@ -156,7 +156,14 @@ def _read_config(path: str, fields) -> dict:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--config {path}: no such file")
-    raw = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ImportError as e:  # Python 3.10
+            raise ValueError(f"--config {path}: TOML needs Python >= 3.11; use JSON") from e
+        raw = tomllib.loads(p.read_text())
+    else:
+        raw = json.loads(p.read_text())
     out = {}
     for k, v in raw.items():
         name = k.replace("-", "_")
@@ -256,6 +263,30 @@ class Trainer:
         mcrdl.all_gather("auto", out, t)
         return out.view(self.world_size, -1)
 
+    def _raise_together(self, err: Exception | None, what: str) -> None:
+        """Collective: if any rank has an error, every rank raises CheckpointError with
+        the message of the lowest failing rank (so no rank is left waiting)."""
+        (flag,) = self._world_sum([float(self.world_size - self.world_rank) if err else 0.0])
+        if not flag:
+            return
+        msg = str(err) if err is not None else ""
+        if err is not None and not isinstance(err, ckpt.CheckpointError):
+            msg = f"{what}: {type(err).__name__}: {err}"
+        # lowest failing rank: world_size - max(world_size - rank); the sum above is only a
+        # flag, so find it with a MAX reduction
+        t = torch.tensor([self.world_size - self.world_rank if err else 0], dtype=torch.int64)
+        if self.world_size > 1:
+            mcrdl.all_reduce("auto", t, op=mcrdl.ReduceOp.MAX)
+        src = self.world_size - int(t)
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        if self.world_rank == src:
+            b = msg.encode()[:4096]
+            buf[: len(b)] = torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        if self.world_size > 1:
+            mcrdl.bcast("auto", buf, src=src)
+        text = bytes(buf[buf != 0].tolist()).decode(errors="replace")
+        raise ckpt.CheckpointError(text if self.world_size == 1 else f"(rank {src}) {text}")
+
     # --- one step -------------------------------------------------------------------------
     def train_step(self) -> tuple[float, bool]:
         self.engine.loss_scale = self.optimizer.scaler.scale
@@ -320,19 +351,13 @@ class Trainer:
             for k in want:
                 if want[k] != have[k]:
                     raise ckpt.CheckpointError(
-                        f"checkpoint {path} was written with {k}={have[k]}, this run has "
+                        f"checkpoint {path} was written with {k}={have[k]}, this run has {k}="
                         f"{want[k]}; resume with the same model, --G-inter, --layers-per-stage "
                         "and --offload-optimizer (--G-data may change)")
             shard = ckpt.load_shard(path, manifest, self.s)
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
             err = e
-        (bad,) = self._world_sum([float(self.world_rank + 1) if err else 0.0])
-        if err is not None:
-            raise err if isinstance(err, ckpt.CheckpointError) else ckpt.CheckpointError(
-                f"cannot load checkpoint {path}: {err}") from err
-        if bad:
-            raise ckpt.CheckpointError(f"checkpoint {path}: another rank could not load its "
-                                       "shard (its error is printed by that rank); nothing loaded")
+        self._raise_together(err, f"cannot load checkpoint {path}")
         self.stage.load_state_dict(shard["model"])
         self.optimizer.load_state_dict(shard["optimizer"])
         self.step = manifest["step"]
@@ -349,15 +374,16 @@ def run(cfg: TrainConfig, **trainer_kw) -> TrainResult:
     if cfg.resume:
         res.start_step = tr.load_checkpoint(cfg.resume)
     lead = tr.world_rank == 0
+    talk = lead and not cfg.quiet
     metrics = _MetricsFile(cfg, res.start_step) if lead else None
     end = cfg.stop_after if cfg.stop_after else cfg.steps
     tokens = cfg.global_batch_size * tr.model_cfg.block_size
-    if lead:
+    if talk:
         print(f"training {cfg.model} ({tr.model_cfg.n_params() / 1e6:.2f} M params, "
               f"{cfg.dtype}) on {tr.world_size} ranks: {res.grid}, stages {tr.ranges}, "
               f"{tr.batches.n_micro} microbatches of {cfg.micro_batch_size} per step, "
               f"p2p '{tr.p2p}', data: {tr.dataset.describe()}", flush=True)
-    progress = _progress(lead and cfg.progress, end - res.start_step)
+    progress = _progress(talk and cfg.progress, end - res.start_step, talk)
     measured_from = None
     wall0 = time.perf_counter()
     try:
@@ -397,13 +423,14 @@ def run(cfg: TrainConfig, **trainer_kw) -> TrainResult:
     wall = time.perf_counter() - (measured_from or wall0)
     steps_measured = tr.step - (n_measured0 if measured_from else res.start_step)
     res.stage, res.events = tr.s, tr.engine.events
-    _breakdown(tr, res, wall, steps_measured, tokens)
+    _breakdown(tr, res, wall, steps_measured, tokens, show=not cfg.quiet)
     if lead and cfg.plot and metrics:
         _plot(metrics.path, Path(cfg.out_dir) / "loss.png", res)
     return res
 
 
-def _breakdown(tr: Trainer, res: TrainResult, wall: float, steps: int, tokens: int) -> None:
+def _breakdown(tr: Trainer, res: TrainResult, wall: float, steps: int, tokens: int,
+               show: bool = True) -> None:
     snap = tr.timers.snapshot()
     snap["other"] = max(0.0, wall - sum(v for k, v in snap.items() if k != "other"))
     rows = tr._world_gather([snap[p] for p in PHASES] + [wall])
@@ -420,6 +447,8 @@ def _breakdown(tr: Trainer, res: TrainResult, wall: float, steps: int, tokens: i
     res.bubble_measured = sum(fr) / len(fr)
     res.bubble_model = (S - 1) / (M + S - 1)
     res.tokens_per_s = tokens * steps / wall
+    if not show:
+        return
     print(f"\nper-step time by phase (ms, mean over data-parallel ranks; {steps} steps after "
           "warm-up):")
     print("stage " + "".join(f"{p:>11}" for p in PHASES) + f"{'step':>11}")
@@ -460,10 +489,10 @@ class _MetricsFile:
 class _progress:
     """A rich progress bar on rank 0 when stderr is a terminal; log lines on stdout."""
 
-    def __init__(self, enabled: bool, total: int):
+    def __init__(self, bar: bool, total: int, lines: bool = True):
         self.bar = None
-        self.enabled = enabled
-        if enabled and sys.stderr.isatty():
+        self.lines = lines
+        if bar and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import Progress
 
@@ -472,6 +501,8 @@ class _progress:
             self.bar.start()
 
     def log(self, line: str) -> None:
+        if not self.lines:
+            return
         if self.bar is not None:
             self.bar.console.print(line)
         else:

@@ -31,6 +31,7 @@ def main():
     steps = int(os.environ.get("PARITY_STEPS", 20))
     base = dict(model="tiny", steps=steps, micro_batch_size=1, global_batch_size=8,
                 seed=7, lr=3e-3, warmup_steps=3, plot=False, progress=False,
+                quiet=True,
                 out_dir=f"/tmp/mcrdl-parity-{os.getpid()}", log_interval=10**6)
     data = ByteCorpus()
     ref = serial_losses(TrainConfig(**base), data) if rank == 0 else None

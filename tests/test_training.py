@@ -1,0 +1,212 @@
+"""The training package (issue 7): parity with serial PyTorch, resume, message-driven
+pipeline, entry point, and single-process unit checks."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ._launch import mpiexec_or_skip, run_launcher
+
+HERE = os.path.join(os.path.dirname(__file__), "training")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**kw):
+    env = dict(os.environ, MCRDL_TIMEOUT="90", PYTHONPATH=ROOT, **kw)
+    return env
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_parity_with_serial_pytorch(n):
+    """Every step's loss of (G_inter, G_data) in {(1,1),(2,1),(1,2),(3,1) even and uneven,
+    (2,2) even and uneven,(4,1)}, both optimizers, equals the serial run to 1e-5."""
+    out = run_launcher([mpiexec_or_skip(), "-n", str(n), sys.executable,
+                        os.path.join(HERE, "check_parity.py")], env=_env(), timeout=300)
+    m = re.search(r"parity OK: world (\d+), (\d+) runs x 20 steps, max rel diff (\S+)", out)
+    assert m, out
+    assert int(m.group(1)) == n and int(m.group(2)) >= 2 and float(m.group(3)) <= 1e-5
+
+
+def test_message_driven_pipeline():
+    out = run_launcher([mpiexec_or_skip(), "-n", "3", sys.executable,
+                        os.path.join(HERE, "check_message_driven.py")], env=_env(), timeout=300)
+    assert "message-driven OK" in out, out
+
+
+def test_resume_and_checkpoint_integrity():
+    out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
+                        os.path.join(HERE, "check_resume.py")], env=_env(), timeout=400)
+    assert out.count("resume OK") == 2 and "consolidate OK" in out, out
+    assert "checkpoint errors OK" in out, out
+
+
+def test_entry_point_mpiexec(tmp_path):
+    """python -m training.train_gpt under mpiexec: log lines, metrics JSON lines,
+    breakdown, loss PNG, a checkpoint, and the consolidate tool on it."""
+    metrics = tmp_path / "m.jsonl"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('model = "tiny"\nsteps = 50\nG_inter = 2\nlr = 3e-3\n')
+    cmd = [mpiexec_or_skip(), "-n", "4", sys.executable, "-m", "training.train_gpt",
+           "--config", str(cfg), "--steps", "6", "--G-data", "2", "--micro-batch-size", "1",
+           "--metrics", str(metrics), "--out-dir", str(tmp_path / "out"),
+           "--checkpoint-dir", str(tmp_path / "ck"), "--activation-checkpointing"]
+    out = run_launcher(cmd, env=_env(), timeout=300)
+    assert "G_inter=2 x G_data=2" in out, out
+    assert len(re.findall(r"^step +\d+/6 \| loss", out, re.M)) == 6, out  # rank 0 only
+    recs = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(1, 7))
+    assert all(r["loss"] > 0 and r["tokens_per_s"] > 0 for r in recs)
+    for phase in ("compute", "p2p", "bubble", "collective", "optimizer"):
+        assert phase in out
+    assert re.search(r"bubble fraction: measured [\d.]+ .* = 0\.\d+", out), out
+    assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
+    assert (tmp_path / "ck" / "step_000006" / "manifest.json").exists()
+    sd_path = tmp_path / "gpt.pt"
+    r = subprocess.run([sys.executable, "-m", "training.checkpoint", "consolidate",
+                        str(tmp_path / "ck"), "-o", str(sd_path)], capture_output=True,
+                       text=True, env=_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    from training.models.gpt import GPT, GPTConfig
+    model = GPT(GPTConfig(**json.loads(sd_path.with_suffix(".json").read_text())))
+    model.load_state_dict(torch.load(sd_path), strict=True)
+
+
+def test_entry_point_torchrun(tmp_path):
+    torchrun = os.path.join(sys.prefix, "bin", "torchrun")
+    if not os.path.exists(torchrun):
+        torchrun = shutil.which("torchrun")
+    if not torchrun:
+        pytest.skip("torchrun not found")
+    env = {k: v for k, v in _env().items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA"))}
+    out = run_launcher([torchrun, "--standalone", "--nproc_per_node", "2", "-m",
+                        "training.train_gpt", "--steps", "3", "--G-inter", "2",
+                        "--out-dir", str(tmp_path), "--no-plot"], env=env, timeout=300)
+    assert "p2p 'gloo'" in out and "step     3/3" in out, out
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_trains(tmp_path, dtype):
+    """bf16/fp16 keep fp32 master weights (offloaded optimizer); fp16 scales the loss."""
+    out = run_launcher([mpiexec_or_skip(), "-n", "2", sys.executable, "-m",
+                        "training.train_gpt", "--steps", "12", "--G-inter", "2", "--dtype",
+                        dtype, "--lr", "3e-3", "--out-dir", str(tmp_path), "--no-plot"],
+                       env=_env(), timeout=300)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs]
+    assert all(map(lambda v: v == v and v < 10, losses)), losses
+    assert losses[-1] < losses[0] - 0.1, losses
+    if dtype == "fp16":
+        assert all("loss_scale" in r for r in recs)
+    assert "(0.07 M params, " + dtype + ")" in out
+
+
+# --- single process --------------------------------------------------------------------
+def test_partition():
+    from training.pipeline import partition
+    assert partition(4, 1) == [(0, 5)]
+    assert partition(4, 3) == [(0, 2), (3, 3), (4, 5)]      # uneven: 2, 1, 1 blocks
+    assert partition(5, 3, [1, 3, 1]) == [(0, 1), (2, 4), (5, 6)]
+    assert partition(4, 2, [0, 4]) == [(0, 0), (1, 5)]       # stage 0: embedding only
+    with pytest.raises(ValueError, match="summing to n_layer=4"):
+        partition(4, 2, [1, 2])
+    with pytest.raises(ValueError, match="inner stages need at least one block"):
+        partition(4, 3, [2, 0, 2])
+    with pytest.raises(ValueError, match="--G-inter <= 2"):
+        partition(2, 3)
+
+
+def test_process_grid():
+    from training.topology import GridError, ProcessGrid
+    g = ProcessGrid({"data": 2, "pipe": 4}, world_size=8, rank=5)
+    assert g.coords_of(5) == {"data": 1, "pipe": 2}
+    assert g.line("pipe") == [1, 3, 5, 7] and g.line("data") == [4, 5]
+    g2 = ProcessGrid({"data": 2, "pipe": 4}, order=["pipe", "data"], world_size=8, rank=5)
+    assert g2.line("pipe") == [4, 5, 6, 7]
+    with pytest.raises(GridError, match="needs 12 ranks but the world has 8"):
+        ProcessGrid({"data": 3, "pipe": 4}, world_size=8, rank=0)
+    with pytest.raises(GridError, match="degree 0"):
+        ProcessGrid({"data": 0}, world_size=1, rank=0)
+
+
+def test_stage_weights_match_whole_model():
+    from training.models.gpt import CONFIGS, GPT, GPTStage
+    cfg = CONFIGS["tiny"]
+    whole = GPT(cfg, seed=3).state_dict()
+    part = GPTStage(cfg, 2, 5, seed=3).state_dict()
+    assert all(torch.equal(part[k], whole[k]) for k in part)
+    assert sum(v.numel() for v in whole.values()) == cfg.n_params()
+    x = torch.randint(0, 256, (2, cfg.block_size))
+    a = GPT(cfg, seed=3)(x)
+    b = GPT(cfg, seed=3, activation_checkpointing=True)(x)
+    assert torch.equal(a, b)
+
+
+def test_batches_shard_the_global_batch():
+    from training.data import Batches, ByteCorpus
+    corpus = ByteCorpus(max_bytes=1 << 20)
+    whole = Batches(corpus, 16, 12, 12, seed=5).global_batch_at(7)
+    parts = [Batches(corpus, 16, 12, 2, dp_rank=r, dp_size=3, seed=5).microbatches(7)
+             for r in range(3)]
+    xs = torch.cat([x for p in parts for x, _ in p])
+    ys = torch.cat([y for p in parts for _, y in p])
+    assert torch.equal(xs, whole[0]) and torch.equal(ys, whole[1])
+    assert torch.equal(whole[0][:, 1:], whole[1][:, :-1])  # targets are the next bytes
+    with pytest.raises(ValueError, match="multiple of 6"):
+        Batches(corpus, 16, 8, 2, dp_rank=0, dp_size=3)
+
+
+def test_token_memmap(tmp_path):
+    import numpy as np
+
+    from training.data import Batches, load_dataset
+    np.arange(5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    ds = load_dataset(str(tmp_path), vocab_size=5000)
+    x, y = Batches(ds, 8, 4, 2, seed=0).global_batch_at(0)
+    assert torch.equal(y, x + 1) and int(x.max()) < 5000
+
+
+def test_cli_config_and_errors(tmp_path):
+    from training.train_gpt import parse_args
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"steps": 7, "G-inter": 2, "dtype": "bf16"}))
+    cfg = parse_args(["--config", str(f), "--steps", "9", "--offload-optimizer"])
+    assert (cfg.steps, cfg.G_inter, cfg.dtype, cfg.offload_optimizer) == (9, 2, "bf16", True)
+    with pytest.raises(ValueError, match="--dtype 'fp8'"):
+        parse_args(["--dtype", "fp8"])
+    with pytest.raises(ValueError, match="need --checkpoint-dir"):
+        parse_args(["--stop-after", "3"])
+    f.write_text(json.dumps({"stepz": 1}))
+    with pytest.raises(ValueError, match="unknown option 'stepz'"):
+        parse_args(["--config", str(f)])
+
+
+def test_offloaded_adamw_matches_torch():
+    """Bucketed, host-side AdamW == torch.optim.AdamW (no communication, one rank)."""
+    from training.optim import OffloadedAdamW, OptimConfig, param_groups
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    b.load_state_dict(a.state_dict())
+    oc = OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0, bucket_mib=1e-5, coarsening=2)
+    ours = OffloadedAdamW(a.parameters(), oc)
+    assert len(ours.buckets) > 2
+    ref = torch.optim.AdamW(param_groups(b.parameters(), oc.weight_decay), lr=oc.lr,
+                            betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+    for step in range(5):
+        x = torch.randn(4, 7)
+        for m in (a, b):
+            m(x).square().sum().backward()
+        ours.step()
+        for g in ref.param_groups:
+            g["lr"] = oc.lr_at(step)
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
