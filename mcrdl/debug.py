@@ -25,7 +25,7 @@ from .errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from .groups import Group, bad_group_error
 from .ops import ReduceOp
 from .validate import validate_call
-from .work import Work, poll_until
+from .work import ThreadedWait, Work, poll_until
 
 _OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter", "reduce_scatter",
         "all_to_all_single", "all_to_all", "gatherv", "scatterv", "all_gatherv", "all_to_allv",
@@ -185,7 +185,10 @@ class _MPIChannel:
 
 
 class _GlooChannel:
-    """The same exchange over a dedicated Gloo process group (no MPI world)."""
+    """The same exchange over a dedicated Gloo process group (no MPI world). Gloo's send
+    and recv complete only through a plain wait(), so each is waited on a thread of its
+    own (:class:`ThreadedWait`); a failed wait (Gloo's own timeout) never counts as
+    arrived."""
 
     def __init__(self, pg, rank: int, ranks: tuple[int, ...]):
         self.pg, self.me, self.ranks, self.size = pg, rank, ranks, len(ranks)
@@ -194,16 +197,18 @@ class _GlooChannel:
         views = torch.empty((self.size, sig.size), dtype=torch.int64)
         views[self.me] = torch.from_numpy(sig)
         peers = [p for p in range(self.size) if p != self.me]
-        recvs = {p: self.pg.recv([views[p]], p, 1) for p in peers}
-        sends = [self.pg.send([views[self.me]], p, 1) for p in peers]
+        recvs = {p: ThreadedWait([self.pg.recv([views[p]], p, 1)], "mcrdl-debug-recv")
+                 for p in peers}
+        sends = ThreadedWait([self.pg.send([views[self.me]], p, 1) for p in peers],
+                             "mcrdl-debug-send")
         return (recvs, sends), views
 
     def done(self, handle) -> bool:
         recvs, sends = handle[0]
-        return all(w.is_completed() for w in (*recvs.values(), *sends))
+        return sends.succeeded() and all(w.succeeded() for w in recvs.values())
 
     def missing(self, handle) -> list[int]:
-        return [p for p, w in handle[0][0].items() if not w.is_completed()]
+        return [p for p, w in handle[0][0].items() if not w.succeeded()]
 
     def free(self) -> None:
         pass

@@ -65,6 +65,15 @@ def test_debug_mode_mismatches_raise_desync_on_every_rank(backend):
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_async_p2p_completes_by_timed_wait_and_by_polling(backend):
+    """wait(timeout) and is_completed() of async send/recv (Gloo's complete only through
+    a plain wait in c10d)."""
+    out = launch(3, "p2p_timed_wait.py", backend, timeout=120)
+    for r in range(3):
+        assert f"rank {r}: p2p timed waits OK on {backend}" in out, out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
 @pytest.mark.parametrize("cleanup", ["launcher", "survivors"])
 def test_dead_rank_makes_the_job_exit_nonzero(backend, cleanup):
     """A rank is SIGKILLed mid-run. 'launcher': mpiexec's own cleanup; 'survivors':

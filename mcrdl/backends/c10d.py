@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from .. import _C
 from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
 from ..groups import Group, bad_group_error
 from ..ops import ReduceOp
-from ..work import Work, poll_until
+from ..work import ThreadedWait, Work, poll_until
 from .base import Backend, InitContext
 
 _TORCH_OP = {
@@ -61,12 +62,17 @@ def _blocks(t: torch.Tensor, n: int, size: int) -> list[torch.Tensor]:
 
 
 class C10dWork(Work):
-    """torch works plus a finish step (copy-back, averaging) run once after they end."""
+    """torch works plus a finish step (copy-back, averaging) run once after they end.
+
+    ``wait_only``: the works complete only through a plain ``wait()`` (Gloo's send and
+    recv). A timed wait or a poll then hands that wait to a :class:`ThreadedWait`, so
+    that the caller's timeout leaves the op pending and the process group usable; every
+    later wait goes through it too."""
 
     __slots__ = ("_works", "_finish", "_done", "backend", "op", "group", "seq", "_timeout",
-                 "_owner")
+                 "_owner", "_wait_only", "_waiter")
 
-    def __init__(self, works, finish, op, group, seq, timeout, owner):
+    def __init__(self, works, finish, op, group, seq, timeout, owner, wait_only=False):
         self._owner = owner
         self._works = works
         self._finish = finish
@@ -76,6 +82,8 @@ class C10dWork(Work):
         self.group = group
         self.seq = seq
         self._timeout = timeout
+        self._wait_only = wait_only
+        self._waiter: ThreadedWait | None = None
 
     def _complete(self) -> None:
         self._done = True
@@ -97,15 +105,35 @@ class C10dWork(Work):
             raise CommTimeoutError(msg) from None
         raise MCRDLError(f"{what} failed: {text.strip()}") from None
 
+    def _still_pending(self, limit: float) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"{self.op} on backend '{self.backend}' (group {self.group}, sequence number "
+            f"{self.seq}) did not complete within wait(timeout={limit}) s; it is still pending")
+
+    def _start_waiter(self) -> ThreadedWait:
+        with _WAITER_LOCK:
+            if self._waiter is None:
+                self._waiter = ThreadedWait(self._works, f"mcrdl-{self.backend}-{self.op}")
+        return self._waiter
+
     def wait(self, timeout: float | None = None) -> bool:
         if self._done:
             return True
         limit = self._timeout if timeout is None else float(timeout)
         try:
-            if timeout is not None:
-                _poll(self._works, limit, self)
-            for w in self._works:
-                w.wait()
+            if self._wait_only and (timeout is not None or self._waiter is not None):
+                waiter = self._start_waiter()
+                # timeout=None: the thread's plain wait ends by the library's own timeout
+                if not waiter.done.wait(None if timeout is None else limit):
+                    raise self._still_pending(limit)
+                if waiter.error is not None:
+                    raise waiter.error
+            else:
+                if timeout is not None and not poll_until(
+                        lambda: all(w.is_completed() for w in self._works), limit):
+                    raise self._still_pending(limit)
+                for w in self._works:
+                    w.wait()
         except CommTimeoutError:
             raise
         except RuntimeError as exc:
@@ -116,17 +144,23 @@ class C10dWork(Work):
     def is_completed(self) -> bool:
         if self._done:
             return True
-        if all(w.is_completed() for w in self._works):
+        if self._wait_only:
+            done = self._start_waiter().done.is_set()
+        else:
+            done = all(w.is_completed() for w in self._works)
+        if done:
             self.wait()
-            return True
-        return False
+        return done
+
+    def settled(self) -> bool:
+        """Whether it is known complete (completing it then), without starting a waiter
+        thread for a wait-only work nobody polled: for pruning the in-flight list."""
+        if self._wait_only and self._waiter is None and not self._done:
+            return False
+        return self.is_completed()
 
 
-def _poll(works, limit: float, work: C10dWork) -> None:
-    if not poll_until(lambda: all(w.is_completed() for w in works), limit):
-        raise CommTimeoutError(
-            f"{work.op} on backend '{work.backend}' (group {work.group}, sequence number "
-            f"{work.seq}) did not complete within wait(timeout={limit}) s; it is still pending")
+_WAITER_LOCK = threading.Lock()
 
 
 class _PG:
@@ -150,6 +184,8 @@ class C10dBackend(Backend):
     native_reduce_scatter = False
     #: whether the library has ReduceOp.AVG for floating types (else: SUM, then divide)
     native_avg = False
+    #: whether send/recv works complete only through a plain wait() (see C10dWork)
+    p2p_wait_only = False
 
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
@@ -218,11 +254,12 @@ class C10dBackend(Backend):
         self._inflight.clear()
 
     # -- helpers -------------------------------------------------------------------
-    def _run(self, g: _PG, op: str, works, finish, async_op):
-        w = C10dWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout, self)
+    def _run(self, g: _PG, op: str, works, finish, async_op, wait_only=False):
+        w = C10dWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout, self,
+                     wait_only)
         if async_op:
             if len(self._inflight) >= 64:  # amortized: drop the ones already complete
-                self._inflight = [x for x in self._inflight if not x.is_completed()]
+                self._inflight = [x for x in self._inflight if not x.settled()]
             self._inflight.append(w)
             return w
         w.wait()
@@ -442,14 +479,14 @@ class C10dBackend(Backend):
         _C.validate("send", tensor, dst, tag, g.rank, g.size)
         self._check_device("send", tensor)
         work = g.pg.send([tensor], dst, tag)
-        return self._run(g, "send", [work], None, async_op)
+        return self._run(g, "send", [work], None, async_op, self.p2p_wait_only)
 
     def recv(self, tensor, src, tag, group, async_op):
         g = self._group(group)
         _C.validate("recv", tensor, src, tag, g.rank, g.size)
         self._check_device("recv", tensor)
         work = g.pg.recv([tensor], src, tag)
-        return self._run(g, "recv", [work], None, async_op)
+        return self._run(g, "recv", [work], None, async_op, self.p2p_wait_only)
 
     def barrier(self, group, async_op):
         g = self._group(group)

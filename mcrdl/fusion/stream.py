@@ -69,8 +69,7 @@ class Task:
 class Finish:
     """What completes a posted task: wait for its backend works, then run ``then``
     (decompression, copies) once. Called with the caller's remaining timeout, or None
-    when the caller gave none: the backends then apply their own (a Gloo recv completes
-    only through a wait without timeout)."""
+    when the caller gave none: the backends then apply their own."""
 
     __slots__ = ("works", "then")
 

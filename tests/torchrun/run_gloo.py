@@ -28,6 +28,15 @@ out = torch.empty(sum(counts), dtype=torch.bfloat16)
 mcrdl.all_gatherv("gloo", out, torch.full((rank + 1,), rank, dtype=torch.bfloat16), counts)
 assert out.tolist() == [float(r) for r in range(size) for _ in range(r + 1)], out
 
+# an async recv polled and waited with a timeout (Gloo's completes only through wait())
+nxt, prv = (rank + 1) % size, (rank - 1) % size
+buf = torch.zeros(5)
+wr = mcrdl.recv("gloo", buf, src=prv, tag=3, async_op=True)
+ws = mcrdl.send("gloo", torch.full((5,), float(rank)), dst=nxt, tag=3, async_op=True)
+while not wr.is_completed():
+    pass
+assert ws.wait(timeout=30) and buf.eq(float(prv)).all(), buf
+
 g = mcrdl.new_group(list(reversed(range(size))))
 t = torch.tensor([float(rank)])
 mcrdl.bcast("gloo", t, src=0, group=g)  # group rank 0 is world rank size-1

@@ -1,0 +1,76 @@
+"""Timed waits and polls of async send/recv (run under mpiexec -n N, N >= 2).
+
+Rank 1 posts a recv (and rank 0 a send) of a message rank 0 only sends after a delay:
+``wait(timeout)`` shorter than the delay raises CommTimeoutError on time and leaves the
+op pending; ``is_completed()`` polled alone, and a later ``wait(timeout)``, complete it
+as soon as the data is there (not after the timeout), with the right values; the
+backend stays usable (a collective afterwards). Gloo's send/recv report completion
+only through a plain wait, which mcrdl runs on a thread for timed waits and polls.
+Usage: p2p_timed_wait.py BACKEND"""
+
+import sys
+import time
+
+import torch
+
+import mcrdl
+
+backend = sys.argv[1]
+mcrdl.init([backend], timeout=30)
+rank, size = mcrdl.get_rank(), mcrdl.get_size()
+DELAY = 1.0
+
+
+def expect_timeout(w, what: str) -> None:
+    start = time.monotonic()
+    try:
+        w.wait(timeout=0.2)
+        raise AssertionError(f"{what}: wait(timeout=0.2) returned before the peer was there")
+    except mcrdl.CommTimeoutError:
+        took = time.monotonic() - start
+        assert took < 0.2 + 0.5, (what, took)
+    assert not w.is_completed(), what  # still pending: completed below
+
+
+def complete_by(w, how: str, what: str) -> float:
+    start = time.monotonic()
+    if how == "poll":
+        while not w.is_completed():
+            assert time.monotonic() - start < 10, f"{what}: polling never completed it"
+            time.sleep(1e-3)
+    else:
+        assert w.wait(timeout=20)
+    took = time.monotonic() - start
+    assert took < DELAY + 3, (what, how, took)  # done when the data came, not at timeout
+    return took
+
+
+for k, how in enumerate(("wait", "poll")):
+    tag = 10 + k
+    if rank == 1:
+        buf = torch.zeros(64)
+        w = mcrdl.recv(backend, buf, src=0, tag=tag, async_op=True)
+        expect_timeout(w, f"recv ({how})")
+        took = complete_by(w, how, f"recv ({how})")
+        assert buf.eq(7.0 + k).all(), buf
+        print(f"rank 1: recv completed by {how} after {took:.2f} s", flush=True)
+    elif rank == 0:
+        time.sleep(DELAY)
+        w = mcrdl.send(backend, torch.full((64,), 7.0 + k), dst=1, tag=tag, async_op=True)
+        complete_by(w, how, f"send ({how})")
+    # the other way round: the send is posted first and its receiver comes late
+    if rank == 0:
+        w = mcrdl.send(backend, torch.full((16,), 3.0 + k), dst=1, tag=tag + 50,
+                       async_op=True)
+        complete_by(w, how, f"early send ({how})")
+    elif rank == 1:
+        time.sleep(0.3)
+        buf = torch.zeros(16)
+        mcrdl.recv(backend, buf, src=0, tag=tag + 50)
+        assert buf.eq(3.0 + k).all(), buf
+
+t = torch.full((4,), float(rank))
+mcrdl.all_reduce(backend, t)  # the process group survived the timed-out waits
+assert t.eq(float(sum(range(size)))).all(), t
+print(f"rank {rank}: p2p timed waits OK on {backend}", flush=True)
+mcrdl.finalize()
