@@ -65,6 +65,16 @@ def test_debug_mode_mismatches_raise_desync_on_every_rank(backend):
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_debug_mode_orders_per_backend_and_group(backend):
+    """Groups of one backend issued in a different order on different ranks: valid, so
+    debug mode must not serialize them (a deadlock would end in CommTimeoutError)."""
+    out = launch(3, "debug_cross_group.py", backend, 10, env={"MCRDL_DEBUG": "1"},
+                 timeout=120)
+    for r in range(3):
+        assert f"rank {r}: cross-group order OK on {backend}" in out, out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_async_p2p_completes_by_timed_wait_and_by_polling(backend):
     """wait(timeout) and is_completed() of async send/recv (Gloo's complete only through
     a plain wait in c10d)."""
