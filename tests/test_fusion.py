@@ -44,6 +44,13 @@ def test_fusion_randomized_bit_identical(n, rounds):
     print(out[m.start():].strip())
 
 
+def test_fusion_in_debug_mode():
+    """Debug mode checks the agreement rounds and fused calls like any call; fusion's
+    rounds on several groups of one backend need its per-(backend, group) lanes."""
+    out = launch(3, "fusion_ranks.py", 4, 50, env={"MCRDL_DEBUG": "1"})
+    assert "fusion OK randomized: world 3" in out and "fusion OK targeted" in out, out
+
+
 def test_fusion_config_checks_its_fields():
     assert FusionConfig().buffer_bytes == 16 << 20
     for bad in ({"buffer_bytes": 0}, {"buffer_bytes": 1.5}, {"wait_us": -1},
