@@ -144,8 +144,7 @@ class Batch:
                     self.work.wait(None if deadline is None
                                    else max(deadline - time.monotonic(), 0.0))
                 if self.copy_back is not None:
-                    with torch.no_grad():
-                        self.copy_back()
+                    self.copy_back()
             except BaseException as exc:
                 if deadline is None:  # not just a caller's own short timeout
                     self.error = exc
@@ -203,12 +202,13 @@ def _post_all_gather(inner, calls, group, gsize, grank, async_op):
     if len(calls) == 1:
         out, inp = calls[0].args
         return inner.all_gather(out, inp, group, async_op), None
-    ins = [_flat(c.args[1]) for c in calls]
+    ins = [c.args[1] for c in calls]
     sizes = [t.numel() for t in ins]
     total = sum(sizes)
     fused_out = torch.empty(gsize * total, dtype=ins[0].dtype)
-    work = inner.all_gather(fused_out, torch.cat(ins), group, async_op)
+    work = inner.all_gather(fused_out, _C.pack_flat(ins), group, async_op)
 
+    @torch.no_grad()  # the outputs may be tensors that require grad
     def copy_back():
         blocks = fused_out.view(gsize, total)
         dsts, srcs, off = [], [], 0
@@ -235,9 +235,9 @@ def _post_reduce_scatter(inner, calls, group, gsize, grank, async_op):
     for c in calls:
         inp = c.args[1]
         if isinstance(inp, torch.Tensor):
-            rows.append(inp.view(gsize, -1))
+            rows.append(inp.detach().view(gsize, -1))
         else:
-            rows.append(torch.stack([_flat(t) for t in inp]))
+            rows.append(torch.stack([_flat(t.detach()) for t in inp]))
     fused_in = torch.cat(rows, dim=1)
     dsts = [c.args[0] for c in calls]
     fused_out = torch.empty(sum(d.numel() for d in dsts), dtype=fused_in.dtype)
@@ -295,6 +295,7 @@ class FusionStream(OrderedStream):
         self.buffered = 0  # bytes of buffered calls
         self.batches: list[Batch] = []  # posted async, not known complete (synchronize)
         self._count = torch.empty(1, dtype=torch.int64)  # the agreement's buffer
+        self._count_np = self._count.numpy()  # the same memory, cheaper to set and read
         self._last_task = 0  # seq of the latest deferred unfusable call
         self.rounds = 0  # flushes so far
 
@@ -366,8 +367,7 @@ class FusionStream(OrderedStream):
         self.rounds += 1
         _tally(agreed, proposal)
         try:
-            with torch.no_grad():  # grad mode is per thread; rounds may run on the worker
-                self._post(calls, total, blocking=waiting)
+            self._post(calls, total, blocking=waiting)
         except BaseException as exc:
             for c in calls:
                 c.error = c.error or exc
@@ -377,9 +377,9 @@ class FusionStream(OrderedStream):
 
     def _agree(self, proposal: int) -> int:
         """all_reduce(MIN) of the proposals on this (backend, group) - blocking."""
-        count = self._count.fill_(proposal)
-        self.inner.all_reduce(count, ReduceOp.MIN, self.group, False)
-        return count.item()
+        self._count_np[0] = proposal
+        self.inner.all_reduce(self._count, ReduceOp.MIN, self.group, False)
+        return int(self._count_np[0])
 
     def _post(self, calls: list[FusedCall], total: int, blocking: bool) -> None:
         """Fused calls of at most B bytes per fusion key, in order of each key's first
