@@ -13,7 +13,16 @@ Method: warm up both variants, then time them in alternating blocks of
 ``--block-iters`` iterations (the order reverses every block); an untimed mpi4py
 barrier on a communicator of its own precedes each iteration; one ``Allreduce(MAX)``
 at the end gives the per-iteration maximum over ranks; each figure is the median of
-those. ``speedup`` = unfused / fused time.
+those. ``speedup`` = unfused / fused time. ``issue`` is the part of an iteration spent
+issuing the calls (the rest is waiting: for the unfused calls to complete, or for the
+fused round - agreement, fused all_reduce, copies - to run); ``us/call`` divides the
+iteration by ``--count``.
+
+A second table gives a floor of the fused iteration, from parts measured the same way:
+what every async call must do when it is issued (validate its arguments and return a
+handle: ``call``), one agreement (all_reduce of 8 bytes), one all_reduce of the whole
+fused buffer, and the copies into and out of it; ``best`` = unfused / floor, the speedup
+fusion could reach if buffering a call cost nothing more.
 """
 
 from __future__ import annotations
@@ -32,11 +41,21 @@ import numpy as np
 import torch
 
 import mcrdl
+from mcrdl import _C
 from mcrdl.bench import parse_size
 from mcrdl.fusion import FusionConfig, fusion_stats
 
 mpi4py.rc.thread_level = "multiple"
 MPI = importlib.import_module("mpi4py.MPI")
+
+
+class _Handle:
+    """Stands for the Work an async call returns (the floor's per-call part)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -72,12 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(line, flush=True)
 
-    def iteration(backend: str) -> float:
+    def iteration(backend: str) -> tuple[float, float]:
         for k, t in enumerate(tensors):
             t.fill_(rank + k)
         sync.Barrier()
         start = time.perf_counter()
         works = [mcrdl.all_reduce(backend, t, async_op=True) for t in tensors]
+        issued = time.perf_counter() - start
         for w in works:
             w.wait()
         took = time.perf_counter() - start
@@ -85,9 +105,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(t[0].item() != base + size * k for k, t in enumerate(tensors[:8])) \
                 or tensors[-1][-1].item() != base + size * (args.count - 1):
             raise SystemExit(f"rank {rank}: wrong all_reduce result on {backend}")
-        return took
+        return took, issued
 
-    def run(backend: str, fused: bool, n: int) -> list[float]:
+    def timed(fn, reps: int = 30) -> float:
+        """Median over `reps` of the max over ranks of one call of `fn`."""
+        out = []
+        for _ in range(reps):
+            sync.Barrier()
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+        arr = np.asarray(out)
+        sync.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
+        return float(np.median(arr))
+
+    def floor(backend: str) -> dict[str, float]:
+        flat = torch.zeros(args.count * args.bytes // 4)
+        count = torch.zeros(1, dtype=torch.int64)
+        sum_op, min_op = mcrdl.ReduceOp.SUM, mcrdl.ReduceOp.MIN
+
+        def call(t: torch.Tensor) -> _Handle:  # the least an async call does
+            _C.validate("all_reduce", t, sum_op)
+            return _Handle(t)
+
+        return {
+            "call": timed(lambda: [call(t) for t in tensors]),
+            "agreement": timed(lambda: mcrdl.all_reduce(backend, count, op=min_op)),
+            "all_reduce": timed(lambda: mcrdl.all_reduce(backend, flat)),
+            "copies": timed(lambda: _C.unpack_flat(_C.pack_flat(tensors), tensors)),
+        }
+
+    def run(backend: str, fused: bool, n: int) -> list[tuple[float, float]]:
         if not fused:
             return [iteration(backend) for _ in range(n)]
         with mcrdl.extensions(fusion=config):
@@ -101,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit("# time: median over iterations of the per-iteration max over ranks; "
          "speedup = unfused / fused")
     emit(f"{'backend':<8} {'unfused(ms)':>12} {'fused(ms)':>10} {'speedup':>8} "
-         f"{'flushes/iter':>13}")
+         f"{'flushes/iter':>13} {'issue unfused/fused(ms)':>24} {'us/call unfused/fused':>22}")
     results = []
     for backend in args.backend:
         for fused in (False, True):
@@ -114,17 +162,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             for fused in ((False, True) if b % 2 == 0 else (True, False)):
                 times[fused].extend(run(backend, fused, n))
         flushes = fusion_stats()["flushes"] / args.iters
-        med = {}
-        for fused, row in times.items():
-            arr = np.asarray(row)
+        med, issue = {}, {}
+        for fused, rows in times.items():
+            arr = np.asarray(rows)  # columns: iteration, issuing
             sync.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
-            med[fused] = float(np.median(arr))
+            med[fused], issue[fused] = (float(x) for x in np.median(arr, axis=0))
         speedup = med[False] / med[True]
         results.append({"backend": backend, "ranks": size, "unfused_s": med[False],
                         "fused_s": med[True], "speedup": speedup,
-                        "flushes_per_iter": flushes})
+                        "flushes_per_iter": flushes, "unfused_issue_s": issue[False],
+                        "fused_issue_s": issue[True]})
+        per_call = f"{med[False] * 1e6 / args.count:.2f}/{med[True] * 1e6 / args.count:.2f}"
         emit(f"{backend:<8} {med[False] * 1e3:>12.3f} {med[True] * 1e3:>10.3f} "
-             f"{speedup:>7.1f}x {flushes:>13.1f}")
+             f"{speedup:>7.1f}x {flushes:>13.1f} "
+             f"{f'{issue[False] * 1e3:.3f}/{issue[True] * 1e3:.3f}':>24} {per_call:>22}")
+    emit(f"# floor of the fused iteration (ms): {args.count} calls (validate, return a "
+         f"handle) + agreement + one all_reduce of {args.count * args.bytes} B + copies in "
+         "and out; best = unfused / floor")
+    emit(f"{'backend':<8} {'call':>9} {'agreement':>10} {'all_reduce':>11} {'copies':>7} "
+         f"{'floor':>7} {'best':>6}")
+    for r in results:
+        parts = floor(r["backend"])
+        total = sum(parts.values())
+        r["floor_s"] = dict(parts, total=total)
+        emit(f"{r['backend']:<8} {parts['call'] * 1e3:>9.3f} "
+             f"{parts['agreement'] * 1e3:>10.3f} {parts['all_reduce'] * 1e3:>11.3f} "
+             f"{parts['copies'] * 1e3:>7.3f} {total * 1e3:>7.3f} "
+             f"{r['unfused_s'] / total:>5.1f}x")
     if rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

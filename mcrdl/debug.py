@@ -2,11 +2,12 @@
 
 Before each collective, every rank posts its view of the call (op, dtype, element
 counts, root, reduce op) as a small int64 vector on a side channel of its own per
-(backend, group), then posts the op itself. The wait first completes the exchange and
-compares the views: a mismatch raises DesyncError on every rank (each rank sees all
-views) with a table of them, instead of a hang or garbage. The exchange is
-nonblocking and per (backend, group), so it respects the same ordering rule as the ops
-and never deadlocks programs that interleave backends differently on each rank.
+(backend, group); the debug lane of that (backend, group) completes the exchange,
+compares the views and only then posts the op itself. A mismatch raises DesyncError on
+every rank (each rank sees all views) with a table of them, instead of a hang or
+garbage. Exchange and lane are per (backend, group), so they follow the ordering rule
+of the ops themselves: programs that interleave backends, or groups of one backend,
+differently on each rank do not deadlock.
 
 The side channel is a duplicated MPI communicator when there is an MPI world, else a
 dedicated Gloo process group.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -226,6 +228,64 @@ class _Call:
         self.posted = threading.Event()
 
 
+class _Lane:
+    """The debug lane of one (backend, group): its side channel, and a thread (started
+    on first use) that checks each call's views in issue order, then posts the call."""
+
+    def __init__(self, channel, backend: str, gid: int, timeout_of: Callable[[], float],
+                 fail: Callable[[str], None]):
+        self.channel = channel
+        self._backend, self._gid = backend, gid
+        self._timeout_of, self._fail = timeout_of, fail
+        self._queue: queue.Queue[_Call | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, call: _Call) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name=f"mcrdl-debug-{self._backend}-{self._gid}",
+                        daemon=True)
+                    self._thread.start()
+        self._queue.put(call)
+
+    def stop(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+        self.channel.free()
+
+    def _run(self) -> None:
+        while True:
+            call = self._queue.get()
+            if call is None:
+                return
+            try:
+                limit = self._timeout_of()
+                if not poll_until(lambda c=call: c.channel.done(c.handle), limit):
+                    gone = call.channel.missing(call.handle)
+                    world = [call.channel.ranks[p] for p in gone]
+                    self._fail(f"{call.op} timed out in debug mode")
+                    raise CommTimeoutError(
+                        f"{call.op} on backend '{self._backend}' (group {call.group}) did not "
+                        f"start within {limit} s: group rank(s) {gone} (world rank(s) "
+                        f"{world}) never called it (debug mode: their call signature "
+                        "never arrived)")
+                views = np.asarray(call.handle[1])
+                bad = disagreement(views)
+                if bad is not None:  # nothing was posted: the backend stays usable
+                    raise DesyncError(f"{call.op}: ranks disagree on the {bad}:\n"
+                                      + table(views, call.group, self._backend))
+                if call.post is not None:
+                    call.work = call.post()
+            except BaseException as exc:  # delivered to the waiting caller
+                call.error = exc
+            finally:
+                call.posted.set()
+
+
 class DebugWork(Work):
     """Waits for the debug lane to have checked and posted the call, then for the op."""
 
@@ -256,11 +316,12 @@ class DebugWork(Work):
 class Debugged:
     """Wraps a backend: every collective goes through the agreement check.
 
-    The caller validates locally and posts its signature; the backend's debug lane (one
-    thread) completes each exchange in issue order and posts the real op only when the
-    views agree, so a mismatched call is never sent (Gloo aborts the process on size
-    mismatches; MPI may hang) and the backend stays usable after a DesyncError. A timeout
-    of the exchange leaves the channel misaligned: the backend then refuses new ops.
+    The caller validates locally and posts its signature; the debug lane of the call's
+    (backend, group) completes each exchange in issue order and posts the real op only
+    when the views agree, so a mismatched call is never sent (Gloo aborts the process on
+    size mismatches; MPI may hang) and the backend stays usable after a DesyncError. A
+    timeout of the exchange leaves the channel misaligned: the backend then refuses new
+    ops.
     """
 
     def __init__(self, inner, bootstrap, world: Group, timeout_of, size_rank):
@@ -269,14 +330,10 @@ class Debugged:
         self._bootstrap = bootstrap
         self._timeout_of = timeout_of
         self._size_rank = size_rank
-        self._channels: dict[int, object] = {}
+        self._lanes: dict[int, _Lane] = {}  # group id -> lane (groups this rank is in)
         self._failed: str | None = None  # set with the first timeout or desync
         self._pending: list[_Call] = []  # calls not yet known to be posted
-        self._queue: queue.Queue[_Call | None] = queue.Queue()
-        self._lane = threading.Thread(target=self._run, name=f"mcrdl-debug-{self.name}",
-                                      daemon=True)
-        self._lane.start()
-        self._make_channel(world)
+        self._make_lane(world)
 
     def __getattr__(self, attr):
         if attr in _OP_CODE:
@@ -284,27 +341,32 @@ class Debugged:
             return call
         return getattr(self._inner, attr)
 
-    def _make_channel(self, group: Group) -> None:
+    def _make_lane(self, group: Group) -> None:
+        """The side channel (collective over the world) and lane of a new group."""
         from .bootstrap import mpi_module
 
         boot = self._bootstrap
+        channel = None
         if boot.info.mpi_world:
             MPI = mpi_module()
             color = 0 if group.is_member else MPI.UNDEFINED
             comm = MPI.COMM_WORLD.Split(color, max(group.rank, 0))
             if group.is_member:
-                self._channels[group.id] = _MPIChannel(comm, group.ranks)
+                channel = _MPIChannel(comm, group.ranks)
         elif group.is_member:
             import torch.distributed as dist
 
             store = dist.PrefixStore(f"debug/{self.name}/{group.id}", boot.store())
             pg = dist.ProcessGroupGloo(store, group.rank, group.size,
                                        datetime.timedelta(seconds=self._timeout_of()))
-            self._channels[group.id] = _GlooChannel(pg, group.rank, group.ranks)
+            channel = _GlooChannel(pg, group.rank, group.ranks)
+        if channel is not None:
+            self._lanes[group.id] = _Lane(channel, self.name, group.id, self._timeout_of,
+                                          self._fail)
 
     def add_group(self, group: Group) -> None:
         self._inner.add_group(group)
-        self._make_channel(group)
+        self._make_lane(group)
 
     def synchronize(self, timeout: float) -> None:
         """Wait until the debug lane posted every call so far, then for the backend's ops."""
@@ -317,12 +379,10 @@ class Debugged:
         self._inner.synchronize(timeout)
 
     def finalize(self) -> None:
-        self._queue.put(None)
-        self._lane.join(timeout=self._timeout_of())
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for lane in lanes:
+            lane.stop(self._timeout_of())
         self._inner.finalize()
-        for ch in self._channels.values():
-            ch.free()
-        self._channels.clear()
 
     def _call(self, op: str, args: tuple):
         if self._failed is not None:
@@ -331,9 +391,10 @@ class Debugged:
                 "issue matching operations); finalize and restart the job")
         *rest, group, async_op = args
         size, rank = self._size_rank(group)  # non-members and non-groups raise here
-        channel = self._channels.get(0 if group is None else group.id)
-        if channel is None:
+        lane = self._lanes.get(0 if group is None else group.id)
+        if lane is None:
             raise bad_group_error(group)
+        channel = lane.channel
         gname = "world" if group is None else group.describe()
         what = f"{op} on backend '{self.name}' (group {gname})"
         try:
@@ -342,14 +403,14 @@ class Debugged:
             # One signature per call keeps the channel aligned; the others see the error.
             sig = np.full(_HEADER + 2 * size, _LOCAL_ERROR, dtype=np.int64)
             call = _Call(op, gname, channel, channel.post(sig), None)
-            self._queue.put(call)
+            lane.submit(call)
             call.posted.wait(self._timeout_of())
             raise
         sig = signature(op, tuple(rest), size)
         method = getattr(self._inner, op)
         call = _Call(op, gname, channel, channel.post(sig),
                      lambda: method(*rest, group, True))
-        self._queue.put(call)
+        lane.submit(call)
         self._pending = [p for p in self._pending if not p.posted.is_set()]
         self._pending.append(call)
         work = DebugWork(call, self.name, self._timeout_of(), what)
@@ -361,32 +422,3 @@ class Debugged:
     def _fail(self, why: str) -> None:
         self._failed = self._failed or why
         self._inner.mark_failed(why)
-
-    def _run(self) -> None:
-        """The debug lane: check each call's views in issue order, then post it."""
-        while True:
-            call = self._queue.get()
-            if call is None:
-                return
-            try:
-                limit = self._timeout_of()
-                if not poll_until(lambda c=call: c.channel.done(c.handle), limit):
-                    gone = call.channel.missing(call.handle)
-                    world = [call.channel.ranks[p] for p in gone]
-                    self._fail(f"{call.op} timed out in debug mode")
-                    raise CommTimeoutError(
-                        f"{call.op} on backend '{self.name}' (group {call.group}) did not "
-                        f"start within {limit} s: group rank(s) {gone} (world rank(s) "
-                        f"{world}) never called it (debug mode: their call signature "
-                        "never arrived)")
-                views = np.asarray(call.handle[1])
-                bad = disagreement(views)
-                if bad is not None:  # nothing was posted: the backend stays usable
-                    raise DesyncError(f"{call.op}: ranks disagree on the {bad}:\n"
-                                      + table(views, call.group, self.name))
-                if call.post is not None:
-                    call.work = call.post()
-            except BaseException as exc:  # delivered to the waiting caller
-                call.error = exc
-            finally:
-                call.posted.set()

@@ -7,9 +7,11 @@ import re
 import sys
 
 import pytest
+import torch
 
 import mcrdl
 from mcrdl.fusion import FusionConfig
+from mcrdl.fusion.tensor_fusion import _by_key, _chunks
 
 from ._launch import mpiexec_or_skip, run_launcher
 
@@ -42,6 +44,13 @@ def test_fusion_randomized_bit_identical(n, rounds):
     print(out[m.start():].strip())
 
 
+def test_fusion_in_debug_mode():
+    """Debug mode checks the agreement rounds and fused calls like any call; fusion's
+    rounds on several groups of one backend need its per-(backend, group) lanes."""
+    out = launch(3, "fusion_ranks.py", 4, 50, env={"MCRDL_DEBUG": "1"})
+    assert "fusion OK randomized: world 3" in out and "fusion OK targeted" in out, out
+
+
 def test_fusion_config_checks_its_fields():
     assert FusionConfig().buffer_bytes == 16 << 20
     for bad in ({"buffer_bytes": 0}, {"buffer_bytes": 1.5}, {"wait_us": -1},
@@ -63,3 +72,41 @@ def test_extensions_block_restores_the_configuration_outside():
             assert inner.fusion is None and inner.logging is not None
         assert mcrdl.fusion.current() is inside
     assert mcrdl.fusion.current() == before
+
+
+class _Call:
+    def __init__(self, key, nbytes):
+        self.key, self.nbytes = key, nbytes
+
+
+def test_rounds_are_cut_by_key_and_into_runs_of_at_most_b_bytes():
+    a, b = ("all_reduce", torch.float32, 0), ("bcast", torch.float32, 1)
+    calls = [_Call(k, n) for k, n in ((a, 10), (b, 5), (a, 20), (a, 30), (b, 5), (a, 40))]
+    groups = _by_key(calls)
+    assert [[c.nbytes for c in g] for g in groups] == [[10, 20, 30, 40], [5, 5]]
+    assert _by_key(groups[0]) == [groups[0]]  # one key: the list itself
+    runs = _chunks(groups[0], 50)
+    assert [[c.nbytes for c in r] for r in runs] == [[10, 20], [30], [40]]
+    assert [[c.nbytes for c in r] for r in _chunks(groups[0], 60)] == [[10, 20, 30], [40]]
+    assert _chunks(groups[0], 1000) == [groups[0]]
+
+
+def test_pack_and_unpack_flat_copy_tensors_of_any_shape():
+    from mcrdl import _C
+
+    srcs = [torch.arange(6.0).view(2, 3), torch.tensor(7.0), torch.empty(0),
+            torch.arange(4.0) + 10]
+    buf = _C.pack_flat(srcs)
+    assert buf.shape == (11,) and buf.dtype == torch.float32
+    assert buf.tolist() == [0.0, 1, 2, 3, 4, 5, 7, 10, 11, 12, 13]
+    dsts = [torch.empty_like(t) for t in srcs]
+    _C.unpack_flat(buf * 2, dsts)
+    assert all(torch.equal(d, s * 2) for d, s in zip(dsts, srcs, strict=True))
+    with pytest.raises(mcrdl.InvalidArgumentError, match="contiguous CPU tensor of torch.float32"):
+        _C.unpack_flat(buf, [torch.empty(3, dtype=torch.float64)])
+    with pytest.raises(mcrdl.InvalidArgumentError, match="contiguous"):
+        _C.pack_flat([torch.ones(4, 4).t()])
+    with pytest.raises(mcrdl.InvalidArgumentError, match="the destinations hold 48 bytes"):
+        _C.unpack_flat(buf, [torch.empty(12)])
+    with pytest.raises(mcrdl.InvalidArgumentError, match="not a tensor"):
+        _C.pack_flat([torch.ones(2), 3])

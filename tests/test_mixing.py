@@ -55,6 +55,21 @@ def test_collective_one_rank_never_joins_times_out(backend, debug):
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_fused_call_one_rank_never_joins_times_out(backend):
+    """Tensor fusion: the round's agreement times out instead of hanging; the (backend,
+    group) then refuses fused calls."""
+    limit = 3.0
+    out = launch(3, "timeout.py", backend, limit, "fusion", timeout=120)
+    for r in (1, 2):
+        m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
+        assert m, out
+        assert limit <= float(m.group(1)) < limit + 5
+        assert f"rank {r}: next op refused: BackendUnavailableError" in out
+    for r in range(3):
+        assert f"rank {r}: finalized" in out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
 def test_debug_mode_mismatches_raise_desync_on_every_rank(backend):
     out = launch(3, "desync.py", backend, env={"MCRDL_DEBUG": "1"}, timeout=180)
     cases = ["count", "dtype", "root", "reduce op", "split sizes", "async wait", "local error"]
@@ -62,6 +77,16 @@ def test_debug_mode_mismatches_raise_desync_on_every_rank(backend):
         for r in range(3):
             assert f"rank {r}: {case}: DesyncError raised" in out, (case, r, out)
     assert "ranks disagree on the element count" in out
+
+
+@pytest.mark.parametrize("backend", ["mpi", "gloo"])
+def test_debug_mode_orders_per_backend_and_group(backend):
+    """Groups of one backend issued in a different order on different ranks: valid, so
+    debug mode must not serialize them (a deadlock would end in CommTimeoutError)."""
+    out = launch(3, "debug_cross_group.py", backend, 10, env={"MCRDL_DEBUG": "1"},
+                 timeout=120)
+    for r in range(3):
+        assert f"rank {r}: cross-group order OK on {backend}" in out, out
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])

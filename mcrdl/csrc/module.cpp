@@ -6,6 +6,7 @@ namespace mcrdl {
 
 void bind_mpi(py::module_& m);
 void bind_pccl(py::module_& m);
+void bind_fusion(py::module_& m);
 
 namespace {
 
@@ -137,4 +138,5 @@ PYBIND11_MODULE(_C, m) {
         "the argument order); raises InvalidArgumentError. v variants return filled displs.");
   bind_mpi(m);
   bind_pccl(m);
+  bind_fusion(m);
 }

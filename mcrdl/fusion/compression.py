@@ -162,6 +162,11 @@ def decode(block: torch.Tensor, dst: torch.Tensor, where: str) -> None:
     out[:] = values.reshape(-1)
 
 
+def _blocks(output, size: int) -> list[torch.Tensor]:
+    """The per-rank blocks of a gathered output: one tensor of `size` blocks, or a list."""
+    return list(output.view(size, -1)) if isinstance(output, torch.Tensor) else list(output)
+
+
 def _eligible(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.is_cpu
 
@@ -210,6 +215,16 @@ class Compressed(StreamedBackend):
         self._inner.all_gather(sizes, mine, group, False)
         return sizes.tolist()
 
+    def _all_gather_encoded(self, op: str, t: torch.Tensor, group, size: int):
+        """Every rank's encoded `t` (in post()): the sizes, then an async all_gatherv of
+        the bytes. Returns (received bytes, their sizes per rank, the all_gatherv work)."""
+        payload = encode(t, self._zfp)
+        counts = self._sizes_all_gather(payload, group, size)
+        recv = torch.empty(sum(counts), dtype=torch.uint8)
+        work = self._inner.all_gatherv(recv, payload, counts, None, group, True)
+        _count(op, t.nbytes, payload.numel() + _SIZE_BYTES)
+        return recv, counts, work
+
     def _where(self, op: str, group) -> str:
         gname = "world" if group is None else group.describe()
         return f"compressed {op} on backend '{self.name}' (group {gname})"
@@ -223,16 +238,10 @@ class Compressed(StreamedBackend):
         where = self._where("all_gather", group)
 
         def post():
-            payload = encode(input, self._zfp)
-            counts = self._sizes_all_gather(payload, group, size)
-            recv = torch.empty(sum(counts), dtype=torch.uint8)
-            work = self._inner.all_gatherv(recv, payload, counts, None, group, True)
-            _count("all_gather", input.nbytes, payload.numel() + _SIZE_BYTES)
+            recv, counts, work = self._all_gather_encoded("all_gather", input, group, size)
 
             def then():
-                dsts = (list(output.view(size, -1)) if isinstance(output, torch.Tensor)
-                        else output)
-                for block, dst in zip(recv.split(counts), dsts, strict=True):
+                for block, dst in zip(recv.split(counts), _blocks(output, size), strict=True):
                     decode(block, dst, where)
 
             return Finish([work], then)
@@ -248,11 +257,7 @@ class Compressed(StreamedBackend):
         combine = _REDUCE[op]
 
         def post():
-            payload = encode(tensor, self._zfp)
-            counts = self._sizes_all_gather(payload, group, size)
-            recv = torch.empty(sum(counts), dtype=torch.uint8)
-            work = self._inner.all_gatherv(recv, payload, counts, None, group, True)
-            _count("all_reduce", tensor.nbytes, payload.numel() + _SIZE_BYTES)
+            recv, counts, work = self._all_gather_encoded("all_reduce", tensor, group, size)
 
             def then():
                 acc, part = torch.empty_like(tensor), torch.empty_like(tensor)
@@ -286,9 +291,7 @@ class Compressed(StreamedBackend):
             def then():
                 if rank != dst:
                     return
-                dsts = (list(output.view(size, -1)) if isinstance(output, torch.Tensor)
-                        else output)
-                for block, d in zip(recv.split(counts), dsts, strict=True):
+                for block, d in zip(recv.split(counts), _blocks(output, size), strict=True):
                     decode(block, d, where)
 
             return Finish([work], then)

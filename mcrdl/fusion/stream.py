@@ -143,7 +143,8 @@ class OrderedStream:
         self.name = name
         self.timeout_of = timeout_of
         self.failed: str | None = None
-        self._cv = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()  # the cv's lock, taken directly on hot paths
+        self._cv = threading.Condition(self._lock)
         self._items: collections.deque = collections.deque()
         self._runner = threading.Lock()
         self._seq = 0

@@ -2,8 +2,9 @@
 
 Calls of all_reduce, all_gather, bcast and reduce_scatter on CPU tensors smaller than
 B bytes are buffered per (backend, group) in issue order; a *flush* posts the buffered
-calls as one backend call per fusion key (operation, dtype, reduce op or root), and
-each caller's Work completes when its slice was copied back into its own tensors.
+calls as few backend calls as it can: one per fusion key (operation, dtype, reduce op
+or root) and B bytes; each caller's Work completes when its slice was copied back into
+its own tensors.
 
 Identical issue order on every rank
 -----------------------------------
@@ -14,16 +15,17 @@ are functions of the call sequence; a timer fires, and a rank waits, at differen
 points of the sequence on different ranks, so two ranks could flush different sets of
 calls and post collectives that do not match. Every flush is therefore one *round*
 whose first step is an agreement: each rank proposes how many of its oldest buffered
-calls to flush (those before the next unfusable call, at most B bytes) and an
-all_reduce(MIN) of that count, on the same backend and group, decides. Rounds are
-posted in issue order on the (backend, group) like every other call, a rank only
-starts one when it has buffered calls, and the ranks' buffers hold the same calls in
-the same order (the MPI ordering rule), so round k flushes the same calls on every
-rank: the fused collectives match. A rank that proposed more keeps the rest for the
-next round; a rank that is ahead waits in the agreement until the others reach it
-(their timers guarantee they do). Unfusable calls are posted only after every earlier
-buffered call was flushed. Rounds run on the stream's worker thread, or on the caller's
-thread when it is about to block anyway, so an async call never blocks on other ranks.
+calls to flush (those before the next unfusable call) and an all_reduce(MIN) of that
+count, on the same backend and group, decides. Rounds are posted in issue order on the
+(backend, group) like every other call, a rank only starts one when it has buffered
+calls, and the ranks' buffers hold the same calls in the same order (the MPI ordering
+rule), so round k flushes the same calls on every rank; they are cut into fused calls
+of at most B bytes by their sizes alone, so the fused collectives match too. A rank
+that proposed more keeps the rest for the next round; a rank that is ahead waits in the
+agreement until the others reach it (their timers guarantee they do). Unfusable calls
+are posted only after every earlier buffered call was flushed. Rounds run on the
+stream's worker thread, or on the caller's thread when it is about to block anyway, so
+an async call never blocks on other ranks.
 
 Inputs are read when the round posts (as a backend reads them when it runs the op): do
 not change a tensor before its Work completes, and do not pass one tensor to two
@@ -67,21 +69,26 @@ def fusion_stats(reset: bool = False) -> dict[str, int]:
     return out
 
 
+_validate = _C.validate
+_monotonic = time.monotonic
+
+
 class FusedCall(Work):
     """One buffered call, and the caller's Work for it."""
 
-    __slots__ = ("seq", "posted", "error", "key", "nbytes", "args", "t", "batch", "_stream",
-                 "backend")
+    __slots__ = ("_stream", "seq", "key", "nbytes", "args", "t", "posted", "batch", "error")
 
-    def __init__(self, key: tuple, nbytes: int, args: tuple, stream: FusionStream):
-        self.seq = 0
+    def __init__(self, stream: FusionStream, seq: int, key: tuple, nbytes: int, args: tuple,
+                 t: float):
+        self._stream, self.seq, self.key, self.nbytes, self.args, self.t = \
+            stream, seq, key, nbytes, args, t
         self.posted = False
-        self.error: BaseException | None = None
-        self.key, self.nbytes, self.args = key, nbytes, args
-        self.t = 0.0
         self.batch: Batch | None = None
-        self._stream = stream
-        self.backend = stream.backend
+        self.error: BaseException | None = None
+
+    @property
+    def backend(self) -> str:
+        return self._stream.backend
 
     def wait(self, timeout: float | None = None) -> bool:
         batch = self.batch
@@ -111,12 +118,13 @@ class FusedCall(Work):
 
 
 class Batch:
-    """The fused backend call of one fusion key in one round, and the copy-back."""
+    """One fused backend call (its Work, or None when it was posted blocking) and the
+    copy-back of its results into the callers' tensors."""
 
-    __slots__ = ("works", "copy_back", "lock", "done", "error", "what")
+    __slots__ = ("work", "copy_back", "lock", "done", "error")
 
-    def __init__(self, works: list, copy_back, what: str):
-        self.works, self.copy_back, self.what = works, copy_back, what
+    def __init__(self, work, copy_back):
+        self.work, self.copy_back = work, copy_back
         self.lock = threading.Lock()
         self.done = False
         self.error: BaseException | None = None
@@ -132,16 +140,16 @@ class Batch:
             if self.done:
                 return
             try:
-                for w in self.works:
-                    w.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                if self.work is not None:
+                    self.work.wait(None if deadline is None
+                                   else max(deadline - time.monotonic(), 0.0))
                 if self.copy_back is not None:
-                    with torch.no_grad():
-                        self.copy_back()
+                    self.copy_back()
             except BaseException as exc:
                 if deadline is None:  # not just a caller's own short timeout
                     self.error = exc
                 raise
-            self.works, self.copy_back = (), None
+            self.work = self.copy_back = None
             self.done = True
 
     def poll(self) -> bool:
@@ -149,7 +157,7 @@ class Batch:
             return True
         if self.error is not None:
             raise self.error
-        if all(w.is_completed() for w in self.works):
+        if self.work is None or self.work.is_completed():
             self.complete(None)
             return True
         return False
@@ -159,48 +167,48 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
-def _scatter(buf: torch.Tensor, sizes: list[int], dsts: list[torch.Tensor]):
-    """The copy-back of a flat fused buffer into 1-D tensors (one C++ call)."""
-    return lambda: torch.split_with_sizes_copy(buf, sizes, out=dsts)
+def _unpack(buf: torch.Tensor, dsts: list[torch.Tensor]):
+    """The copy-back of a flat fused buffer into the callers' tensors (one C++ call)."""
+    return lambda: _C.unpack_flat(buf, dsts)
 
 
-# Post one fusion key's calls of a round: (backend Work or None when posted blocking,
-# copy-back or None). A lone call is posted as it is (nothing to copy). Arguments: inner
-# backend, calls, group, group size, this rank's group rank, async_op.
+# Post one fused call: (backend Work or None when posted blocking, copy-back or None).
+# A lone call is posted as it is (nothing to copy). Arguments: inner backend, calls (one
+# fusion key), group, group size, this rank's group rank, async_op.
 
 def _post_all_reduce(inner, calls, group, gsize, grank, async_op):
     op = calls[0].key[2]
     if len(calls) == 1:
         return inner.all_reduce(calls[0].args[0], op, group, async_op), None
-    dsts = [_flat(c.args[0]) for c in calls]
-    buf = torch.cat(dsts)
+    dsts = [c.args[0] for c in calls]
+    buf = _C.pack_flat(dsts)
     work = inner.all_reduce(buf, op, group, async_op)
-    return work, _scatter(buf, [d.numel() for d in dsts], dsts)
+    return work, _unpack(buf, dsts)
 
 
 def _post_bcast(inner, calls, group, gsize, grank, async_op):
     root = calls[0].key[2]
     if len(calls) == 1:
         return inner.bcast(calls[0].args[0], root, group, async_op), None
-    dsts = [_flat(c.args[0]) for c in calls]
-    sizes = [d.numel() for d in dsts]
+    dsts = [c.args[0] for c in calls]
     if grank == root:
-        return inner.bcast(torch.cat(dsts), root, group, async_op), None
-    buf = torch.empty(sum(sizes), dtype=dsts[0].dtype)
+        return inner.bcast(_C.pack_flat(dsts), root, group, async_op), None
+    buf = torch.empty(sum(d.numel() for d in dsts), dtype=dsts[0].dtype)
     work = inner.bcast(buf, root, group, async_op)
-    return work, _scatter(buf, sizes, dsts)
+    return work, _unpack(buf, dsts)
 
 
 def _post_all_gather(inner, calls, group, gsize, grank, async_op):
     if len(calls) == 1:
         out, inp = calls[0].args
         return inner.all_gather(out, inp, group, async_op), None
-    ins = [_flat(c.args[1]) for c in calls]
+    ins = [c.args[1] for c in calls]
     sizes = [t.numel() for t in ins]
     total = sum(sizes)
     fused_out = torch.empty(gsize * total, dtype=ins[0].dtype)
-    work = inner.all_gather(fused_out, torch.cat(ins), group, async_op)
+    work = inner.all_gather(fused_out, _C.pack_flat(ins), group, async_op)
 
+    @torch.no_grad()  # the outputs may be tensors that require grad
     def copy_back():
         blocks = fused_out.view(gsize, total)
         dsts, srcs, off = [], [], 0
@@ -227,19 +235,49 @@ def _post_reduce_scatter(inner, calls, group, gsize, grank, async_op):
     for c in calls:
         inp = c.args[1]
         if isinstance(inp, torch.Tensor):
-            rows.append(inp.view(gsize, -1))
+            rows.append(inp.detach().view(gsize, -1))
         else:
-            rows.append(torch.stack([_flat(t) for t in inp]))
+            rows.append(torch.stack([_flat(t.detach()) for t in inp]))
     fused_in = torch.cat(rows, dim=1)
-    dsts = [_flat(c.args[0]) for c in calls]
-    sizes = [d.numel() for d in dsts]
-    fused_out = torch.empty(sum(sizes), dtype=fused_in.dtype)
+    dsts = [c.args[0] for c in calls]
+    fused_out = torch.empty(sum(d.numel() for d in dsts), dtype=fused_in.dtype)
     work = inner.reduce_scatter(fused_out, fused_in.view(-1), op, group, async_op)
-    return work, _scatter(fused_out, sizes, dsts)
+    return work, _unpack(fused_out, dsts)
 
 
 _POST = {"all_reduce": _post_all_reduce, "bcast": _post_bcast, "all_gather": _post_all_gather,
          "reduce_scatter": _post_reduce_scatter}
+
+
+def _by_key(calls: list[FusedCall]) -> list[list[FusedCall]]:
+    """The calls of each fusion key, in order of each key's first call."""
+    key = calls[0].key
+    for c in calls:
+        if c.key != key:
+            break
+    else:
+        return [calls]
+    groups: dict[tuple, list[FusedCall]] = {}
+    for c in calls:
+        group = groups.get(c.key)
+        if group is None:
+            groups[c.key] = [c]
+        else:
+            group.append(c)
+    return list(groups.values())
+
+
+def _chunks(calls: list[FusedCall], limit: int) -> list[list[FusedCall]]:
+    """`calls` (one key) cut into runs of at most `limit` bytes (a function of the calls'
+    sizes alone, which are the same on every rank)."""
+    out, start, total = [], 0, 0
+    for i, c in enumerate(calls):
+        if total + c.nbytes > limit and i > start:
+            out.append(calls[start:i])
+            start, total = i, 0
+        total += c.nbytes
+    out.append(calls[start:])
+    return out
 
 
 class FusionStream(OrderedStream):
@@ -249,38 +287,43 @@ class FusionStream(OrderedStream):
     def __init__(self, name: str, ext: ExtContext, inner, group, gsize: int, backend: str,
                  config: FusionConfig):
         super().__init__(name, ext.timeout_of)
-        self.ext, self.inner, self.group, self.gsize = ext, inner, group, gsize
+        self.inner, self.group, self.gsize = inner, group, gsize
         self.grank = ext.rank if group is None else group.rank
         self.backend = backend
         self.limit = config.buffer_bytes
         self.wait_s = config.wait_us * 1e-6
         self.buffered = 0  # bytes of buffered calls
-        self.batches: list[Batch] = []  # posted, not known complete (for synchronize)
+        self.batches: list[Batch] = []  # posted async, not known complete (synchronize)
         self._count = torch.empty(1, dtype=torch.int64)  # the agreement's buffer
+        self._count_np = self._count.numpy()  # the same memory, cheaper to set and read
+        self._last_task = 0  # seq of the latest deferred unfusable call
         self.rounds = 0  # flushes so far
-        self.short_rounds = 0  # flushes that took fewer calls than this rank proposed
 
-    def add(self, call: FusedCall, wake: bool = True) -> FusedCall:
-        """Buffer `call`; flush soon when B bytes are buffered. ``wake=False``: the
-        caller flushes it itself right away (a blocking call), the worker's timer need
-        not start."""
-        with self._cv:
+    def add(self, key: tuple, nbytes: int, args: tuple, wake: bool) -> FusedCall:
+        """Buffer a call; flush soon when B bytes are buffered. ``wake=False``: the caller
+        flushes it itself right away (a blocking call), the worker's timer need not
+        start."""
+        with self._lock:
             if self.failed is not None:
                 self._check()
-            first = not self._items
-            self._seq += 1
-            call.seq = self._seq
-            self._items.append(call)
-            call.t = time.monotonic()
-            self.buffered += call.nbytes
-            if self.buffered >= self.limit:
-                self._want = call.seq
+            self._seq = seq = self._seq + 1
+            items = self._items
+            call = FusedCall(self, seq, key, nbytes, args, _monotonic())
+            first = not items
+            items.append(call)
+            self.buffered = buffered = self.buffered + nbytes
+            if buffered >= self.limit:
+                self._want = seq
                 self._ensure_worker()
                 self._cv.notify()
             elif first and wake:  # the worker's timer starts from the oldest buffered call
                 self._ensure_worker()
                 self._cv.notify()
         return call
+
+    def _append(self, item) -> None:
+        super()._append(item)  # only deferred unfusable calls (Tasks) come this way
+        self._last_task = item.seq
 
     def _due_at(self) -> float | None:
         head = self._items[0] if self._items else None
@@ -290,18 +333,18 @@ class FusionStream(OrderedStream):
         self._want = self._seq
 
     def _advance_head(self, waiting: bool) -> None:
-        with self._cv:
-            head = self._items[0]
-            if head.__class__ is Task:
-                pass
-            else:
-                proposal, total = 0, 0
-                for item in self._items:
-                    if item.__class__ is not FusedCall or (
-                            proposal and total + item.nbytes > self.limit):
-                        break
-                    total += item.nbytes
-                    proposal += 1
+        with self._lock:
+            items = self._items
+            head = items[0]
+            if head.__class__ is not Task:
+                if self._last_task < head.seq:  # no unfusable call queued: all of them
+                    proposal = len(items)
+                else:
+                    proposal = 0
+                    for item in items:
+                        if item.__class__ is Task:
+                            break
+                        proposal += 1
         if head.__class__ is Task:
             super()._advance_head(waiting)
             return
@@ -311,15 +354,20 @@ class FusionStream(OrderedStream):
                 f"{self.name}: tensor fusion round {self.rounds + 1}: this rank proposed "
                 f"{proposal} buffered call(s), the group agreed on {agreed}; the ranks did not "
                 "issue the same calls in the same order on this (backend, group)")
-        with self._cv:
-            calls = [self._items.popleft() for _ in range(agreed)]
-            self.buffered -= sum(c.nbytes for c in calls)
+        with self._lock:
+            items = self._items
+            if agreed == len(items):
+                calls = list(items)
+                items.clear()
+                total, self.buffered = self.buffered, 0
+            else:
+                calls = [items.popleft() for _ in range(agreed)]
+                total = sum(c.nbytes for c in calls)
+                self.buffered -= total
         self.rounds += 1
-        self.short_rounds += agreed < proposal
         _tally(agreed, proposal)
         try:
-            with torch.no_grad():  # grad mode is per thread; rounds may run on the worker
-                self._post(calls, blocking=waiting)
+            self._post(calls, total, blocking=waiting)
         except BaseException as exc:
             for c in calls:
                 c.error = c.error or exc
@@ -329,30 +377,31 @@ class FusionStream(OrderedStream):
 
     def _agree(self, proposal: int) -> int:
         """all_reduce(MIN) of the proposals on this (backend, group) - blocking."""
-        count = self._count.fill_(proposal)
-        self.inner.all_reduce(count, ReduceOp.MIN, self.group, False)
-        return count.item()
+        self._count_np[0] = proposal
+        self.inner.all_reduce(self._count, ReduceOp.MIN, self.group, False)
+        return int(self._count_np[0])
 
-    def _post(self, calls: list[FusedCall], blocking: bool) -> None:
-        """One backend call per fusion key, in order of each key's first call; blocking
-        calls (completed here) when the posting thread is about to wait anyway, which
-        spares the hand-off to the backend's lane."""
-        by_key: dict[tuple, list[FusedCall]] = {}
-        for c in calls:
-            by_key.setdefault(c.key, []).append(c)
+    def _post(self, calls: list[FusedCall], total: int, blocking: bool) -> None:
+        """Fused calls of at most B bytes per fusion key, in order of each key's first
+        call; blocking ones (completed here) when the posting thread is about to wait
+        anyway, which spares the hand-off to the backend's lane."""
+        by_key = _by_key(calls)
         if len(self.batches) >= 64:
             self.batches = [b for b in self.batches if not b.done]
-        for key, group_calls in by_key.items():
-            work, copy_back = _POST[key[0]](self.inner, group_calls, self.group, self.gsize,
-                                            self.grank, not blocking)
-            batch = Batch([] if work is None else [work], copy_back,
-                          f"fused {key[0]} of {len(group_calls)} call(s)")
-            if blocking:
-                batch.complete(None)
-            self.batches.append(batch)
-            for c in group_calls:
-                c.batch = batch
-                c.posted = True
+        for key_calls in by_key:
+            runs = ([key_calls] if len(by_key) == 1 and total <= self.limit
+                    else _chunks(key_calls, self.limit))
+            for run in runs:
+                work, copy_back = _POST[run[0].key[0]](self.inner, run, self.group, self.gsize,
+                                                       self.grank, not blocking)
+                batch = Batch(work, copy_back)
+                if blocking:
+                    batch.complete(None)
+                else:
+                    self.batches.append(batch)
+                for c in run:
+                    c.batch = batch
+                    c.posted = True
 
     def complete_all(self, timeout: float) -> None:
         """Wait for every posted batch and deferred call and copy the results back
@@ -371,6 +420,8 @@ class Fused(StreamedBackend):
         super().__init__(inner, ext)
         self._config = config
         self._limit = config.buffer_bytes
+        self._world_size = ext.world_size
+        self._size_rank = ext.size_rank
         for op in ("all_reduce", "bcast", "all_gather", "reduce_scatter"):
             if op not in config.ops:  # pass through, in order
                 self.__dict__[op] = self.__getattr__(op)
@@ -379,62 +430,61 @@ class Fused(StreamedBackend):
         gsize = self._ext.world_size if group is None else group.size
         return FusionStream(name, self._ext, self._inner, group, gsize, self.name, self._config)
 
-    def _buffer(self, op: str, key: tuple, nbytes: int, args: tuple, group, async_op: bool):
+    def _group_size(self, group) -> int:
+        """The group's size; raises for non-members and non-groups."""
+        return self._world_size if group is None else self._size_rank(group)[0]
+
+    def _buffer(self, key: tuple, nbytes: int, args: tuple, group, async_op: bool):
+        """Buffer a validated call on the stream of `group` (a member's group)."""
         stream = self._streams.get(0 if group is None else group.id)
         if stream is None:
             stream = self._stream(group, "fusion ")
-        call = stream.add(FusedCall(key, nbytes, args, stream), async_op)
+        call = stream.add(key, nbytes, args, async_op)
         if async_op:
             return call
         call.wait()
         return None
 
     def all_reduce(self, tensor, op, group, async_op):
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu \
-                or tensor.nbytes >= self._limit:
+        _validate("all_reduce", tensor, op)
+        nbytes = tensor.nbytes
+        if nbytes >= self._limit or not tensor.is_cpu:
             return self._ordered("all_reduce", self._inner.all_reduce,
                                  (tensor, op, group, async_op))
-        self._ext.size_rank(group)
-        _C.validate("all_reduce", tensor, op)
-        return self._buffer("all_reduce", ("all_reduce", tensor.dtype, op), tensor.nbytes,
-                            (tensor,), group, async_op)
+        if group is None:  # the hot path of _buffer, inlined
+            stream = self._streams.get(0) or self._stream(None, "fusion ")
+        else:
+            self._size_rank(group)
+            stream = self._streams.get(group.id) or self._stream(group, "fusion ")
+        call = stream.add(("all_reduce", tensor.dtype, op), nbytes, (tensor,), async_op)
+        if async_op:
+            return call
+        call.wait()
+        return None
 
     def bcast(self, tensor, src, group, async_op):
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu \
-                or tensor.nbytes >= self._limit:
+        _validate("bcast", tensor, src, self._group_size(group))
+        nbytes = tensor.nbytes
+        if nbytes >= self._limit or not tensor.is_cpu:
             return self._ordered("bcast", self._inner.bcast, (tensor, src, group, async_op))
-        size, _ = self._ext.size_rank(group)
-        _C.validate("bcast", tensor, src, size)
-        return self._buffer("bcast", ("bcast", tensor.dtype, src), tensor.nbytes, (tensor,),
-                            group, async_op)
+        return self._buffer(("bcast", tensor.dtype, src), nbytes, (tensor,), group, async_op)
 
     def all_gather(self, output, input, group, async_op):
-        if not isinstance(input, torch.Tensor) or not input.is_cpu:
-            return self._ordered("all_gather", self._inner.all_gather,
-                                 (output, input, group, async_op))
-        size, _ = self._ext.size_rank(group)
+        size = self._group_size(group)
+        _validate("all_gather", output, input, size)
         nbytes = input.nbytes * size
-        if nbytes >= self._limit:
+        if nbytes >= self._limit or not input.is_cpu:
             return self._ordered("all_gather", self._inner.all_gather,
                                  (output, input, group, async_op))
-        _C.validate("all_gather", output, input, size)
-        return self._buffer("all_gather", ("all_gather", input.dtype, None), nbytes,
-                            (output, input), group, async_op)
+        return self._buffer(("all_gather", input.dtype, None), nbytes, (output, input), group,
+                            async_op)
 
     def reduce_scatter(self, output, input, op, group, async_op):
-        if not isinstance(output, torch.Tensor) or not output.is_cpu:
-            return self._ordered("reduce_scatter", self._inner.reduce_scatter,
-                                 (output, input, op, group, async_op))
-        size, _ = self._ext.size_rank(group)
+        size = self._group_size(group)
+        _validate("reduce_scatter", output, input, op, size)
         nbytes = output.nbytes * size
-        if nbytes >= self._limit:
+        if nbytes >= self._limit or not output.is_cpu:
             return self._ordered("reduce_scatter", self._inner.reduce_scatter,
                                  (output, input, op, group, async_op))
-        _C.validate("reduce_scatter", output, input, op, size)
-        return self._buffer("reduce_scatter", ("reduce_scatter", output.dtype, op), nbytes,
-                            (output, input), group, async_op)
-
-    def stats(self) -> dict[int, tuple[int, int]]:
-        """(flushes, flushes that took fewer calls than this rank proposed) per group id."""
-        return {gid: (s.rounds, s.short_rounds) for gid, s in self._streams.items()}
-
+        return self._buffer(("reduce_scatter", output.dtype, op), nbytes, (output, input),
+                            group, async_op)

@@ -19,9 +19,12 @@ over a small one at 3+ ranks, as any two calls of different sizes may. Those inp
 random multiples of 1/4 in [-4, 4], whose sums are exact in every order (bfloat16
 included): then bit-identity is required like everywhere else.
 
-Then targeted checks: synchronize() copies results back, polling is_completed() alone
-completes a call (timer flush), errors are raised at call time, and the hot path is
-restored after the block. Prints "fusion OK" lines on rank 0; exits non-zero on failure.
+Then targeted checks: synchronize() copies results back; a lone buffered call is
+flushed at T and B bytes of buffered calls at once, with no wait or poll (watched on
+the round counter); polling is_completed() alone completes a call; rounds larger than
+B are cut into fused calls of at most B bytes; wait(timeout) returns on time; errors
+are raised at call time; the hot path is restored after the block. Prints "fusion OK"
+lines on rank 0; exits non-zero on failure.
 
 Usage: fusion_ranks.py [ROUNDS] [CALLS_PER_ROUND]
 """
@@ -265,8 +268,44 @@ with mcrdl.extensions(fusion={"wait_us": 1e6}):  # only synchronize may flush
     if [t[0].item() for t in ts] != expect or not all(w.is_completed() for w in ws):
         failures.append("synchronize() did not flush fused calls and copy results back")
 
-with mcrdl.extensions(fusion={"wait_us": 2000}):  # the timer alone flushes it
+
+
+def flushed_after(before: int, limit: float = 30.0) -> float | None:
+    """Seconds until this rank's fusion rounds exceed `before` (None: not within
+    `limit`), watching the counters only: no wait or poll that would flush itself."""
+    start = time.monotonic()
+    while fusion_stats()["flushes"] == before:
+        if time.monotonic() - start > limit:
+            return None
+        time.sleep(1e-3)
+    return time.monotonic() - start
+
+
+T_US = 50_000
+with mcrdl.extensions(fusion={"wait_us": T_US}):  # T alone flushes a lone call
     t = torch.full((5,), float(rank))
+    before = fusion_stats()["flushes"]
+    w = mcrdl.all_reduce("mpi", t, async_op=True)
+    took = flushed_after(before)
+    if took is None or took < 0.9 * T_US * 1e-6:
+        failures.append(f"a call buffered alone was flushed after {took} s, T = {T_US} us")
+    w.wait()
+    if t[0].item() != sum(range(size)):
+        failures.append("fused call flushed by the timer has a wrong result")
+
+with mcrdl.extensions(fusion={"buffer_bytes": 4096, "wait_us": 1e8}):  # B alone flushes
+    ts = [torch.full((256,), float(rank + k)) for k in range(4)]  # 4 x 1 KiB = B
+    before = fusion_stats()["flushes"]
+    ws = [mcrdl.all_reduce("gloo", t, async_op=True) for t in ts]
+    if flushed_after(before) is None:
+        failures.append("B bytes of buffered calls were not flushed (T = 100 s)")
+    for w in ws:
+        w.wait()
+    if [t[0].item() for t in ts] != [float(sum(range(size)) + size * k) for k in range(4)]:
+        failures.append("fused calls flushed at B bytes have wrong results")
+
+with mcrdl.extensions(fusion={"wait_us": 1e8}):  # polling alone flushes and completes
+    t = torch.full((7,), float(rank))
     w = mcrdl.all_reduce("mpi", t, async_op=True)
     deadline = time.monotonic() + 30
     while not w.is_completed():
@@ -274,8 +313,16 @@ with mcrdl.extensions(fusion={"wait_us": 2000}):  # the timer alone flushes it
             failures.append("a fused call polled with is_completed() never completed")
             break
         time.sleep(1e-3)
-    if t[0].item() != sum(range(size)):
+    if t[0].item() != sum(range(size)):  # completed means the slice is back in t
         failures.append("fused call completed by polling has a wrong result")
+
+with mcrdl.extensions(fusion={"buffer_bytes": 4096, "wait_us": 1e8}):  # rounds cut at B
+    ts = [torch.full((100 + k,), float(rank + k)) for k in range(30)]  # 12.7 KiB in all
+    ws = [mcrdl.all_reduce("mpi", t, async_op=True) for t in ts]
+    for w in ws:
+        w.wait()
+    if any(t.ne(float(sum(range(size)) + size * k)).any() for k, t in enumerate(ts)):
+        failures.append("fused calls cut into runs of at most B bytes have wrong results")
 
 with mcrdl.extensions(fusion={"wait_us": 1e6}):  # wait(timeout) honours a short timeout
     t = torch.full((3,), float(rank))
@@ -304,9 +351,7 @@ with mcrdl.extensions(fusion=True):
             failures.append(f"fused call with bad argument ({why}) was accepted")
         except mcrdl.InvalidArgumentError:
             pass
-    if size >= 3 and rank != 1:  # groups[2] is [2, 0]: rank 1 is not a member
-        pass
-    elif size >= 3:
+    if size >= 3 and rank == 1:  # groups[2] is [2, 0]: rank 1 is not a member
         try:
             mcrdl.all_reduce("mpi", torch.ones(2), group=groups[2], async_op=True)
             failures.append("fused call on a group without this rank was accepted")
@@ -322,8 +367,8 @@ if rank == 0:
     if bad:
         print(f"fusion FAILED ({len(bad)}):\n" + "\n".join(bad[:40]), flush=True)
     else:
-        print("fusion OK targeted: synchronize, timer flush by polling, wait(timeout), "
-              "call-time errors, hot path restored", flush=True)
+        print("fusion OK targeted: synchronize, flush at T, at B, by polling, runs of B "
+              "bytes, wait(timeout), call-time errors, hot path restored", flush=True)
 ok = not any(all_failures)
 mcrdl.finalize()
 sys.exit(0 if ok else 1)

@@ -1,6 +1,8 @@
 """Timeout (run under mpiexec -n N, N >= 2): rank 0 never joins a collective; every
 other rank must raise CommTimeoutError within timeout + 5 s, naming op, backend,
-group and sequence number. Usage: timeout.py BACKEND [TIMEOUT_S]"""
+group and sequence number. With "fusion", the calls go through tensor fusion: the
+round's agreement times out (async call, waited), then the (backend, group) refuses
+calls. Usage: timeout.py BACKEND [TIMEOUT_S] [fusion]"""
 
 import os
 import sys
@@ -12,6 +14,9 @@ import mcrdl
 
 backend = sys.argv[1]
 limit = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
+fusion = sys.argv[3:] == ["fusion"]
+if fusion:
+    mcrdl.configure(fusion=True)
 mcrdl.init([backend], timeout=limit)
 rank = mcrdl.get_rank()
 mcrdl.all_reduce(backend, torch.ones(4))  # a healthy op first: sequence number 1
@@ -19,14 +24,18 @@ mcrdl.all_reduce(backend, torch.ones(4))  # a healthy op first: sequence number 
 if rank != 0:
     start = time.monotonic()
     try:
-        mcrdl.all_reduce(backend, torch.ones(4))
+        if fusion:  # buffered; the wait posts the round, whose agreement times out
+            mcrdl.all_reduce(backend, torch.ones(4), async_op=True).wait()
+        else:
+            mcrdl.all_reduce(backend, torch.ones(4))
         raise AssertionError("all_reduce without rank 0 returned")
     except mcrdl.CommTimeoutError as e:
         took = time.monotonic() - start
         msg = str(e)
         assert took < limit + 5, took
         debug = os.environ.get("MCRDL_DEBUG") == "1"
-        parts = ("never called it", "world rank(s) [0]") if debug else ("sequence number 2",)
+        parts = (("never called it", "world rank(s) [0]") if debug
+                 else ("sequence number",) if fusion else ("sequence number 2",))
         for part in ("all_reduce", f"'{backend}'", "world", *parts):
             assert part in msg, (part, msg)
         print(f"rank {rank}: CommTimeoutError after {took:.2f} s (timeout {limit} s): {msg}",
