@@ -32,6 +32,8 @@
 #include <ATen/ops/minimum.h>
 
 #include <atomic>
+#include <cstring>
+#include <type_traits>
 
 #include "launch_work.h"
 #include "mpi_util.h"
@@ -66,18 +68,102 @@ MPI_Op mpi_op(int code) {
   }
 }
 
-// acc = acc (op) x, elementwise, on the tensors' device.
-void reduce_into(at::Tensor& acc, const at::Tensor& x, int code) {
+// A flat contiguous tensor addressed by element offsets. MPI moves its raw memory; local
+// copies and reductions are memcpy and plain loops on CPU tensors up to kLoopMax
+// elements (an ATen op costs ~1 us of dispatch, as much as a small message's transfer),
+// ATen ops on the tensor's own device otherwise (GPU tensors are never copied to the host).
+struct Flat {
+  at::Tensor t;
+  char* base = nullptr;  // element 0 (element `first` of t)
+  int64_t esize = 1, first = 0;
+  bool cpu = true;
+  Flat() = default;
+  explicit Flat(at::Tensor x)
+      : t(std::move(x)), base(static_cast<char*>(t.data_ptr())), esize(t.element_size()),
+        cpu(t.is_cpu()) {}
+  char* at(int64_t off) const { return base + off * esize; }
+  int64_t bytes(int64_t count) const { return count * esize; }
+  at::Tensor view(int64_t off, int64_t count) const {
+    return t.view({-1}).narrow(0, first + off, count);
+  }
+  Flat from(int64_t off) const {  // the same memory from element `off` on
+    Flat f = *this;
+    f.base = at(off);
+    f.first += off;
+    return f;
+  }
+  static Flat empty(int64_t numel, const at::Tensor& like) {
+    return Flat(at::empty({numel}, like.options()));
+  }
+};
+
+constexpr int64_t kLoopMax = 1 << 16;  // elements; above, ATen's vectorized parallel kernels
+
+template <typename T, typename F>
+void apply(T* __restrict__ a, const T* __restrict__ b, int64_t n, F f) {
+  for (int64_t i = 0; i < n; ++i) a[i] = f(a[i], b[i]);
+}
+
+// a = a (op) b on CPU, elementwise, with ATen's semantics: integers wrap, MIN/MAX
+// propagate NaN.
+template <typename T>
+void reduce_loop(T* a, const T* b, int64_t n, int code) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<decltype(T() + T())>;  // wrap without signed overflow
+    switch (code) {
+      case SUM: return apply(a, b, n, [](T x, T y) { return T(U(x) + U(y)); });
+      case PRODUCT: return apply(a, b, n, [](T x, T y) { return T(U(x) * U(y)); });
+      case MIN: return apply(a, b, n, [](T x, T y) { return y < x ? y : x; });
+      case MAX: return apply(a, b, n, [](T x, T y) { return x < y ? y : x; });
+      case BAND: return apply(a, b, n, [](T x, T y) { return T(x & y); });
+      case BOR: return apply(a, b, n, [](T x, T y) { return T(x | y); });
+      case BXOR: return apply(a, b, n, [](T x, T y) { return T(x ^ y); });
+    }
+  } else {
+    switch (code) {
+      case SUM: return apply(a, b, n, [](T x, T y) { return x + y; });
+      case PRODUCT: return apply(a, b, n, [](T x, T y) { return x * y; });
+      case MIN: return apply(a, b, n, [](T x, T y) { return x != x ? x : (y != y || y < x) ? y : x; });
+      case MAX: return apply(a, b, n, [](T x, T y) { return x != x ? x : (y != y || x < y) ? y : x; });
+    }
+  }
+  throw_invalid(std::string("pccl: reduce op ") + reduce_name(code) + " is not defined for this dtype");
+}
+
+// acc[aoff:aoff+n] = acc[...] (op) x[xoff:xoff+n], on the tensors' device.
+void reduce_into(const Flat& acc, int64_t aoff, const Flat& x, int64_t xoff, int64_t n, int code) {
+  if (n == 0) return;
+  if (acc.cpu && x.cpu && n <= kLoopMax) {
+    switch (acc.t.scalar_type()) {
+      case at::kFloat: return reduce_loop((float*)acc.at(aoff), (const float*)x.at(xoff), n, code);
+      case at::kDouble: return reduce_loop((double*)acc.at(aoff), (const double*)x.at(xoff), n, code);
+      case at::kChar: return reduce_loop((int8_t*)acc.at(aoff), (const int8_t*)x.at(xoff), n, code);
+      case at::kByte: return reduce_loop((uint8_t*)acc.at(aoff), (const uint8_t*)x.at(xoff), n, code);
+      case at::kInt: return reduce_loop((int32_t*)acc.at(aoff), (const int32_t*)x.at(xoff), n, code);
+      case at::kLong: return reduce_loop((int64_t*)acc.at(aoff), (const int64_t*)x.at(xoff), n, code);
+      default: break;  // other dtypes: ATen below
+    }
+  }
+  at::Tensor a = acc.view(aoff, n), b = x.view(xoff, n);
   switch (code) {
-    case SUM: acc.add_(x); break;
-    case PRODUCT: acc.mul_(x); break;
-    case MIN: at::minimum_out(acc, acc, x); break;
-    case MAX: at::maximum_out(acc, acc, x); break;
-    case BAND: acc.bitwise_and_(x); break;
-    case BOR: acc.bitwise_or_(x); break;
-    case BXOR: acc.bitwise_xor_(x); break;
+    case SUM: a.add_(b); break;
+    case PRODUCT: a.mul_(b); break;
+    case MIN: at::minimum_out(a, a, b); break;
+    case MAX: at::maximum_out(a, a, b); break;
+    case BAND: a.bitwise_and_(b); break;
+    case BOR: a.bitwise_or_(b); break;
+    case BXOR: a.bitwise_xor_(b); break;
     default: throw_invalid(std::string("pccl: reduce op ") + reduce_name(code) + " unsupported");
   }
+}
+
+// dst[doff:doff+n] = src[soff:soff+n]
+void copy_into(const Flat& dst, int64_t doff, const Flat& src, int64_t soff, int64_t n) {
+  if (n == 0) return;
+  if (dst.cpu && src.cpu)
+    std::memcpy(dst.at(doff), src.at(soff), dst.bytes(n));
+  else
+    dst.view(doff, n).copy_(src.view(soff, n));
 }
 
 // One step: post requests, wait for all of them, then run `after` (may be empty).
@@ -121,26 +207,24 @@ struct Schedule {
   }
 };
 
-// A view of blocks [lo, hi) of a flat tensor of n-element blocks.
-inline at::Tensor blocks(const at::Tensor& t, int64_t n, int64_t lo, int64_t hi) {
-  return t.narrow(0, lo * n, (hi - lo) * n);
-}
-
 struct Peer {
   MPI_Comm comm;
   int rank, size, tag;
 };
 
-void isend(std::vector<MPI_Request>& r, const at::Tensor& t, int dst, const Peer& c) {
+// Send / receive `count` elements of `f` from element offset `off`.
+void isend(std::vector<MPI_Request>& r, const Flat& f, int64_t off, int64_t count, int dst,
+           const Peer& c) {
   r.push_back(MPI_REQUEST_NULL);
-  check_mpi(MPIC(MPI_Isend)(t.data_ptr(), to_mcount(t.nbytes(), "pccl"), MPI_BYTE, dst, c.tag,
+  check_mpi(MPIC(MPI_Isend)(f.at(off), to_mcount(f.bytes(count), "pccl"), MPI_BYTE, dst, c.tag,
                             c.comm, &r.back()),
             "MPI_Isend");
 }
 
-void irecv(std::vector<MPI_Request>& r, const at::Tensor& t, int src, const Peer& c) {
+void irecv(std::vector<MPI_Request>& r, const Flat& f, int64_t off, int64_t count, int src,
+           const Peer& c) {
   r.push_back(MPI_REQUEST_NULL);
-  check_mpi(MPIC(MPI_Irecv)(t.data_ptr(), to_mcount(t.nbytes(), "pccl"), MPI_BYTE, src, c.tag,
+  check_mpi(MPIC(MPI_Irecv)(f.at(off), to_mcount(f.bytes(count), "pccl"), MPI_BYTE, src, c.tag,
                             c.comm, &r.back()),
             "MPI_Irecv");
 }
@@ -159,14 +243,17 @@ struct Fold {
 };
 
 // All-gather of p blocks of n elements in `buf` (this rank's block already in place).
-void all_gather_steps(Schedule& s, const at::Tensor& buf, int64_t n, const Peer& c, Algo algo) {
+void all_gather_steps(Schedule& s, const Flat& buf, int64_t n, const Peer& c, Algo algo) {
   const int p = c.size, r = c.rank;
   if (p == 1) return;
+  // blocks [lo, hi) of buf
+  auto send = [buf, n, c](auto& q, int lo, int hi, int dst) { isend(q, buf, lo * n, (hi - lo) * n, dst, c); };
+  auto recv = [buf, n, c](auto& q, int lo, int hi, int src) { irecv(q, buf, lo * n, (hi - lo) * n, src, c); };
   if (algo == Algo::Mpi) {
     s.steps.push_back({[buf, n, c](std::vector<MPI_Request>& q) {
                          q.push_back(MPI_REQUEST_NULL);
-                         mcount bytes = to_mcount(n * buf.element_size(), "pccl all_gather");
-                         check_mpi(MPIC(MPI_Iallgather)(MPI_IN_PLACE, 0, MPI_BYTE, buf.data_ptr(),
+                         mcount bytes = to_mcount(buf.bytes(n), "pccl all_gather");
+                         check_mpi(MPIC(MPI_Iallgather)(MPI_IN_PLACE, 0, MPI_BYTE, buf.base,
                                                         bytes, MPI_BYTE, c.comm, &q.back()),
                                    "MPI_Iallgather");
                        },
@@ -177,9 +264,9 @@ void all_gather_steps(Schedule& s, const at::Tensor& buf, int64_t n, const Peer&
     const int right = (r + 1) % p, left = (r - 1 + p) % p;
     for (int k = 0; k < p - 1; ++k) {
       int send_b = ((r - k) % p + p) % p, recv_b = ((r - k - 1) % p + p) % p;
-      s.steps.push_back({[=](std::vector<MPI_Request>& q) {
-                           irecv(q, blocks(buf, n, recv_b, recv_b + 1), left, c);
-                           isend(q, blocks(buf, n, send_b, send_b + 1), right, c);
+      s.steps.push_back({[=](auto& q) {
+                           recv(q, recv_b, recv_b + 1, left);
+                           send(q, send_b, send_b + 1, right);
                          },
                          nullptr});
     }
@@ -189,20 +276,18 @@ void all_gather_steps(Schedule& s, const at::Tensor& buf, int64_t n, const Peer&
   const int me = f.survivor(r);
   if (r < 2 * f.rem) {  // fold: the odd rank's block goes to its even partner
     if (r % 2)
-      s.steps.push_back({[=](auto& q) { isend(q, blocks(buf, n, r, r + 1), r - 1, c); }, nullptr});
+      s.steps.push_back({[=](auto& q) { send(q, r, r + 1, r - 1); }, nullptr});
     else
-      s.steps.push_back(
-          {[=](auto& q) { irecv(q, blocks(buf, n, r + 1, r + 2), r + 1, c); }, nullptr});
+      s.steps.push_back({[=](auto& q) { recv(q, r + 1, r + 2, r + 1); }, nullptr});
   }
   if (me >= 0) {
     for (int d = 1; d < f.p2; d *= 2) {
       int other = me ^ d, mine = me & ~(d - 1), theirs = other & ~(d - 1);
       int peer = f.rank_of(other);
-      at::Tensor out = blocks(buf, n, f.lo(mine), f.hi(mine + d - 1));
-      at::Tensor in = blocks(buf, n, f.lo(theirs), f.hi(theirs + d - 1));
+      int olo = f.lo(mine), ohi = f.hi(mine + d - 1), ilo = f.lo(theirs), ihi = f.hi(theirs + d - 1);
       s.steps.push_back({[=](auto& q) {
-                           irecv(q, in, peer, c);
-                           isend(q, out, peer, c);
+                           recv(q, ilo, ihi, peer);
+                           send(q, olo, ohi, peer);
                          },
                          nullptr});
     }
@@ -210,14 +295,14 @@ void all_gather_steps(Schedule& s, const at::Tensor& buf, int64_t n, const Peer&
   if (r < 2 * f.rem) {  // unfold: the even rank hands everything else to the odd one
     if (r % 2)
       s.steps.push_back({[=](auto& q) {
-                           irecv(q, blocks(buf, n, 0, r), r - 1, c);
-                           irecv(q, blocks(buf, n, r + 1, p), r - 1, c);
+                           recv(q, 0, r, r - 1);
+                           recv(q, r + 1, p, r - 1);
                          },
                          nullptr});
     else
       s.steps.push_back({[=](auto& q) {
-                           isend(q, blocks(buf, n, 0, r + 1), r + 1, c);
-                           isend(q, blocks(buf, n, r + 2, p), r + 1, c);
+                           send(q, 0, r + 1, r + 1);
+                           send(q, r + 2, p, r + 1);
                          },
                          nullptr});
   }
@@ -225,20 +310,19 @@ void all_gather_steps(Schedule& s, const at::Tensor& buf, int64_t n, const Peer&
 
 // Reduce-scatter: `acc` holds p blocks of n elements (overwritten as the work buffer),
 // `tmp` at least as many; this rank's reduced block ends in `out`.
-void reduce_scatter_steps(Schedule& s, const at::Tensor& acc, const at::Tensor& tmp,
-                          const at::Tensor& out, int64_t n, int code, const Peer& c, Algo algo) {
+void reduce_scatter_steps(Schedule& s, const Flat& acc, const Flat& tmp, const Flat& out,
+                          int64_t n, int code, const Peer& c, Algo algo) {
   const int p = c.size, r = c.rank;
   if (p == 1) {
-    s.steps.push_back({nullptr, [=]() mutable { out.copy_(blocks(acc, n, 0, 1)); }});
+    s.steps.push_back({nullptr, [=] { copy_into(out, 0, acc, 0, n); }});
     return;
   }
   if (algo == Algo::Mpi) {
     s.steps.push_back({[=](std::vector<MPI_Request>& q) {
                          q.push_back(MPI_REQUEST_NULL);
                          check_mpi(MPIC(MPI_Ireduce_scatter_block)(
-                                       acc.data_ptr(), out.data_ptr(),
-                                       to_mcount(n, "pccl reduce_scatter"),
-                                       move_type(acc.scalar_type()), mpi_op(code), c.comm,
+                                       acc.base, out.base, to_mcount(n, "pccl reduce_scatter"),
+                                       move_type(acc.t.scalar_type()), mpi_op(code), c.comm,
                                        &q.back()),
                                    "MPI_Ireduce_scatter_block");
                        },
@@ -247,33 +331,25 @@ void reduce_scatter_steps(Schedule& s, const at::Tensor& acc, const at::Tensor& 
   }
   if (algo == Algo::Ring) {
     const int right = (r + 1) % p, left = (r - 1 + p) % p;
-    at::Tensor t = blocks(tmp, n, 0, 1);
     for (int k = 0; k < p - 1; ++k) {
       int send_b = ((r - k - 1) % p + p) % p, recv_b = ((r - k - 2) % p + p) % p;
       s.steps.push_back({[=](auto& q) {
-                           irecv(q, t, left, c);
-                           isend(q, blocks(acc, n, send_b, send_b + 1), right, c);
+                           irecv(q, tmp, 0, n, left, c);
+                           isend(q, acc, send_b * n, n, right, c);
                          },
-                         [=]() mutable {
-                           at::Tensor a = blocks(acc, n, recv_b, recv_b + 1);
-                           reduce_into(a, t, code);
-                         }});
+                         [=] { reduce_into(acc, recv_b * n, tmp, 0, n, code); }});
     }
-    s.steps.push_back({nullptr, [=]() mutable { out.copy_(blocks(acc, n, r, r + 1)); }});
+    s.steps.push_back({nullptr, [=] { copy_into(out, 0, acc, r * n, n); }});
     return;
   }
   Fold f(p);
   const int me = f.survivor(r);
   if (r < 2 * f.rem) {  // fold: the odd rank's whole vector is reduced into the even one's
-    if (r % 2) {
-      s.steps.push_back({[=](auto& q) { isend(q, blocks(acc, n, 0, p), r - 1, c); }, nullptr});
-    } else {
-      s.steps.push_back({[=](auto& q) { irecv(q, blocks(tmp, n, 0, p), r + 1, c); },
-                         [=]() mutable {
-                           at::Tensor a = blocks(acc, n, 0, p);
-                           reduce_into(a, blocks(tmp, n, 0, p), code);
-                         }});
-    }
+    if (r % 2)
+      s.steps.push_back({[=](auto& q) { isend(q, acc, 0, p * n, r - 1, c); }, nullptr});
+    else
+      s.steps.push_back({[=](auto& q) { irecv(q, tmp, 0, p * n, r + 1, c); },
+                         [=] { reduce_into(acc, 0, tmp, 0, p * n, code); }});
   }
   if (me >= 0) {
     int base = 0;
@@ -281,32 +357,57 @@ void reduce_scatter_steps(Schedule& s, const at::Tensor& acc, const at::Tensor& 
       int other = me ^ d, peer = f.rank_of(other);
       bool lower = (me & d) == 0;
       int keep0 = lower ? base : base + d, send0 = lower ? base + d : base;
-      int klo = f.lo(keep0), khi = f.hi(keep0 + d - 1);
-      int slo = f.lo(send0), shi = f.hi(send0 + d - 1);
+      int64_t klo = f.lo(keep0) * n, kn = (f.hi(keep0 + d - 1) - f.lo(keep0)) * n;
+      int64_t slo = f.lo(send0) * n, sn = (f.hi(send0 + d - 1) - f.lo(send0)) * n;
       s.steps.push_back({[=](auto& q) {
-                           irecv(q, blocks(tmp, n, klo, khi), peer, c);
-                           isend(q, blocks(acc, n, slo, shi), peer, c);
+                           irecv(q, tmp, klo, kn, peer, c);
+                           isend(q, acc, slo, sn, peer, c);
                          },
-                         [=]() mutable {
-                           at::Tensor a = blocks(acc, n, klo, khi);
-                           reduce_into(a, blocks(tmp, n, klo, khi), code);
-                         }});
+                         [=] { reduce_into(acc, klo, tmp, klo, kn, code); }});
       base = keep0;
     }
     if (me < f.rem)  // this survivor also reduced its folded partner's block: hand it back
-      s.steps.push_back({[=](auto& q) { isend(q, blocks(acc, n, r + 1, r + 2), r + 1, c); },
-                         nullptr});
-    s.steps.push_back({nullptr, [=]() mutable { out.copy_(blocks(acc, n, r, r + 1)); }});
+      s.steps.push_back({[=](auto& q) { isend(q, acc, (r + 1) * n, n, r + 1, c); }, nullptr});
+    s.steps.push_back({nullptr, [=] { copy_into(out, 0, acc, r * n, n); }});
   } else {
-    s.steps.push_back({[=](auto& q) { irecv(q, out, r - 1, c); }, nullptr});
+    s.steps.push_back({[=](auto& q) { irecv(q, out, 0, n, r - 1, c); }, nullptr});
   }
 }
 
-at::Tensor flat_contiguous(py::handle h, const char* op, const char* arg) {
+// The [local][node] order of a hierarchical group: idx[l * N + j] = the group rank of
+// (node j, local l).
+struct Perm {
+  std::vector<int64_t> idx;
+  at::Tensor t;  // idx as a tensor, for ATen on other devices
+  explicit Perm(std::vector<int64_t> v) : idx(std::move(v)) {
+    t = at::empty({(int64_t)idx.size()}, at::TensorOptions().dtype(at::kLong));
+    std::memcpy(t.data_ptr(), idx.data(), idx.size() * sizeof(int64_t));
+  }
+  // Between rank order (`ranked`) and [local][node] order (`grouped`), blocks of n:
+  // scatter: ranked[idx[i]] = grouped[i]; else grouped[i] = ranked[idx[i]].
+  void apply(const Flat& ranked, const Flat& grouped, int64_t n, bool scatter) const {
+    const int64_t P = (int64_t)idx.size();
+    if (ranked.cpu && grouped.cpu) {
+      for (int64_t i = 0; i < P; ++i)
+        scatter ? copy_into(ranked, idx[i] * n, grouped, i * n, n)
+                : copy_into(grouped, i * n, ranked, idx[i] * n, n);
+      return;
+    }
+    at::Tensor perm = t.to(ranked.t.device());
+    at::Tensor r = ranked.view(0, P * n).view({P, n}), g = grouped.view(0, P * n).view({P, n});
+    if (scatter)
+      r.index_copy_(0, perm, g);
+    else
+      at::index_select_out(g, r, 0, perm);
+  }
+};
+
+// A flat view of a contiguous tensor argument (no ATen op: the hot path of small calls).
+Flat flat_contiguous(py::handle h, const char* op, const char* arg) {
   at::Tensor t = to_tensor(h, op, arg);
   if (!t.is_contiguous())
     throw_invalid(std::string(op) + ": pccl '" + arg + "' must be contiguous");
-  return t.view({-1});
+  return Flat(std::move(t));
 }
 
 }  // namespace
@@ -331,11 +432,7 @@ class PcclComm {
     if (!perm.empty() && (int)perm.size() != size_)
       throw_invalid("PcclComm: perm has " + std::to_string(perm.size()) + " entries for " +
                     std::to_string(size_) + " ranks");
-    if (!identity && !perm.empty()) {
-      perm_ = at::empty({(int64_t)perm.size()}, at::TensorOptions().dtype(at::kLong));
-      auto a = perm_.accessor<int64_t, 1>();
-      for (size_t i = 0; i < perm.size(); ++i) a[i] = perm[i];
-    }
+    if (!identity) perm_ = std::make_shared<const Perm>(std::move(perm));
   }
 
   int size() const { return size_; }
@@ -343,36 +440,34 @@ class PcclComm {
   int ranks_per_node() const { return intra_.size; }
   void set_timeout(double t) { timeout_s_ = t; }
 
-  // out: size * n elements (rank order), in: n elements; both flat and contiguous.
+  // out: size * n elements (rank order), in: n elements; both contiguous.
   py::object all_gather(py::handle output, py::handle input, const std::string& inter_algo,
                         const std::string& intra_algo, bool async_op) {
     const char* op = "all_gather";
     c10::NoGradGuard ng;
-    at::Tensor out = flat_contiguous(output, op, "output");
-    at::Tensor in = flat_contiguous(input, op, "input");
+    Flat out = flat_contiguous(output, op, "output");
+    Flat in = flat_contiguous(input, op, "input");
     Algo ia = parse_algo(inter_algo, op, "inter_algo"), la = parse_algo(intra_algo, op, "intra_algo");
-    if (out.numel() != in.numel() * size_ || out.scalar_type() != in.scalar_type())
+    const int64_t n = in.t.numel();
+    if (out.t.numel() != n * size_ || out.t.scalar_type() != in.t.scalar_type())
       throw_invalid("pccl all_gather: output must hold " + std::to_string(size_) +
-                    " blocks of the input (dtype " + dtype_name(in.scalar_type()) + ")");
-    const int64_t n = in.numel();
+                    " blocks of the input (dtype " + dtype_name(in.t.scalar_type()) + ")");
     const int N = inter_.size, L = intra_.size;
     auto s = std::make_shared<Schedule>();
     s->op = "pccl all_gather";
     // inter phase into t1 ([node] blocks), intra phase into t2 ([local][node]), shuffle.
-    bool direct = !perm_.defined();  // [local][node] order is already rank order
-    at::Tensor t2 = direct ? out : at::empty({(int64_t)size_ * n}, in.options());
-    at::Tensor t1 = L == 1 ? t2 : blocks(t2, N * n, intra_.rank, intra_.rank + 1);
-    s->keep = {out, in, t2};
-    const int me = inter_.rank, P = size_;
-    s->steps.push_back({nullptr, [=]() mutable { blocks(t1, n, me, me + 1).copy_(in); }});
+    const bool direct = !perm_;  // [local][node] order is already rank order
+    Flat t2 = direct ? out : Flat::empty(size_ * n, in.t);
+    Flat t1 = L == 1 ? t2 : t2.from(intra_.rank * N * n);
+    s->keep = {out.t, in.t, t2.t};
+    const int me = inter_.rank;
+    s->steps.push_back({nullptr, [=] { copy_into(t1, me * n, in, 0, n); }});
     std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op, *s);
     all_gather_steps(*s, t1, n, tagged(inter_), ia);
     if (L > 1) all_gather_steps(*s, t2, N * n, tagged(intra_), la);
-    if (!direct)
-      s->steps.push_back({nullptr, [=, perm = perm_.to(out.device())]() mutable {
-                            out.view({P, n}).index_copy_(0, perm, t2.view({P, n}));
-                          }});
+    if (!direct)  // out[perm[i]] = t2[i], blocks of n
+      s->steps.push_back({nullptr, [perm = perm_, out, t2, n] { perm->apply(out, t2, n, true); }});
     return launch(w, s, async_op, g);
   }
 
@@ -382,32 +477,26 @@ class PcclComm {
                             bool async_op) {
     const char* op = "reduce_scatter";
     c10::NoGradGuard ng;
-    at::Tensor out = flat_contiguous(output, op, "output");
-    at::Tensor in = flat_contiguous(input, op, "input");
+    Flat out = flat_contiguous(output, op, "output");
+    Flat in = flat_contiguous(input, op, "input");
     Algo ia = parse_algo(inter_algo, op, "inter_algo"), la = parse_algo(intra_algo, op, "intra_algo");
-    if (in.numel() != out.numel() * size_ || out.scalar_type() != in.scalar_type())
+    const int64_t n = out.t.numel();
+    if (in.t.numel() != n * size_ || out.t.scalar_type() != in.t.scalar_type())
       throw_invalid("pccl reduce_scatter: input must hold " + std::to_string(size_) +
-                    " blocks of the output (dtype " + dtype_name(out.scalar_type()) + ")");
+                    " blocks of the output (dtype " + dtype_name(out.t.scalar_type()) + ")");
     mpi_op(code);  // rejects AVG and unknown codes
-    const int64_t n = out.numel();
     const int N = inter_.size, L = intra_.size;
     auto s = std::make_shared<Schedule>();
     s->op = "pccl reduce_scatter";
     // acc: the input in [local][node] order (a copy: the algorithms overwrite it).
-    at::Tensor acc = at::empty({(int64_t)size_ * n}, in.options());
-    at::Tensor tmp = at::empty({(int64_t)size_ * n}, in.options());
-    at::Tensor mid = L > 1 ? at::empty({(int64_t)N * n}, in.options()) : acc;
-    s->keep = {out, in, acc, tmp, mid};
-    const int P = size_;
-    at::Tensor perm = perm_.defined() ? perm_.to(in.device()) : perm_;
-    s->steps.push_back({nullptr, [=]() mutable {
-                          if (perm.defined()) {
-                            at::Tensor a = acc.view({P, n});
-                            at::index_select_out(a, in.view({P, n}), 0, perm);
-                          } else {
-                            acc.copy_(in);
-                          }
-                        }});
+    Flat acc = Flat::empty(size_ * n, in.t), tmp = Flat::empty(size_ * n, in.t);
+    Flat mid = L > 1 ? Flat::empty(N * n, in.t) : acc;
+    s->keep = {out.t, in.t, acc.t, tmp.t, mid.t};
+    const int64_t total = size_ * n;
+    if (!perm_)
+      s->steps.push_back({nullptr, [=] { copy_into(acc, 0, in, 0, total); }});
+    else  // acc[i] = in[perm[i]], blocks of n
+      s->steps.push_back({nullptr, [perm = perm_, acc, in, n] { perm->apply(in, acc, n, false); }});
     std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op, *s);
     if (L > 1) reduce_scatter_steps(*s, acc, tmp, mid, N * n, code, tagged(intra_), la);
@@ -439,7 +528,7 @@ class PcclComm {
 
   Peer inter_, intra_;
   int size_ = 1;
-  at::Tensor perm_;
+  std::shared_ptr<const Perm> perm_;  // null: the identity
   std::string group_;
   std::shared_ptr<Lane> lane_;
   double timeout_s_;
