@@ -71,6 +71,7 @@ from .ops import ReduceOp
 from .work import Work
 
 Work.register(_C.Work)
+Work.register(_C.FusedCall)
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,6 @@ import torch
 
 import mcrdl
 from mcrdl.fusion import FusionConfig
-from mcrdl.fusion.tensor_fusion import _by_key, _chunks
 
 from ._launch import mpiexec_or_skip, run_launcher
 
@@ -74,21 +73,18 @@ def test_extensions_block_restores_the_configuration_outside():
     assert mcrdl.fusion.current() == before
 
 
-class _Call:
-    def __init__(self, key, nbytes):
-        self.key, self.nbytes = key, nbytes
-
-
 def test_rounds_are_cut_by_key_and_into_runs_of_at_most_b_bytes():
-    a, b = ("all_reduce", torch.float32, 0), ("bcast", torch.float32, 1)
-    calls = [_Call(k, n) for k, n in ((a, 10), (b, 5), (a, 20), (a, 30), (b, 5), (a, 40))]
-    groups = _by_key(calls)
-    assert [[c.nbytes for c in g] for g in groups] == [[10, 20, 30, 40], [5, 5]]
-    assert _by_key(groups[0]) == [groups[0]]  # one key: the list itself
-    runs = _chunks(groups[0], 50)
-    assert [[c.nbytes for c in r] for r in runs] == [[10, 20], [30], [40]]
-    assert [[c.nbytes for c in r] for r in _chunks(groups[0], 60)] == [[10, 20, 30], [40]]
-    assert _chunks(groups[0], 1000) == [groups[0]]
+    from mcrdl import _C
+
+    a, b = (0, 0), (1, 1)  # (kind, param): all_reduce SUM, bcast from 1
+    sizes = ((a, 10), (b, 5), (a, 20), (a, 30), (b, 5), (a, 40))
+    calls = [(*k, n) for k, n in sizes]
+    # each key's calls in order of the key's first call, cut at B bytes by sizes alone
+    assert _C.fusion_cut(calls, 50) == [[0, 2], [3], [5], [1, 4]]
+    assert _C.fusion_cut(calls, 60) == [[0, 2, 3], [5], [1, 4]]
+    assert _C.fusion_cut(calls, 1000) == [[0, 2, 3, 5], [1, 4]]
+    assert _C.fusion_cut([(0, 0, 100)], 10) == [[0]]  # a lone call larger than B
+    assert _C.fusion_cut([(0, 0, 8), (0, 1, 8)], 100) == [[0], [1]]  # another reduce op
 
 
 def test_pack_and_unpack_flat_copy_tensors_of_any_shape():

@@ -86,6 +86,18 @@ py::object validate_binding(const char* op, const py::args& a) {
 
 }  // namespace
 
+void set_python_error(std::exception_ptr p) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const Error& e) {
+    PyErr_SetString(g_errors[static_cast<int>(e.kind())], e.what());
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+}
+
 }  // namespace mcrdl
 
 PYBIND11_MODULE(_C, m) {

@@ -11,6 +11,10 @@ namespace mcrdl {
 
 namespace py = pybind11;
 
+// Set the Python error of exception `p` (an mcrdl Error as its mcrdl.errors class, a
+// Python error as itself), for functions written against the C API that return NULL.
+void set_python_error(std::exception_ptr p);
+
 inline std::string type_name(py::handle h) { return Py_TYPE(h.ptr())->tp_name; }
 
 inline at::Tensor to_tensor(py::handle h, const char* op, const char* arg) {

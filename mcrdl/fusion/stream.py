@@ -161,6 +161,18 @@ class OrderedStream:
     def _on_due(self) -> None:
         """Called by the worker, with the cv held, when _due_at() has passed."""
 
+    def _last_seq(self) -> int:
+        """Sequence number of the latest item queued."""
+        return self._seq
+
+    def _refuse_items(self) -> None:
+        """The stream failed (cv held): nothing may join the queue from now on."""
+
+    def _fail_item(self, item, exc: BaseException) -> None:
+        """`item` will never be posted: it fails with `exc`."""
+        item.error = item.error or exc
+        item.posted = True
+
     def _advance_head(self, waiting: bool) -> None:
         """Post the head item (runner held, items not empty). Tasks run here; fusion
         overrides this to flush buffered calls. `waiting`: the posting thread is a
@@ -288,7 +300,7 @@ class OrderedStream:
     def drain(self, timeout: float) -> None:
         """Post everything queued so far (blocking; used by synchronize/finalize)."""
         with self._cv:
-            last = self._seq
+            last = self._last_seq()
             if not self._items:
                 return
         deadline = time.monotonic() + timeout
@@ -351,17 +363,18 @@ class OrderedStream:
         new calls (ranks no longer agree on what was posted)."""
         with self._cv:
             self.failed = self.failed or f"{type(exc).__name__}: {exc}"
-            items, self._items = list(self._items), collections.deque()
+            self._refuse_items()
+            items = list(self._items)
+            self._items.clear()
         for item in items:
-            item.error = item.error or exc
-            item.posted = True
+            self._fail_item(item, exc)
         self._notify_posted()
 
     def close(self, timeout: float) -> None:
         """Stop the worker after it posted what is queued."""
         with self._cv:
             self._closed = True
-            self._want = self._seq
+            self._want = self._last_seq()
             self._cv.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():

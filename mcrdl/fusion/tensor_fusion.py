@@ -27,6 +27,11 @@ are posted only after every earlier buffered call was flushed. Rounds run on the
 stream's worker thread, or on the caller's thread when it is about to block anyway, so
 an async call never blocks on other ranks.
 
+The calls themselves live in C++ (``_C.FusionQueue``, csrc/fusion.cpp): buffering a call
+(validated, recorded, its Work returned) and a flush's per-call work (cutting, packing,
+copying back, marking posted) cost a fraction of a microsecond each; the rounds, the
+timer and the posting stay here.
+
 Inputs are read when the round posts (as a backend reads them when it runs the op): do
 not change a tensor before its Work completes, and do not pass one tensor to two
 outstanding fused calls. The data reaches your tensors when the Work is waited or
@@ -43,7 +48,6 @@ import torch
 from .. import _C
 from ..errors import DesyncError
 from ..ops import ReduceOp
-from ..work import Work
 from .config import FusionConfig
 from .stream import ExtContext, OrderedStream, StreamedBackend, Task
 
@@ -70,51 +74,6 @@ def fusion_stats(reset: bool = False) -> dict[str, int]:
 
 
 _validate = _C.validate
-_monotonic = time.monotonic
-
-
-class FusedCall(Work):
-    """One buffered call, and the caller's Work for it."""
-
-    __slots__ = ("_stream", "seq", "key", "nbytes", "args", "t", "posted", "batch", "error")
-
-    def __init__(self, stream: FusionStream, seq: int, key: tuple, nbytes: int, args: tuple,
-                 t: float):
-        self._stream, self.seq, self.key, self.nbytes, self.args, self.t = \
-            stream, seq, key, nbytes, args, t
-        self.posted = False
-        self.batch: Batch | None = None
-        self.error: BaseException | None = None
-
-    @property
-    def backend(self) -> str:
-        return self._stream.backend
-
-    def wait(self, timeout: float | None = None) -> bool:
-        batch = self.batch
-        if batch is not None and batch.done:
-            return True
-        stream = self._stream
-        deadline = stream.deadline(timeout)
-        if not self.posted:
-            stream.wait_posted(self, deadline, inline=timeout is None)
-        elif self.error is not None:
-            raise self.error
-        self.batch.complete(None if timeout is None else deadline)
-        return True
-
-    def is_completed(self) -> bool:
-        if not self.posted:
-            self._stream.request(self.seq)
-            return False
-        if self.error is not None:
-            raise self.error
-        return self.batch.poll()
-
-    def __repr__(self) -> str:
-        state = "done" if self.batch is not None and self.batch.done else (
-            "posted" if self.posted else "buffered")
-        return f"<mcrdl fused {self.key[0]} #{self.seq} on '{self.backend}' {state}>"
 
 
 class Batch:
@@ -167,38 +126,34 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.view(-1)
 
 
-def _unpack(buf: torch.Tensor, dsts: list[torch.Tensor]):
-    """The copy-back of a flat fused buffer into the callers' tensors (one C++ call)."""
-    return lambda: _C.unpack_flat(buf, dsts)
-
-
 # Post one fused call: (backend Work or None when posted blocking, copy-back or None).
-# A lone call is posted as it is (nothing to copy). Arguments: inner backend, calls (one
-# fusion key), group, group size, this rank's group rank, async_op.
+# A lone call is posted as it is (nothing to copy). Arguments: inner backend, the chunk of
+# calls (one fusion key: _C.FusedChunk), group, group size, this rank's group rank,
+# async_op.
 
-def _post_all_reduce(inner, calls, group, gsize, grank, async_op):
-    op = calls[0].key[2]
-    if len(calls) == 1:
-        return inner.all_reduce(calls[0].args[0], op, group, async_op), None
-    dsts = [c.args[0] for c in calls]
-    buf = _C.pack_flat(dsts)
+def _post_all_reduce(inner, chunk, group, gsize, grank, async_op):
+    op = ReduceOp(chunk.param)
+    if len(chunk) == 1:
+        return inner.all_reduce(chunk.calls[0].args[0], op, group, async_op), None
+    buf = chunk.pack()
     work = inner.all_reduce(buf, op, group, async_op)
-    return work, _unpack(buf, dsts)
+    return work, lambda: chunk.unpack(buf)
 
 
-def _post_bcast(inner, calls, group, gsize, grank, async_op):
-    root = calls[0].key[2]
-    if len(calls) == 1:
-        return inner.bcast(calls[0].args[0], root, group, async_op), None
-    dsts = [c.args[0] for c in calls]
+def _post_bcast(inner, chunk, group, gsize, grank, async_op):
+    root = chunk.param
+    if len(chunk) == 1:
+        return inner.bcast(chunk.calls[0].args[0], root, group, async_op), None
     if grank == root:
-        return inner.bcast(_C.pack_flat(dsts), root, group, async_op), None
-    buf = torch.empty(sum(d.numel() for d in dsts), dtype=dsts[0].dtype)
+        return inner.bcast(chunk.pack(), root, group, async_op), None
+    first = chunk.calls[0].args[0]
+    buf = torch.empty(chunk.nbytes // first.element_size(), dtype=first.dtype)
     work = inner.bcast(buf, root, group, async_op)
-    return work, _unpack(buf, dsts)
+    return work, lambda: chunk.unpack(buf)
 
 
-def _post_all_gather(inner, calls, group, gsize, grank, async_op):
+def _post_all_gather(inner, chunk, group, gsize, grank, async_op):
+    calls = chunk.calls
     if len(calls) == 1:
         out, inp = calls[0].args
         return inner.all_gather(out, inp, group, async_op), None
@@ -226,8 +181,9 @@ def _post_all_gather(inner, calls, group, gsize, grank, async_op):
     return work, copy_back
 
 
-def _post_reduce_scatter(inner, calls, group, gsize, grank, async_op):
-    op = calls[0].key[2]
+def _post_reduce_scatter(inner, chunk, group, gsize, grank, async_op):
+    op = ReduceOp(chunk.param)
+    calls = chunk.calls
     if len(calls) == 1:
         out, inp = calls[0].args
         return inner.reduce_scatter(out, inp, op, group, async_op), None
@@ -239,45 +195,15 @@ def _post_reduce_scatter(inner, calls, group, gsize, grank, async_op):
         else:
             rows.append(torch.stack([_flat(t.detach()) for t in inp]))
     fused_in = torch.cat(rows, dim=1)
-    dsts = [c.args[0] for c in calls]
-    fused_out = torch.empty(sum(d.numel() for d in dsts), dtype=fused_in.dtype)
+    fused_out = torch.empty(chunk.nbytes // gsize // fused_in.element_size(),
+                            dtype=fused_in.dtype)
     work = inner.reduce_scatter(fused_out, fused_in.view(-1), op, group, async_op)
-    return work, _unpack(fused_out, dsts)
+    return work, lambda: chunk.unpack(fused_out)
 
 
-_POST = {"all_reduce": _post_all_reduce, "bcast": _post_bcast, "all_gather": _post_all_gather,
-         "reduce_scatter": _post_reduce_scatter}
-
-
-def _by_key(calls: list[FusedCall]) -> list[list[FusedCall]]:
-    """The calls of each fusion key, in order of each key's first call."""
-    key = calls[0].key
-    for c in calls:
-        if c.key != key:
-            break
-    else:
-        return [calls]
-    groups: dict[tuple, list[FusedCall]] = {}
-    for c in calls:
-        group = groups.get(c.key)
-        if group is None:
-            groups[c.key] = [c]
-        else:
-            group.append(c)
-    return list(groups.values())
-
-
-def _chunks(calls: list[FusedCall], limit: int) -> list[list[FusedCall]]:
-    """`calls` (one key) cut into runs of at most `limit` bytes (a function of the calls'
-    sizes alone, which are the same on every rank)."""
-    out, start, total = [], 0, 0
-    for i, c in enumerate(calls):
-        if total + c.nbytes > limit and i > start:
-            out.append(calls[start:i])
-            start, total = i, 0
-        total += c.nbytes
-    out.append(calls[start:])
-    return out
+# By _C.FusedCall.kind
+_ALL_REDUCE, _BCAST, _ALL_GATHER, _REDUCE_SCATTER = range(4)
+_POST = (_post_all_reduce, _post_bcast, _post_all_gather, _post_reduce_scatter)
 
 
 class FusionStream(OrderedStream):
@@ -292,62 +218,80 @@ class FusionStream(OrderedStream):
         self.backend = backend
         self.limit = config.buffer_bytes
         self.wait_s = config.wait_us * 1e-6
-        self.buffered = 0  # bytes of buffered calls
         self.batches: list[Batch] = []  # posted async, not known complete (synchronize)
         self._count = torch.empty(1, dtype=torch.int64)  # the agreement's buffer
         self._count_np = self._count.numpy()  # the same memory, cheaper to set and read
-        self._last_task = 0  # seq of the latest deferred unfusable call
         self.rounds = 0  # flushes so far
+        # The calls themselves (C++): buffered calls stand in _items as runs
+        # (_C.FusedRun: the calls issued between two unfusable calls) beside Tasks.
+        self.queue = _C.FusionQueue(self, self._items, self.limit, self.wait_s)
 
-    def add(self, key: tuple, nbytes: int, args: tuple, wake: bool) -> FusedCall:
-        """Buffer a call; flush soon when B bytes are buffered. ``wake=False``: the caller
-        flushes it itself right away (a blocking call), the worker's timer need not
-        start."""
-        with self._lock:
-            if self.failed is not None:
-                self._check()
-            self._seq = seq = self._seq + 1
-            items = self._items
-            call = FusedCall(self, seq, key, nbytes, args, _monotonic())
-            first = not items
-            items.append(call)
-            self.buffered = buffered = self.buffered + nbytes
-            if buffered >= self.limit:
+    # -- hooks of the C++ queue -------------------------------------------------------
+    def _wake(self, seq: int) -> None:
+        """B bytes are buffered: flush up to call `seq` soon."""
+        with self._cv:
+            if seq > self._want:
                 self._want = seq
-                self._ensure_worker()
-                self._cv.notify()
-            elif first and wake:  # the worker's timer starts from the oldest buffered call
-                self._ensure_worker()
-                self._cv.notify()
-        return call
+            self._ensure_worker()
+            self._cv.notify()
 
+    def _on_timer(self) -> None:
+        """The queue's T-timer fired (its own thread, see csrc/fusion.cpp): the oldest
+        buffered call is T old; flush everything buffered so far."""
+        self._wake(self.queue.seq)
+
+    def wait_call(self, call, timeout: float | None) -> bool:
+        """``_C.FusedCall.wait`` before its batch is known done."""
+        batch = call.batch
+        if batch is not None and batch.done:
+            return True
+        deadline = self.deadline(timeout)
+        if not call.posted:
+            self.wait_posted(call, deadline, inline=timeout is None)
+        elif call.error is not None:
+            raise call.error
+        call.batch.complete(None if timeout is None else deadline)
+        return True
+
+    def poll_call(self, call) -> bool:
+        """``_C.FusedCall.is_completed`` before its batch is known done."""
+        if not call.posted:
+            self.request(call.seq)
+            return False
+        if call.error is not None:
+            raise call.error
+        return call.batch.poll()
+
+    # -- the ordered stream ---------------------------------------------------------
     def _append(self, item) -> None:
-        super()._append(item)  # only deferred unfusable calls (Tasks) come this way
-        self._last_task = item.seq
+        self.queue.push_task(item)  # deferred unfusable calls (Tasks): after every call
+
+    def _last_seq(self) -> int:
+        return self.queue.seq
+
+    def _refuse_items(self) -> None:
+        self.queue.set_failed()
+
+    def _fail_item(self, item, exc: BaseException) -> None:
+        if item.__class__ is Task:
+            super()._fail_item(item, exc)
+        else:
+            item.fail(exc)
 
     def _due_at(self) -> float | None:
         head = self._items[0] if self._items else None
-        return head.t + self.wait_s if head.__class__ is FusedCall else None
+        return head.t + self.wait_s if head.__class__ is _C.FusedRun else None
 
     def _on_due(self) -> None:
-        self._want = self._seq
+        self._want = self.queue.seq
 
     def _advance_head(self, waiting: bool) -> None:
         with self._lock:
-            items = self._items
-            head = items[0]
-            if head.__class__ is not Task:
-                if self._last_task < head.seq:  # no unfusable call queued: all of them
-                    proposal = len(items)
-                else:
-                    proposal = 0
-                    for item in items:
-                        if item.__class__ is Task:
-                            break
-                        proposal += 1
+            head = self._items[0]
         if head.__class__ is Task:
             super()._advance_head(waiting)
             return
+        proposal = len(head)  # every call before the next unfusable one
         agreed = proposal if self.gsize == 1 else self._agree(proposal)
         if not 1 <= agreed <= proposal:
             raise DesyncError(
@@ -355,23 +299,16 @@ class FusionStream(OrderedStream):
                 f"{proposal} buffered call(s), the group agreed on {agreed}; the ranks did not "
                 "issue the same calls in the same order on this (backend, group)")
         with self._lock:
-            items = self._items
-            if agreed == len(items):
-                calls = list(items)
-                items.clear()
-                total, self.buffered = self.buffered, 0
-            else:
-                calls = [items.popleft() for _ in range(agreed)]
-                total = sum(c.nbytes for c in calls)
-                self.buffered -= total
+            chunks, emptied = self.queue.take(head, agreed)
+            if emptied:
+                self._items.popleft()
         self.rounds += 1
         _tally(agreed, proposal)
         try:
-            self._post(calls, total, blocking=waiting)
+            self._post(chunks, blocking=waiting)
         except BaseException as exc:
-            for c in calls:
-                c.error = c.error or exc
-                c.posted = True
+            for chunk in chunks:
+                chunk.fail(exc)
             raise
         self._notify_posted()
 
@@ -381,27 +318,25 @@ class FusionStream(OrderedStream):
         self.inner.all_reduce(self._count, ReduceOp.MIN, self.group, False)
         return int(self._count_np[0])
 
-    def _post(self, calls: list[FusedCall], total: int, blocking: bool) -> None:
-        """Fused calls of at most B bytes per fusion key, in order of each key's first
-        call; blocking ones (completed here) when the posting thread is about to wait
-        anyway, which spares the hand-off to the backend's lane."""
-        by_key = _by_key(calls)
+    def _post(self, chunks: list, blocking: bool) -> None:
+        """One fused call per chunk (one fusion key, at most B bytes; cut by
+        _C.FusionQueue.take); blocking ones (completed here) when the posting thread is
+        about to wait anyway, which spares the hand-off to the backend's lane."""
         if len(self.batches) >= 64:
             self.batches = [b for b in self.batches if not b.done]
-        for key_calls in by_key:
-            runs = ([key_calls] if len(by_key) == 1 and total <= self.limit
-                    else _chunks(key_calls, self.limit))
-            for run in runs:
-                work, copy_back = _POST[run[0].key[0]](self.inner, run, self.group, self.gsize,
-                                                       self.grank, not blocking)
-                batch = Batch(work, copy_back)
-                if blocking:
-                    batch.complete(None)
-                else:
-                    self.batches.append(batch)
-                for c in run:
-                    c.batch = batch
-                    c.posted = True
+        for chunk in chunks:
+            work, copy_back = _POST[chunk.kind](self.inner, chunk, self.group, self.gsize,
+                                                self.grank, not blocking)
+            batch = Batch(work, copy_back)
+            if blocking:
+                batch.complete(None)
+            else:
+                self.batches.append(batch)
+            chunk.posted(batch)
+
+    def close(self, timeout: float) -> None:
+        super().close(timeout)
+        self.queue.close()
 
     def complete_all(self, timeout: float) -> None:
         """Wait for every posted batch and deferred call and copy the results back
@@ -425,6 +360,10 @@ class Fused(StreamedBackend):
         for op in ("all_reduce", "bcast", "all_gather", "reduce_scatter"):
             if op not in config.ops:  # pass through, in order
                 self.__dict__[op] = self.__getattr__(op)
+        if "all_reduce" in config.ops:  # world calls: one C++ call (_all_reduce the others)
+            queue = self._stream(None, "fusion ").queue
+            queue.set_fallback(self._all_reduce)
+            self.__dict__["all_reduce"] = queue.all_reduce
 
     def _make_stream(self, group, name: str) -> FusionStream:
         gsize = self._ext.world_size if group is None else group.size
@@ -434,29 +373,30 @@ class Fused(StreamedBackend):
         """The group's size; raises for non-members and non-groups."""
         return self._world_size if group is None else self._size_rank(group)[0]
 
-    def _buffer(self, key: tuple, nbytes: int, args: tuple, group, async_op: bool):
-        """Buffer a validated call on the stream of `group` (a member's group)."""
+    def _buffer(self, kind: int, param: int, tensor, nbytes: int, args: tuple, group,
+                async_op: bool):
+        """Buffer a validated call on the stream of `group` (a member's group); its fusion
+        key is (kind, the dtype of `tensor`, param)."""
         stream = self._streams.get(0 if group is None else group.id)
         if stream is None:
             stream = self._stream(group, "fusion ")
-        call = stream.add(key, nbytes, args, async_op)
+        call = stream.queue.add(kind, param, tensor, nbytes, args, async_op)
         if async_op:
             return call
         call.wait()
         return None
 
-    def all_reduce(self, tensor, op, group, async_op):
-        _validate("all_reduce", tensor, op)
-        nbytes = tensor.nbytes
-        if nbytes >= self._limit or not tensor.is_cpu:
-            return self._ordered("all_reduce", self._inner.all_reduce,
-                                 (tensor, op, group, async_op))
-        if group is None:  # the hot path of _buffer, inlined
+    def _all_reduce(self, tensor, op, group, async_op):
+        """all_reduce, but for the world group's fused calls (the stream's C++ front)."""
+        if group is None:
             stream = self._streams.get(0) or self._stream(None, "fusion ")
         else:
             self._size_rank(group)
             stream = self._streams.get(group.id) or self._stream(group, "fusion ")
-        call = stream.add(("all_reduce", tensor.dtype, op), nbytes, (tensor,), async_op)
+        call = stream.queue.add_all_reduce(tensor, op, async_op)
+        if call is None:  # B bytes or more, or not on the CPU
+            return self._ordered("all_reduce", self._inner.all_reduce,
+                                 (tensor, op, group, async_op))
         if async_op:
             return call
         call.wait()
@@ -467,7 +407,7 @@ class Fused(StreamedBackend):
         nbytes = tensor.nbytes
         if nbytes >= self._limit or not tensor.is_cpu:
             return self._ordered("bcast", self._inner.bcast, (tensor, src, group, async_op))
-        return self._buffer(("bcast", tensor.dtype, src), nbytes, (tensor,), group, async_op)
+        return self._buffer(_BCAST, src, tensor, nbytes, (tensor,), group, async_op)
 
     def all_gather(self, output, input, group, async_op):
         size = self._group_size(group)
@@ -476,8 +416,7 @@ class Fused(StreamedBackend):
         if nbytes >= self._limit or not input.is_cpu:
             return self._ordered("all_gather", self._inner.all_gather,
                                  (output, input, group, async_op))
-        return self._buffer(("all_gather", input.dtype, None), nbytes, (output, input), group,
-                            async_op)
+        return self._buffer(_ALL_GATHER, 0, input, nbytes, (output, input), group, async_op)
 
     def reduce_scatter(self, output, input, op, group, async_op):
         size = self._group_size(group)
@@ -486,5 +425,5 @@ class Fused(StreamedBackend):
         if nbytes >= self._limit or not output.is_cpu:
             return self._ordered("reduce_scatter", self._inner.reduce_scatter,
                                  (output, input, op, group, async_op))
-        return self._buffer(("reduce_scatter", output.dtype, op), nbytes, (output, input),
-                            group, async_op)
+        return self._buffer(_REDUCE_SCATTER, int(op), output, nbytes, (output, input), group,
+                            async_op)
