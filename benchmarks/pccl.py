@@ -4,7 +4,8 @@ phases, C++ vs Python, and the cost model at the PCCL paper's scales.
     MCRDL_RANKS_PER_NODE=4 mpiexec -n 8 python benchmarks/pccl.py     # 2 simulated nodes
     MCRDL_RANKS_PER_NODE=4 mpiexec -n 16 python benchmarks/pccl.py    # 4 simulated nodes
 
-Printed (rank 0; median over iterations of the per-iteration max over ranks):
+Printed (rank 0; time per call: median over samples of the per-sample max over ranks,
+a sample being up to 20 calls back to back after a barrier):
 1. all_gather and reduce_scatter, bytes per rank from --min-bytes to --max-bytes:
    pccl with a ring and with a recursive (rd) inter-node phase, flat MPI, Gloo.
 2. The inter-node algorithms alone, flat over the world (C++): ring vs rd, the measured
@@ -34,15 +35,20 @@ from mcrdl.backends.pccl import CostModel, initialized, use_algorithms
 from mcrdl.bench import format_size, parse_size, size_range
 
 
-def timed(fn, iters: int, warmup: int = 2) -> float:
+def timed(fn, iters: int, back: int = 1, warmup: int = 2) -> float:
+    """Seconds per call: each of `iters` samples times `back` calls issued back to back
+    after a barrier (the barrier's exit skew, milliseconds with 16 ranks on 2 cores,
+    would swamp microsecond differences of single calls); median over samples of the
+    per-sample maximum over ranks."""
     for _ in range(warmup):
         fn()
     ts = []
     for _ in range(iters):
         mcrdl.barrier("mpi")
         t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
+        for _ in range(back):
+            fn()
+        ts.append((time.perf_counter() - t0) / back)
     worst = torch.tensor(ts, dtype=torch.float64)
     mcrdl.all_reduce("mpi", worst, op=mcrdl.ReduceOp.MAX)
     return statistics.median(worst.tolist())
@@ -50,6 +56,11 @@ def timed(fn, iters: int, warmup: int = 2) -> float:
 
 def iters_for(nbytes: int, base: int) -> int:
     return max(3, min(base, int(base * (64 << 10) / max(nbytes, 1))))
+
+
+def back_for(nbytes: int) -> int:
+    """Calls per sample: 20 for small messages, down to 1 from 1 MiB on."""
+    return max(1, min(20, (1 << 20) // max(nbytes, 1)))
 
 
 def fit_line(xs, ys):
@@ -96,7 +107,8 @@ def main() -> int:
                 else:
                     fn = lambda b=b: mcrdl.reduce_scatter(b, small, big)  # noqa: E731
                 with use_algorithms(inter=algo or "auto"):
-                    row.append(timed(fn, iters_for(nbytes * world, args.iters)))
+                    row.append(timed(fn, iters_for(nbytes * world, args.iters),
+                                     back_for(nbytes * world)))
             best = min(row)
             say(f"  {format_size(nbytes):>8} " + " ".join(
                 f"{t * 1e6:>10.1f}{'*' if t == best else ' '}" for t in row))
@@ -114,7 +126,8 @@ def main() -> int:
         n = nbytes // 4
         mine, out = torch.ones(n), torch.empty(n * world)
         t = {a: timed(lambda a=a: flat.all_gather(out, mine, a, "mpi", False),
-                      iters_for(nbytes * world, args.iters)) for a in ("ring", "rd")}
+                      iters_for(nbytes * world, args.iters), back_for(nbytes * world))
+             for a in ("ring", "rd")}
         for a in t:
             meas[a].append((nbytes, t[a]))
         say(f"  {format_size(nbytes):>8} {t['ring'] * 1e6:>10.1f} {t['rd'] * 1e6:>10.1f} "
@@ -157,8 +170,8 @@ def main() -> int:
                  lambda: pccl_ref.reduce_scatter(comm_py, buf.copy(), npiece, n, "sum", algo)),
             )
             for op, cpp, py in rows:
-                tc = timed(cpp, args.iters)
-                tp = timed(py, args.iters)
+                tc = timed(cpp, args.iters, back_for(nbytes * world))
+                tp = timed(py, args.iters, back_for(nbytes * world))
                 speedups.append(tp / tc)
                 say(f"  {format_size(nbytes):>8} {algo:>5} {op:>14} {tc * 1e6:>9.1f} "
                     f"{tp * 1e6:>11.1f} {tp / tc:>7.2f}x")
