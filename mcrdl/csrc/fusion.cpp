@@ -415,6 +415,7 @@ class FusionTimer {
   // Fire at `due` (monotonic seconds) unless the call `seq` was taken by then. An armed
   // call still buffered keeps the timer (it is older).
   void arm(int64_t seq, double due) {
+    bool wake;
     {
       std::lock_guard<std::mutex> g(mu_);
       if (stopped_) return;
@@ -422,8 +423,11 @@ class FusionTimer {
       armed_ = seq;
       due_ = due;
       if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+      // A thread waiting for an earlier due time finds the new one when it wakes: only
+      // an idle thread needs a wake-up (each is a context switch on a busy core).
+      wake = idle_;
     }
-    cv_.notify_one();
+    if (wake) cv_.notify_one();
   }
   void taken_upto(int64_t seq) {
     if (seq > taken_.load()) taken_.store(seq);
@@ -451,7 +455,9 @@ class FusionTimer {
     std::unique_lock<std::mutex> lk(mu_);
     while (!stopped_) {
       if (armed_ == 0) {
+        idle_ = true;
         cv_.wait(lk);
+        idle_ = false;
         continue;
       }
       const auto due = Clock::time_point(std::chrono::duration_cast<Clock::duration>(
@@ -484,6 +490,7 @@ class FusionTimer {
   std::condition_variable cv_;
   std::thread thread_;
   bool stopped_ = false;
+  bool idle_ = true;   // waiting with no due time (or not started)
   int64_t armed_ = 0;  // 0: not armed
   double due_ = 0;
   std::atomic<int64_t> taken_{0};
