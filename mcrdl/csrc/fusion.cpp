@@ -260,6 +260,27 @@ PyTypeObject FusedCallType = [] {
   return t;
 }();
 
+// A new FusedCall, not yet posted (args and stream: new references are taken).
+py::object new_call(int64_t seq, int kind, int64_t param, at::ScalarType dtype, int64_t nbytes,
+                    double t, PyObject* args, PyObject* stream) {
+  FusedCallObject* c = PyObject_GC_New(FusedCallObject, &FusedCallType);
+  if (!c) throw py::error_already_set();
+  c->seq = seq;
+  c->param = param;
+  c->nbytes = nbytes;
+  c->kind = kind;
+  c->dtype = static_cast<int>(dtype);
+  c->t = t;
+  c->posted = 0;
+  for (auto [field, value] : {std::pair{&c->args, args}, std::pair{&c->stream, stream},
+                              std::pair{&c->batch, Py_None}, std::pair{&c->error, Py_None}}) {
+    Py_INCREF(value);
+    *field = value;
+  }
+  PyObject_GC_Track(c);
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(c));
+}
+
 // -- runs and chunks (per flush: pybind11) ---------------------------------------------
 
 // The calls issued between two unfusable calls of a stream: one item of the stream's
@@ -519,24 +540,9 @@ struct FusionQueueState {
   py::object add(int kind, int64_t param, at::ScalarType dtype, int64_t nbytes,
                  PyObject* args, bool wake) {
     if (failed) owner().attr("_check")();  // raises
-    FusedCallObject* c = PyObject_GC_New(FusedCallObject, &FusedCallType);
-    if (!c) throw py::error_already_set();
-    c->seq = ++seq;
-    c->param = param;
-    c->nbytes = nbytes;
-    c->kind = kind;
-    c->dtype = static_cast<int>(dtype);
-    c->t = monotonic_s();
-    Py_INCREF(args);
-    c->args = args;
-    c->stream = owner().release().ptr();
-    Py_INCREF(Py_None);
-    c->batch = Py_None;
-    Py_INCREF(Py_None);
-    c->error = Py_None;
-    c->posted = 0;
-    PyObject_GC_Track(c);
-    py::object call = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(c));
+    py::object call = new_call(++seq, kind, param, dtype, nbytes, monotonic_s(), args,
+                               owner().ptr());
+    FusedCallObject* c = as_call(call.ptr());
     bool first = false;
     if (!open) {
       first = PyObject_Length(items.ptr()) == 0;
@@ -841,23 +847,9 @@ void bind_fusion(py::module_& m) {
         [](const std::vector<std::tuple<int, int64_t, int64_t>>& calls, int64_t limit) {
           // (kind, param, nbytes) per call -> the calls' indices per chunk
           std::vector<py::object> v;
-          for (size_t i = 0; i < calls.size(); ++i) {
-            FusedCallObject* c = PyObject_GC_New(FusedCallObject, &FusedCallType);
-            if (!c) throw py::error_already_set();
-            c->kind = std::get<0>(calls[i]);
-            c->param = std::get<1>(calls[i]);
-            c->nbytes = std::get<2>(calls[i]);
-            c->dtype = 0;
-            c->seq = (long long)i;
-            c->t = 0;
-            for (PyObject** f : {&c->args, &c->stream, &c->batch, &c->error}) {
-              Py_INCREF(Py_None);
-              *f = Py_None;
-            }
-            c->posted = 0;
-            PyObject_GC_Track(c);
-            v.push_back(py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(c)));
-          }
+          for (size_t i = 0; i < calls.size(); ++i)
+            v.push_back(new_call((int64_t)i, std::get<0>(calls[i]), std::get<1>(calls[i]),
+                                 at::kFloat, std::get<2>(calls[i]), 0.0, Py_None, Py_None));
           std::vector<std::vector<int64_t>> out;
           for (const auto& ch : cut(v, limit)) {
             out.emplace_back();
