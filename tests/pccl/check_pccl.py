@@ -101,17 +101,20 @@ def check_reductions(dtype, op, shape, group, ranks, me, p, key) -> int:
 
 
 def check_cpp_vs_python(rank, world) -> int:
-    """Flat C++ algorithms vs the mpi4py reference, bit for bit."""
+    """Flat C++ algorithms vs the mpi4py reference, bit for bit (NaN included)."""
     MPI = mcrdl.bootstrap.mpi_module()
     comm_c, comm_py = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
     lane = _C.Lane("pccl-test")
     flat = _C.PcclComm(comm_c.handle, rank, world, 0, 0, 1, [], "world (test)", lane, 60.0)
     checks = 0
+    # 70000 > the C++ plain-loop limit (64K elements): there the reductions are ATen ops
     for dtype in (torch.int64, torch.int8, torch.float32):
-        for n in (1, 5, 333):
+        for n in (1, 5, 333, 70000):
             g = np.random.default_rng([rank, n, world])
             if dtype.is_floating_point:
                 raw = g.standard_normal(world * n).astype(np.float32)
+                if n == 5 and rank == world - 1:
+                    raw[::3] = np.nan  # MAX propagates NaN, as numpy's maximum does
             else:
                 raw = g.integers(-100, 100, size=world * n).astype(
                     torch.empty((), dtype=dtype).numpy().dtype)
