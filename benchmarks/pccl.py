@@ -11,12 +11,13 @@ a sample being up to 20 calls back to back after a barrier):
 2. The inter-node algorithms alone, flat over the world (C++): ring vs rd, the measured
    crossover (the size from which ring wins at every larger size: an isolated win of
    either at small sizes is noise of oversubscribed ranks), and the crossover the
-   alpha-beta model fitted to these measurements predicts.
+   alpha-beta model fitted to these measurements (relative least squares) predicts.
 3. C++ vs the mpi4py reference (mcrdl/backends/pccl_ref.py) of the same algorithm,
    small messages: the speedup of C++.
-4. PREDICTIONS of the fitted model for 32..4096 ranks (8 per node), 16 KiB and 1 MiB
-   per rank: flat ring vs PCCL (rd inter-node + ring intra-node) all_gather. Not
-   measurements.
+4. PREDICTIONS for 32..4096 ranks (8 per node), 16 KiB and 1 MiB per rank, by the model
+   fitted in 2 and by the model "auto" routes with (CostModel's defaults or
+   MCRDL_PCCL_MODEL): flat ring vs PCCL (rd inter-node + ring intra-node) all_gather.
+   Not measurements.
 """
 
 # Every lambda below is timed within the loop iteration that builds it:
@@ -63,13 +64,6 @@ def iters_for(nbytes: int, base: int) -> int:
 def back_for(nbytes: int) -> int:
     """Calls per sample: 20 for small messages, down to 1 from 1 MiB on."""
     return max(1, min(20, (1 << 20) // max(nbytes, 1)))
-
-
-def fit_line(xs, ys):
-    """Least-squares a + b x (a, b >= 0)."""
-    A = np.vstack([np.ones(len(xs)), np.asarray(xs, dtype=float)]).T
-    (a, b), *_ = np.linalg.lstsq(A, np.asarray(ys, dtype=float), rcond=None)
-    return max(a, 0.0), max(b, 0.0)
 
 
 def main() -> int:
@@ -137,12 +131,8 @@ def main() -> int:
     ring_wins = [tr < td for (_, tr), (_, td) in zip(meas["ring"], meas["rd"], strict=True)]
     measured = next((meas["ring"][i][0] for i in range(len(ring_wins)) if all(ring_wins[i:])),
                     None)
-    a1, b1 = fit_line(*zip(*meas["ring"], strict=True))
-    a2, b2 = fit_line(*zip(*meas["rd"], strict=True))
-    p2 = 1 << (world.bit_length() - 1)
-    f = 1 if world != p2 else 0
-    model = CostModel(alpha=a1 / (world - 1), beta_ring=b1 / (world - 1),
-                      beta_rd=b2 / ((world - 1) * (1 + f)))
+    model = CostModel.fit(world, [b for b, _ in meas["ring"]], [t for _, t in meas["ring"]],
+                          [t for _, t in meas["rd"]])
     predicted = model.crossover(world)
     say(f"# measured crossover (ring wins from this size on): "
         f"{format_size(measured) if measured else 'none in range'}")
@@ -189,22 +179,30 @@ def main() -> int:
     comm_c.Free()
     comm_py.Free()
 
-    # 4. predictions at scale
+    # 4. predictions at scale, by the model fitted here and by the one "auto" routes with
     per_node = 8
-    say(f"\n## PREDICTION (alpha-beta model fitted above, not measured): all_gather, "
-        f"{per_node} ranks per node; flat ring vs PCCL (rd inter-node over the nodes, then "
-        "ring intra-node)")
-    say(f"# {'ranks':>6} {'bytes/rank':>10} {'flat ring(ms)':>14} {'pccl(ms)':>10} "
-        f"{'predicted speedup':>18}")
+    models = {"fitted here": model, "routing": CostModel.from_env()}
+    say(f"\n## PREDICTION (alpha-beta models, not measured): all_gather, {per_node} ranks per "
+        "node; flat ring vs PCCL (rd inter-node over the nodes, then ring intra-node)")
+    for label, m in models.items():
+        say(f"# {label}: alpha {m.alpha * 1e6:.2f} us, beta_ring {m.beta_ring * 1e9:.3f} ns/B, "
+            f"beta_rd {m.beta_rd * 1e9:.3f} ns/B"
+            + ("  (the model 'auto' uses: defaults or MCRDL_PCCL_MODEL)" if m is not model
+               else ""))
+    say(f"# {'ranks':>6} {'bytes/rank':>10}" + "".join(
+        f" {'ring/pccl(ms) ' + label:>32} {'speedup':>8}" for label in models))
     for b in (16 << 10, 1 << 20):
         for ranks in (32, 64, 128, 256, 512, 1024, 2048, 4096):
             nodes = ranks // per_node
-            ring = model.ring(ranks, b)
-            hier = model.rd(nodes, b) + model.ring(per_node, b * nodes)
-            say(f"  {ranks:>6} {format_size(b):>10} {ring * 1e3:>14.2f} {hier * 1e3:>10.2f} "
-                f"{ring / hier:>17.2f}x")
+            row = f"  {ranks:>6} {format_size(b):>10}"
+            for m in models.values():
+                ring = m.ring(ranks, b)
+                hier = m.rd(nodes, b) + m.ring(per_node, b * nodes)
+                row += f" {f'{ring * 1e3:.2f}/{hier * 1e3:.2f}':>32} {ring / hier:>7.2f}x"
+            say(row)
     say("# the model has no network contention or per-NIC limits: it predicts latency "
-        "scaling (log p vs p), not absolute times on a real interconnect")
+        "scaling (log p vs p), not absolute times on a real interconnect; the fitted one "
+        "carries this machine's costs (shared memory, oversubscribed cores)")
     mcrdl.finalize()
     return 0
 

@@ -74,6 +74,37 @@ def test_cost_model():
     assert math.isclose(CostModel().crossover(2) or 0.0, 0.0)  # p = 2: the same single step
 
 
+def test_cost_model_fit():
+    from mcrdl import InvalidArgumentError
+    from mcrdl.backends.pccl import CostModel, fit_line
+
+    true = CostModel(alpha=20e-6, beta_ring=1.2e-9, beta_rd=1.5e-9)
+    sizes = [1024 * 4**i for i in range(8)]  # 1 KiB .. 16 MiB
+    for p in (8, 6):  # power of two, and folded
+        got = CostModel.fit(p, sizes, [true.ring(p, b) for b in sizes],
+                            [true.rd(p, b) - true.rd(p, 0) + 5e-6 for b in sizes])
+        assert got.alpha == pytest.approx(true.alpha, rel=1e-9)
+        assert got.beta_ring == pytest.approx(true.beta_ring, rel=1e-9)
+        assert got.beta_rd == pytest.approx(true.beta_rd, rel=1e-9)
+    # 10% noise on the 16 MiB time: the intercept stays near alpha (plain least squares
+    # gives 0 or milliseconds), and the slopes within a few percent
+    times = [true.ring(8, b) for b in sizes]
+    times[-1] *= 1.1
+    a, b = fit_line(sizes, times)
+    assert a / 7 == pytest.approx(true.alpha, rel=0.05)
+    assert b / 7 == pytest.approx(true.beta_ring, rel=0.05)
+    assert fit_line([1, 2, 3], [3.0, 2.0, 1.0]) == (pytest.approx(1.3469, rel=1e-3), 0.0)
+    assert fit_line([1, 2], [1.0, 2.0]) == (pytest.approx(0.0, abs=1e-12), pytest.approx(1.0))
+    xs, ys = [1, 2, 4], [0.5, 2.0, 4.5]  # the free line's intercept is negative
+    r = [x / y for x, y in zip(xs, ys, strict=True)]
+    through_origin = sum(r) / sum(v * v for v in r)
+    assert fit_line(xs, ys) == (0.0, pytest.approx(through_origin))
+    with pytest.raises(InvalidArgumentError, match="positive"):
+        fit_line([1, 2], [0.0, 1.0])
+    with pytest.raises(InvalidArgumentError, match="at least two sizes"):
+        CostModel.fit(8, [1024], [1e-5], [1e-5])
+
+
 def test_model_and_env_errors(monkeypatch):
     from mcrdl import InvalidArgumentError
     from mcrdl.backends.pccl import CostModel, node_ids

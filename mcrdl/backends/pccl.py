@@ -81,6 +81,21 @@ class CostModel:
                 "(seconds and seconds per byte)") from None
         return cls(a, br, bd)
 
+    @classmethod
+    def fit(cls, p: int, sizes, ring_s, rd_s) -> CostModel:
+        """The model of measured flat all_gathers over `p` ranks: seconds `ring_s` and
+        `rd_s` at `sizes` bytes per block. alpha and beta_ring come from the ring's line,
+        beta_rd from the slope of rd's."""
+        if p < 2 or not len(sizes) == len(ring_s) == len(rd_s) >= 2:
+            raise InvalidArgumentError(
+                f"CostModel.fit: need p >= 2 (got {p}) and at least two sizes with a time "
+                f"for each algorithm (got {len(sizes)}, {len(ring_s)}, {len(rd_s)})")
+        f = 0 if p == 1 << (p.bit_length() - 1) else 1
+        a_ring, b_ring = fit_line(sizes, ring_s)
+        _, b_rd = fit_line(sizes, rd_s)
+        return cls(alpha=a_ring / (p - 1), beta_ring=b_ring / (p - 1),
+                   beta_rd=b_rd / ((p - 1) * (1 + f)))
+
     def ring(self, p: int, b: float) -> float:
         return (p - 1) * (self.alpha + b * self.beta_ring)
 
@@ -101,6 +116,28 @@ class CostModel:
         if slope <= 0:
             return None if gain >= 0 else 0.0
         return max(0.0, gain / slope)
+
+
+def fit_line(xs, ys) -> tuple[float, float]:
+    """``a + b x`` (a, b >= 0) by least squares of the relative error. Sizes span 1 KiB
+    to 16 MiB: plain least squares lets the largest times set the intercept (alpha comes
+    out 0, or milliseconds, from the noise of one 16 MiB call)."""
+    if any(y <= 0 for y in ys):
+        raise InvalidArgumentError(f"fit_line: times must be positive, got {list(ys)}")
+    w2 = [1.0 / (y * y) for y in ys]
+    s0, s1 = sum(w2), sum(w * x for w, x in zip(w2, xs, strict=True))
+    s2 = sum(w * x * x for w, x in zip(w2, xs, strict=True))
+    t0 = sum(w * y for w, y in zip(w2, ys, strict=True))
+    t1 = sum(w * x * y for w, x, y in zip(w2, xs, ys, strict=True))
+    det = s0 * s2 - s1 * s1
+    if det <= 0:  # one distinct size: no slope to fit
+        return t0 / s0, 0.0
+    a, b = (t0 * s2 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det
+    if a < 0:  # the best line through the origin
+        return 0.0, t1 / s2
+    if b < 0:  # the best constant
+        return t0 / s0, 0.0
+    return a, b
 
 
 def _algo_env(var: str, default: str, allowed: tuple[str, ...]) -> str:
