@@ -52,6 +52,13 @@ _BOOL_OP = {ReduceOp.SUM: ReduceOp.BOR, ReduceOp.MAX: ReduceOp.BOR, ReduceOp.BOR
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _fold(p: int) -> tuple[int, int]:
+    """(p2, f) of the cost model: the largest power of two <= p, and 1 when p is not one
+    (recursive doubling/halving folds the extra ranks in and out)."""
+    p2 = 1 << (p.bit_length() - 1)
+    return p2, int(p != p2)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Alpha-beta model of the inter-node phase over p ranks, b bytes per rank's block:
@@ -90,7 +97,7 @@ class CostModel:
             raise InvalidArgumentError(
                 f"CostModel.fit: need p >= 2 (got {p}) and at least two sizes with a time "
                 f"for each algorithm (got {len(sizes)}, {len(ring_s)}, {len(rd_s)})")
-        f = 0 if p == 1 << (p.bit_length() - 1) else 1
+        _, f = _fold(p)
         a_ring, b_ring = fit_line(sizes, ring_s)
         _, b_rd = fit_line(sizes, rd_s)
         return cls(alpha=a_ring / (p - 1), beta_ring=b_ring / (p - 1),
@@ -100,8 +107,7 @@ class CostModel:
         return (p - 1) * (self.alpha + b * self.beta_ring)
 
     def rd(self, p: int, b: float) -> float:
-        p2 = 1 << (p.bit_length() - 1)
-        f = 1 if p != p2 else 0
+        p2, f = _fold(p)
         return (math.log2(p2) + 2 * f) * self.alpha + (p - 1) * b * self.beta_rd * (1 + f)
 
     def choose(self, p: int, b: float) -> str:
@@ -109,8 +115,7 @@ class CostModel:
 
     def crossover(self, p: int) -> float | None:
         """Bytes per block above which ring is predicted faster (None: never)."""
-        p2 = 1 << (p.bit_length() - 1)
-        f = 1 if p != p2 else 0
+        p2, f = _fold(p)
         slope = (p - 1) * (self.beta_rd * (1 + f) - self.beta_ring)
         gain = self.alpha * ((p - 1) - (math.log2(p2) + 2 * f))
         if slope <= 0:
