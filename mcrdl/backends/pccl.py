@@ -46,6 +46,11 @@ from .base import Capabilities, InitContext
 from .mpi import MPILaneBackend
 
 ALGORITHMS = ("ring", "rd", "mpi")
+# Backends that can run the intra-node phase instead of pccl's C++ over MPI (their
+# groups are created by the members alone, so pccl makes the node groups at first use).
+# nccl/rccl would take GPU tensors, which the inter-node phase over MPI does not accept.
+INTRA_BACKENDS = ("gloo",)
+INTRA_CHOICES = (*ALGORITHMS, *INTRA_BACKENDS)
 _BOOL_OP = {ReduceOp.SUM: ReduceOp.BOR, ReduceOp.MAX: ReduceOp.BOR, ReduceOp.BOR: ReduceOp.BOR,
             ReduceOp.PRODUCT: ReduceOp.BAND, ReduceOp.MIN: ReduceOp.BAND,
             ReduceOp.BAND: ReduceOp.BAND, ReduceOp.BXOR: ReduceOp.BXOR}
@@ -234,27 +239,100 @@ class PcclWork(Work):
         return False
 
 
-class _Chain(Work):
-    """Two PCCL works in sequence (all_reduce = reduce_scatter, then all_gather): the
-    second is posted when the first is seen complete (ops of a communicator run in
-    issue order in C++, so posting late never reorders them)."""
+class _Both(Work):
+    """Two C++ works posted together on one communicator (all_reduce: reduce_scatter,
+    then all_gather, which C++ starts when the first completed) and a finish step."""
 
-    __slots__ = ("_first", "_then", "_second", "backend")
+    __slots__ = ("_first", "_second", "backend")
 
-    def __init__(self, first, then):
-        self._first, self._then, self._second, self.backend = first, then, None, "pccl"
-
-    def _advance(self):
-        if self._second is None:
-            self._second = self._then()
-        return self._second
+    def __init__(self, first, second: PcclWork):
+        self._first, self._second, self.backend = first, second, "pccl"
 
     def wait(self, timeout: float | None = None) -> bool:
-        self._first.wait(timeout)
-        return self._advance().wait(timeout)
+        self._first.wait(-1.0 if timeout is None else float(timeout))
+        return self._second.wait(timeout)
 
     def is_completed(self) -> bool:
-        return self._first.is_completed() and self._advance().is_completed()
+        return self._first.is_completed() and self._second.is_completed()
+
+
+class _Staged(Work):
+    """An op in phases on two backends (pccl's C++ inter-node phase, a delegate
+    backend's intra-node phase): each phase is posted once the one before completed.
+    Ops of a group are advanced strictly in issue order by its _Sequencer, so every rank
+    posts the same sequence on each communicator whatever order the caller waits in."""
+
+    __slots__ = ("_phases", "_work", "_finish", "_seq", "backend")
+
+    def __init__(self, phases, finish, seq: _Sequencer):
+        self._phases = list(phases)  # callables posting one phase async, returning a Work
+        self._work = None
+        self._finish, self._seq, self.backend = finish, seq, "pccl"
+
+    def _step(self, block: bool, timeout: float | None) -> bool:
+        """Post and complete phases as far as possible; True when all are done."""
+        while True:
+            if self._work is not None:
+                if block:
+                    self._work.wait(timeout)
+                elif not self._work.is_completed():
+                    return False
+                self._work = None
+            if not self._phases:
+                if self._finish is not None:
+                    finish, self._finish = self._finish, None
+                    with torch.no_grad():
+                        finish()
+                return True
+            self._work = self._phases.pop(0)()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self._seq.advance(self, True, timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._seq.advance(self, False, None)
+
+
+class _Sequencer:
+    """The staged ops of one group, advanced in issue order (see _Staged)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self):
+        self.pending: list[_Staged] = []
+
+    def submit(self, op: _Staged) -> _Staged:
+        self.pending.append(op)
+        self.advance(op, False, None)  # posts its first phase when nothing is ahead
+        return op
+
+    def advance(self, target: _Staged | None, block: bool, timeout: float | None) -> bool:
+        """Advance the ops up to `target` (all when None); True when `target` is done."""
+        while self.pending:
+            head = self.pending[0]
+            if not head._step(block, timeout):
+                return False
+            self.pending.pop(0)
+            if head is target:
+                return True
+        return True
+
+
+@dataclass
+class _Hier:
+    """What a hierarchical group needs for a delegate intra-node phase: a C++ communicator
+    over the inter-node ranks alone (its own Dup, so its tags never meet the hierarchical
+    communicator's), the node's group (created on the delegate at first use), the
+    [local][node] permutation and the sequencer of staged ops."""
+
+    inter: object  # _C.PcclComm, flat over this rank's inter-node communicator
+    node_group: Group
+    perm: torch.Tensor  # perm[l * N + j] = group rank of (node j, local l)
+    nodes: int
+    per_node: int
+    seq: _Sequencer
+    made_on: set
 
 
 class PCCLBackend(MPILaneBackend):
@@ -278,9 +356,10 @@ class PCCLBackend(MPILaneBackend):
         self.world_nodes = node_ids(self._base, self._base.Get_size())
         self.model = CostModel.from_env()
         self.inter_algo = _algo_env("MCRDL_PCCL_INTER", "auto", (*ALGORITHMS, "auto"))
-        self.intra_algo = _algo_env("MCRDL_PCCL_INTRA", "mpi", ALGORITHMS)
+        self.intra_algo = _algo_env("MCRDL_PCCL_INTRA", "mpi", INTRA_CHOICES)
         self._mpi_comms: list = []
         self.layouts: dict[int, Layout] = {}
+        self._hier: dict[int, _Hier] = {}
         self._make(ctx.world)
 
     # -- communicators ----------------------------------------------------------------
@@ -295,8 +374,12 @@ class PCCLBackend(MPILaneBackend):
         lay = Layout.of(group.ranks, self.world_nodes)
         me = group.rank if group.is_member else -1
         if lay.hierarchical:
+            # intra rank = local index (locals count in group order); inter rank = node
+            # index (keyed by it: in a group like [0, 2, 3, 1] on 2 nodes x 2 the second
+            # locals appear node 1 first, and the C++ places blocks by inter rank)
             intra = self._split(lay.node_of[me] if me >= 0 else None, me)
-            inter = self._split(lay.local_of[me] if me >= 0 else None, me)
+            inter = self._split(lay.local_of[me] if me >= 0 else None,
+                                lay.node_of[me] if me >= 0 else 0)
         else:
             intra, inter = None, self._split(0 if me >= 0 else None, me)
         if me < 0:
@@ -310,13 +393,35 @@ class PCCLBackend(MPILaneBackend):
             c = _C.PcclComm(inter.handle, inter.Get_rank(), inter.Get_size(), intra.handle,
                             intra.Get_rank(), intra.Get_size(), lay.perm(), group.describe(),
                             self._lane, timeout)
+            alone = inter.Dup()
+            self._mpi_comms.append(alone)
+            node = lay.node_of[me]
+            members = [group.ranks[g] for g in range(group.size) if lay.node_of[g] == node]
+            self._hier[group.id] = _Hier(
+                inter=_C.PcclComm(alone.handle, alone.Get_rank(), alone.Get_size(), 0, 0, 1,
+                                  [], group.describe() + " (inter-node)", self._lane, timeout),
+                # a deterministic id no mcrdl.new_group gives: negative, one per node
+                node_group=Group(members, self.ctx.bootstrap.rank,
+                                 -(group.id * 100_003 + node + 1)),
+                perm=torch.tensor(lay.perm(), dtype=torch.long), nodes=lay.nodes,
+                per_node=lay.per_node, seq=_Sequencer(), made_on=set())
         self._comms[group.id] = c
 
     def add_group(self, group: Group) -> None:
         self._make(group)
 
+    def synchronize(self, timeout: float) -> None:
+        for h in self._hier.values():
+            h.seq.advance(None, True, timeout)
+        super().synchronize(timeout)
+
     def finalize(self) -> None:
-        super().finalize()
+        try:
+            for h in self._hier.values():  # post what staged ops still hold
+                h.seq.advance(None, True, self.ctx.timeout)
+        finally:
+            self._hier.clear()
+            super().finalize()
         for c in self._mpi_comms:
             c.Free()
         self._mpi_comms.clear()
@@ -324,10 +429,66 @@ class PCCLBackend(MPILaneBackend):
 
     # -- algorithm choice ---------------------------------------------------------------
     def algorithms(self, comm: _C.PcclComm, block_bytes: int) -> tuple[str, str]:
+        """(inter, intra) algorithms of the C++ communicator for a call moving
+        `block_bytes` per rank (an intra-node phase on another backend, INTRA_BACKENDS,
+        is _delegate's: the C++ then only sees flat groups or the inter-node ranks)."""
         inter = self.inter_algo
         if inter == "auto":
             inter = self.model.choose(comm.nodes, block_bytes * comm.ranks_per_node)
-        return inter, self.intra_algo
+        return inter, self.intra_algo if self.intra_algo in ALGORITHMS else "mpi"
+
+    # -- intra-node phase on another backend ------------------------------------------
+    def _delegate(self, group: Group | None, op: str):
+        """(the delegate backend, the group's _Hier) when the intra-node phase runs on
+        another backend for this group; None for pccl's own C++ phases."""
+        name = self.intra_algo
+        h = self._hier.get(0 if group is None else group.id)
+        if name not in INTRA_BACKENDS or h is None:
+            return None
+        from .. import api
+
+        d = api._state.backends.get(name)
+        if d is None:
+            raise BackendUnavailableError(
+                f"{op}: pccl's intra-node phase is set to backend {name!r} (MCRDL_PCCL_INTRA "
+                f"or use_algorithms), which is not initialized; pass it to mcrdl.init, e.g. "
+                f"mcrdl.init([{name!r}, 'pccl'])")
+        while "_inner" in vars(d):  # the backend itself: the node group is internal
+            d = vars(d)["_inner"]
+        if name not in h.made_on:  # collective over the node's members, at first use
+            d.add_group(h.node_group)
+            h.made_on.add(name)
+        return d, h
+
+    def _gather_phases(self, d, h: _Hier, out, inp, inter: str):
+        """all_gather of `inp` (n elements) into `out` (p * n, rank order): the inter-node
+        phase in C++, the node's all_gather on `d`, the shuffle into rank order. Moves are
+        bit-exact in any dtype (the C++ moves bytes, the delegate validates its own)."""
+        n, N, L = inp.numel(), h.nodes, h.per_node
+        t1 = torch.empty(N * n, dtype=inp.dtype, device=inp.device)
+        t2 = torch.empty(L * N * n, dtype=inp.dtype, device=inp.device)
+        phases = [lambda: h.inter.all_gather(t1, inp, inter, "mpi", True),
+                  lambda: d.all_gather(t2, t1, h.node_group, True)]
+
+        def shuffle():  # out[perm[i]] = t2[i], blocks of n
+            out.view(N * L, n).index_copy_(0, h.perm.to(out.device), t2.view(N * L, n))
+        return phases, shuffle
+
+    def _scatter_phases(self, d, h: _Hier, out, src, code: ReduceOp, inter: str):
+        """reduce_scatter of `src` (p * n, rank order) into `out` (n): the pre-shuffle, the
+        node's reduce_scatter on `d`, the inter-node phase in C++."""
+        n, N, L = out.numel(), h.nodes, h.per_node
+        acc = src.view(N * L, n).index_select(0, h.perm.to(src.device)).view(-1)
+        mid = torch.empty(N * n, dtype=out.dtype, device=out.device)
+        return [lambda: d.reduce_scatter(mid, acc, code, h.node_group, True),
+                lambda: h.inter.reduce_scatter(out, mid, int(code), inter, "mpi", True)]
+
+    def _staged(self, h: _Hier, phases, finish, async_op):
+        w = h.seq.submit(_Staged(phases, finish, h.seq))
+        if async_op:
+            return w
+        w.wait()
+        return None
 
     # -- operations -----------------------------------------------------------------------
     @staticmethod
@@ -356,13 +517,17 @@ class PCCLBackend(MPILaneBackend):
         if inp.data_ptr() and out.data_ptr() <= inp.data_ptr() < out.data_ptr() + out.nbytes:
             inp = inp.clone()  # in place (input is this rank's block of output)
         algos = self.algorithms(c, inp.nbytes)
-        finish = None
+        copy_out = None
         if is_list:
-            def finish(out=out, output=output):
+            def copy_out(out=out, output=output):
                 for i, t in enumerate(output):
                     t.view(-1).copy_(out[i * inp.numel():(i + 1) * inp.numel()])
+        dh = self._delegate(group, "all_gather")
+        if dh is not None:
+            phases, shuffle = self._gather_phases(*dh, out, inp, algos[0])
+            return self._staged(dh[1], phases, _then(shuffle, copy_out), async_op)
         return self._run(lambda a: c.all_gather(_words(out), _words(inp), *algos, a),
-                         finish, async_op)
+                         copy_out, async_op)
 
     def _reduce_plan(self, dtype, op):
         """(work dtype, reduce op code, average) for a reduction of `dtype` with `op`."""
@@ -391,6 +556,10 @@ class PCCLBackend(MPILaneBackend):
                     out.div_(size)
                 if out.data_ptr() != flat.data_ptr():
                     flat.copy_(out)
+        dh = self._delegate(group, "reduce_scatter")
+        if dh is not None:
+            return self._staged(dh[1], self._scatter_phases(*dh, out, src, code, algos[0]),
+                                finish, async_op)
         return self._run(lambda a: c.reduce_scatter(out, src, int(code), *algos, a),
                          finish, async_op)
 
@@ -413,15 +582,27 @@ class PCCLBackend(MPILaneBackend):
             flat.copy_(buf[:count].view(torch.bool) if tensor.dtype == torch.bool
                        else buf[:count])
 
+        dh = self._delegate(group, "all_reduce")
+        if dh is not None:  # reduce_scatter into piece (buf is only read), all_gather to buf
+            phases = self._scatter_phases(*dh, piece, buf, code, algos[0])
+            more, shuffle = self._gather_phases(*dh, buf, piece, algos[0])
+            return self._staged(dh[1], phases + more, _then(shuffle, finish), async_op)
         if not async_op:
             c.reduce_scatter(piece, buf, int(code), *algos, False)
             c.all_gather(_words(buf), _words(piece), *algos, False)
             with torch.no_grad():
                 finish()
             return None
+        # both posted now: C++ starts an op of a communicator when the one before is done
         first = c.reduce_scatter(piece, buf, int(code), *algos, True)
-        return _Chain(first, lambda: PcclWork(
-            c.all_gather(_words(buf), _words(piece), *algos, True), finish))
+        return _Both(first, PcclWork(c.all_gather(_words(buf), _words(piece), *algos, True),
+                                     finish))
+
+
+def _then(*steps):
+    """One finish step running the given ones (None entries skipped) in order."""
+    steps = [s for s in steps if s is not None]
+    return lambda: [s() for s in steps] and None
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -458,9 +639,11 @@ def initialized(where: str = "pccl") -> PCCLBackend:
 @contextlib.contextmanager
 def use_algorithms(inter: str | None = None, intra: str | None = None):
     """Within the block, the initialized "pccl" backend uses these algorithms ("ring",
-    "rd", "mpi"; inter also "auto"). For benchmarks and experiments."""
+    "rd", "mpi"; inter also "auto"; intra also a backend of INTRA_BACKENDS, which must be
+    initialized). For benchmarks and experiments."""
     b = initialized("use_algorithms")
-    for name, v, allowed in (("inter", inter, (*ALGORITHMS, "auto")), ("intra", intra, ALGORITHMS)):
+    for name, v, allowed in (("inter", inter, (*ALGORITHMS, "auto")),
+                             ("intra", intra, INTRA_CHOICES)):
         if v is not None and v not in allowed:
             raise InvalidArgumentError(f"use_algorithms: {name}={v!r}; expected one of "
                                        f"{', '.join(allowed)}")

@@ -4,7 +4,7 @@ MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
 Checked, for every dtype and every reduce op that applies, sizes 0, 1, 7 and 1000
 (multi-dimensional too), tensor and list forms, blocking and async, on the world and
-on a permuted sub-group, with each (inter, intra) algorithm pair:
+on a permuted sub-group (mixed_order), with each (inter, intra) algorithm pair:
   all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, RTOL for
   floating sums/products as the conformance tests). Then the flat C++ ring/rd
   algorithms and the Python reference on the same inputs agree bit for bit on integer
@@ -25,22 +25,49 @@ from mcrdl import _C  # noqa: E402
 from mcrdl.backends import pccl, pccl_ref  # noqa: E402
 from mcrdl.backends.pccl import use_algorithms  # noqa: E402
 
-ALGOS = [("auto", "mpi"), ("ring", "ring"), ("rd", "rd"), ("mpi", "rd"), ("rd", "mpi")]
+# (inter, intra); intra "gloo": the intra-node phase on the gloo backend (hierarchical
+# layouts only: flat ones have no intra-node phase)
+ALGOS = [("auto", "mpi"), ("ring", "ring"), ("rd", "rd"), ("auto", "gloo"), ("mpi", "rd"),
+         ("rd", "mpi")]
 if os.environ.get("PCCL_TEST_ALGOS") == "core":  # larger worlds: keep the launch short
-    ALGOS = ALGOS[:3]
+    ALGOS = ALGOS[:4]
 SHAPES = ((0,), (1,), (7,), (1000,), (3, 5))
 
 
+def mixed_order(world_nodes: list[int]) -> list[int]:
+    """A permutation of the world that stays hierarchical on even layouts but lists the
+    ranks of local index l node by node, reversing the node order for odd l (2 nodes x 2:
+    [0, 2, 3, 1]; a node's second rank comes first for node 1): the inter-node ranks must
+    follow the node index, not the group order. The reversed world where that is the
+    identity (one node, or one rank per node)."""
+    world = len(world_nodes)
+    by_node: dict[int, list[int]] = {}
+    for r, n in enumerate(world_nodes):
+        by_node.setdefault(n, []).append(r)
+    nodes = sorted(by_node)
+    per_node = {len(v) for v in by_node.values()}
+    if len(nodes) < 2 or len(per_node) != 1 or per_node == {1}:
+        return list(reversed(range(world)))
+    out = []
+    for loc in range(per_node.pop()):
+        for n in (nodes if loc % 2 == 0 else reversed(nodes)):
+            out.append(by_node[n][loc])
+    return out
+
+
 def main() -> int:
-    mcrdl.init(["mpi", "pccl"])
+    mcrdl.init(["mpi", "gloo", "pccl"])
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
-    sub_ranks = list(reversed(range(world))) if world > 2 else list(range(world))
+    hierarchical = pccl.initialized().layouts[0].hierarchical
+    sub_ranks = mixed_order(pccl.initialized().world_nodes)
     groups = [(None, list(range(world))), (mcrdl.new_group(sub_ranks), sub_ranks)]
     if world >= 4:
         odd = list(range(1, world, 2))
         groups.append((mcrdl.new_group(odd), odd))
     checks = 0
     for inter, intra in ALGOS:
+        if intra == "gloo" and not hierarchical:
+            continue
         with use_algorithms(inter, intra):
             for gi, (group, ranks) in enumerate(groups):
                 if rank not in ranks:
@@ -53,6 +80,9 @@ def main() -> int:
                         for op in R.ops_for(dtype):
                             checks += check_reductions(dtype, op, shape, group, ranks, me, p,
                                                        key)
+    for intra in ("mpi", "gloo") if hierarchical else ("mpi",):
+        with use_algorithms("auto", intra):
+            checks += check_wait_order(rank, world, groups[1][0])
     checks += check_cpp_vs_python(rank, world)
     total = torch.tensor([checks])
     mcrdl.all_reduce("mpi", total)
@@ -98,6 +128,35 @@ def check_reductions(dtype, op, shape, group, ranks, me, p, key) -> int:
         w.wait()
     R.check_reduced(t, dtype, op, R.reduce_ref(dtype, op, [R.as_ref(vals[r]) for r in ranks]))
     return 2
+
+
+def check_wait_order(rank, world, group) -> int:
+    """Async ops waited in a different order on different ranks (odd ranks newest
+    first) still pair up: every rank posts each op's phases in issue order."""
+    p = world if group is None else group.size
+    checks = 0
+    for it in range(4):
+        a = torch.full((7,), float(rank + 1))
+        b = torch.full((5,), 100.0 * (rank + 1))
+        gathered = torch.empty(p * 3, dtype=torch.int64)
+        mine = torch.arange(3) + 10 * rank
+        ws = [mcrdl.all_reduce("pccl", a, group=group, async_op=True),
+              mcrdl.all_gather("pccl", gathered, mine, group=group, async_op=True),
+              mcrdl.all_reduce("pccl", b, group=group, async_op=True)]
+        if rank % 2:
+            ws.reverse()
+        if it % 2:  # polling, then waiting
+            while not ws[0].is_completed():
+                pass
+        for w in ws:
+            w.wait()
+        s = world * (world + 1) / 2
+        assert torch.all(a == s) and torch.all(b == 100 * s), (it, a, b)
+        ranks = range(world) if group is None else group.ranks
+        ref = torch.cat([torch.arange(3) + 10 * r for r in ranks])
+        assert torch.equal(gathered, ref), (it, gathered, ref)
+        checks += 3
+    return checks
 
 
 def check_cpp_vs_python(rank, world) -> int:
