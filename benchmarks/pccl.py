@@ -25,7 +25,6 @@ a sample being up to 20 calls back to back after a barrier):
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -37,6 +36,7 @@ from mcrdl import _C
 from mcrdl.backends import pccl_ref
 from mcrdl.backends.pccl import CostModel, initialized, use_algorithms
 from mcrdl.bench import format_size, parse_size, size_range
+from mcrdl.launch import usable_cores
 
 
 def timed(fn, iters: int, back: int = 1, warmup: int = 2) -> float:
@@ -193,8 +193,8 @@ def main() -> int:
                 f"{algo} {med(a['speedup']):.2f}x (min {min(a['speedup']):.2f}x), C++ at "
                 f"{med(a['cpp']):.2f}x and Python at {med(a['py']):.2f}x the MPI library's time"
                 for algo, a in small.items()))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if world > (cores or 1):
+    cores = usable_cores()
+    if world > cores:
         say(f"# {world} ranks on {cores} cores: every step waits for the scheduler, which both "
             "implementations pay alike: where C++ is at ~1x the MPI library's own collective it "
             "is at the floor this machine gives, and its speedup cannot exceed Python/MPI lib; "

@@ -16,6 +16,12 @@ _MPI_MARKERS = (
 )
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return n or 1
+
+
 def _env_int(*names: str) -> int | None:
     for n in names:
         v = os.environ.get(n)

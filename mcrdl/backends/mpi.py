@@ -14,6 +14,7 @@ import os
 from .. import _C
 from ..bootstrap import mpi_module
 from ..groups import Group, bad_group_error
+from ..launch import usable_cores
 from .base import Backend, Capabilities, InitContext
 
 
@@ -22,8 +23,7 @@ def poll_spins(ranks_on_node: int) -> int:
     (MCRDL_POLL_SPINS overrides). See csrc/lane.cpp for the measurements."""
     if os.environ.get("MCRDL_POLL_SPINS"):
         return int(os.environ["MCRDL_POLL_SPINS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return 64 if ranks_on_node <= (cores or 1) else 0
+    return 64 if ranks_on_node <= usable_cores() else 0
 
 
 class MPILaneBackend(Backend):

@@ -393,6 +393,10 @@ class PCCLBackend(MPILaneBackend):
             c = _C.PcclComm(inter.handle, inter.Get_rank(), inter.Get_size(), intra.handle,
                             intra.Get_rank(), intra.Get_size(), lay.perm(), group.describe(),
                             self._lane, timeout)
+            # Dup'ed here, not at first delegated use: an op whose inter phase is the MPI
+            # library's collective posts it on the lane when its turn comes, so a Dup
+            # from the caller's thread could enter the collective order at different
+            # points on different ranks
             alone = inter.Dup()
             self._mpi_comms.append(alone)
             node = lay.node_of[me]
@@ -442,19 +446,17 @@ class PCCLBackend(MPILaneBackend):
         """(the delegate backend, the group's _Hier) when the intra-node phase runs on
         another backend for this group; None for pccl's own C++ phases."""
         name = self.intra_algo
-        h = self._hier.get(0 if group is None else group.id)
-        if name not in INTRA_BACKENDS or h is None:
+        if name not in INTRA_BACKENDS:
             return None
-        from .. import api
-
-        d = api._state.backends.get(name)
+        h = self._hier.get(0 if group is None else group.id)
+        if h is None:
+            return None
+        d = _backend_object(name)  # the backend itself: the node group is internal
         if d is None:
             raise BackendUnavailableError(
                 f"{op}: pccl's intra-node phase is set to backend {name!r} (MCRDL_PCCL_INTRA "
                 f"or use_algorithms), which is not initialized; pass it to mcrdl.init, e.g. "
                 f"mcrdl.init([{name!r}, 'pccl'])")
-        while "_inner" in vars(d):  # the backend itself: the node group is internal
-            d = vars(d)["_inner"]
         if name not in h.made_on:  # collective over the node's members, at first use
             d.add_group(h.node_group)
             h.made_on.add(name)
@@ -602,7 +604,11 @@ class PCCLBackend(MPILaneBackend):
 def _then(*steps):
     """One finish step running the given ones (None entries skipped) in order."""
     steps = [s for s in steps if s is not None]
-    return lambda: [s() for s in steps] and None
+
+    def run():
+        for step in steps:
+            step()
+    return run
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -626,12 +632,19 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def initialized(where: str = "pccl") -> PCCLBackend:
     """The initialized "pccl" backend object itself (under mcrdl.api's validating and
     debug wrappers): its layouts, cost model and algorithm settings."""
-    from .. import api
-
-    b = api._state.backends.get("pccl")
+    b = _backend_object("pccl")
     if b is None:
         raise BackendUnavailableError(f"{where}: backend 'pccl' is not initialized")
-    while "_inner" in vars(b):
+    return b
+
+
+def _backend_object(name: str):
+    """The initialized backend `name` itself, under mcrdl.api's validating and debug
+    wrappers; None when it is not initialized."""
+    from .. import api
+
+    b = api._state.backends.get(name)
+    while b is not None and "_inner" in vars(b):
         b = vars(b)["_inner"]
     return b
 

@@ -64,7 +64,8 @@ def mixed_order(world_nodes: list[int]) -> list[int]:
 def main() -> int:
     mcrdl.init(["mpi", "gloo", "pccl"])
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
-    hierarchical = pccl.initialized().layouts[0].hierarchical
+    lay = pccl.initialized().layouts[0]
+    hierarchical = lay.hierarchical
     sub_ranks = mixed_order(pccl.initialized().world_nodes)
     groups = [(None, list(range(world))), (mcrdl.new_group(sub_ranks), sub_ranks)]
     if world >= 4:
@@ -92,7 +93,6 @@ def main() -> int:
     checks += check_cpp_vs_python(rank, world)
     total = torch.tensor([checks])
     mcrdl.all_reduce("mpi", total)
-    lay = pccl.initialized().layouts[0]
     if rank == 0:
         print(f"pccl OK: world {world}, {lay.nodes} nodes x {lay.per_node} "
               f"({'hierarchical' if lay.hierarchical else 'flat'}), {int(total)} checks")
