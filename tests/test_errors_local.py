@@ -286,3 +286,22 @@ def test_reduce_op_aliases():
     names = {"SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR"}
     assert names <= set(mcrdl.ReduceOp.__members__)
     assert len({mcrdl.ReduceOp[n] for n in names}) == len(names)
+
+
+def test_wait_policy_follows_cores_and_env(monkeypatch):
+    """Idle lanes sleep longer (and waiters yield at once) only when ranks outnumber
+    cores; MCRDL_IDLE_SLEEP / MCRDL_POLL_SPINS override, and a bad value is named."""
+    from mcrdl.backends import mpi
+    from mcrdl.launch import usable_cores
+    monkeypatch.delenv("MCRDL_IDLE_SLEEP", raising=False)
+    monkeypatch.delenv("MCRDL_POLL_SPINS", raising=False)
+    cores = usable_cores()
+    assert mpi.idle_sleep(cores) is False and mpi.idle_sleep(cores + 1) is True
+    assert mpi.poll_spins(cores) == 64 and mpi.poll_spins(cores + 1) == 0
+    monkeypatch.setenv("MCRDL_IDLE_SLEEP", "0")
+    assert mpi.idle_sleep(cores + 1) is False
+    monkeypatch.setenv("MCRDL_IDLE_SLEEP", "1")
+    assert mpi.idle_sleep(1) is True
+    monkeypatch.setenv("MCRDL_IDLE_SLEEP", "yes")
+    with pytest.raises(ValueError, match="MCRDL_IDLE_SLEEP must be 0 or 1, got 'yes'"):
+        mpi.idle_sleep(1)

@@ -26,6 +26,19 @@ def poll_spins(ranks_on_node: int) -> int:
     return 64 if ranks_on_node <= usable_cores() else 0
 
 
+def idle_sleep(ranks_on_node: int) -> bool:
+    """Whether idle lane threads sleep in slices growing to 1 ms instead of 50 us: when this
+    node's ranks outnumber its cores, a rank waiting for busy peers must leave them the
+    cores (MCRDL_IDLE_SLEEP=0/1 overrides). See csrc/lane.cpp (Backoff) for the policy
+    and its measurements."""
+    v = os.environ.get("MCRDL_IDLE_SLEEP", "")
+    if v:
+        if v not in ("0", "1"):
+            raise ValueError(f"MCRDL_IDLE_SLEEP must be 0 or 1, got {v!r}")
+        return v == "1"
+    return ranks_on_node > usable_cores()
+
+
 class MPILaneBackend(Backend):
     """What the backends whose ops run in mcrdl._C over mpi4py communicators share
     ("mpi", "cray-mpich", "pccl"): the MPI checks, the lane, one C++ communicator per
@@ -55,6 +68,7 @@ class MPILaneBackend(Backend):
             )
         self.library_version = loaded
         _C.set_poll_spins(poll_spins(ctx.bootstrap.info.local_size))
+        _C.set_idle_sleep(idle_sleep(ctx.bootstrap.info.local_size))
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
 

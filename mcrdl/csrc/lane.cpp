@@ -15,35 +15,55 @@ using Clock = std::chrono::steady_clock;
 // (oversubscribed) yielding at once wins (+6 us vs +19 us) and never yielding is
 // catastrophic (6.5 ms). The MPI backend sets it from ranks per node vs cores.
 std::atomic<uint64_t> g_poll_spins{64};
+// Ranks outnumber cores: idle lanes sleep longer (set with the spins, from the same test).
+std::atomic<bool> g_idle_sleep{false};
 
 void set_poll_spins(uint64_t n) { g_poll_spins.store(n, std::memory_order_relaxed); }
+void set_idle_sleep(bool on) { g_idle_sleep.store(on, std::memory_order_relaxed); }
 
 namespace {
 
-// Polling back-off: spin briefly (lowest latency), then yield (oversubscribed ranks on
-// few cores). Waiters never sleep (a sleep would add its length to the op's latency);
-// lane threads, which only provide background progress, sleep in short slices once
-// nothing has completed for a while.
+// Polling back-off: spin briefly (lowest latency), then yield; lane threads then sleep.
+//
+// Waiters never sleep: a sleep adds its length to the op's latency (sleeping after 0-16
+// yields cost 3-800x on small messages; waiters sleeping 1/8 of the time waited after
+// 2000 polls cost 19-35% on 4 MiB MPI collectives, whose internal rounds advance only
+// when polled). Lane threads, which only provide background progress (a waiter polls its
+// own op), sleep once nothing completed for 20000 polls: 50 us per poll, and when ranks
+// outnumber cores (set_idle_sleep) 1/8 of the time without progress, 50 us to 1 ms.
+// There 50 us sleeps (20000 wake-ups a second per lane) starved ranks that had work:
+// 6 ranks on 2 cores, 3 of them running 640 checks in a sub-group while the other 3
+// waited on async ops (the layout of tests/pccl/check_pccl.py) took 0.96-54.9 s (median
+// 1.4 s; the outliers timed CI out), and 0.78-1.08 s with the growing sleeps (0.45 s with
+// the 3 waiting ranks asleep in Python). A lane's sleep ends early when it gets a new op,
+// and a multi-step op reports each step (Work::advanced), which restarts the count.
 class Backoff {
  public:
-  // Polls before the first yield (measured: 64, 4096 and 10^6 give the same large-message
-  // times at 2 ranks; yielding helps when ranks outnumber cores).
-  static constexpr uint64_t kSpins = 0;
-  explicit Backoff(bool may_sleep) : may_sleep_(may_sleep) {}
-  void pause() {
+  explicit Backoff(bool lane) : lane_(lane), since_(Clock::now()) {}
+  // One pause between polls; `sleep(d)` sleeps up to d (returning early is fine).
+  template <typename Sleep>
+  void pause(Sleep&& sleep) {
     ++n_;
     if (n_ < g_poll_spins.load(std::memory_order_relaxed)) return;
-    if (!may_sleep_ || n_ < 20000) {
+    if (!lane_ || n_ < kLaneYields) {
       sched_yield();
       return;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (!g_idle_sleep.load(std::memory_order_relaxed)) return sleep(kMinSleep);
+    sleep(std::clamp(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - since_) / 8,
+                     kMinSleep, kMaxSleep));
   }
-  void reset() { n_ = 0; }
+  void reset() {
+    n_ = 0;
+    since_ = Clock::now();
+  }
 
  private:
-  bool may_sleep_;
+  static constexpr uint64_t kLaneYields = 20000;
+  static constexpr std::chrono::microseconds kMinSleep{50}, kMaxSleep{1000};
+  bool lane_;
   uint64_t n_ = 0;
+  Clock::time_point since_;  // when the polls without progress began
 };
 
 }  // namespace
@@ -113,7 +133,7 @@ void Work::wait(double timeout_s) {
           if (auto lane = lane_.lock()) lane->fail(s.str(), nullptr);
         throw Error(ErrorKind::Timeout, s.str());
       }
-      backoff.pause();
+      backoff.pause([](std::chrono::microseconds) {});  // waiters never sleep
     }
   }
   if (state_.load(std::memory_order_acquire) == kFailed) throw Error(err_kind_, err_);
@@ -132,6 +152,7 @@ void Lane::track(std::shared_ptr<Work> w) {
       return;
     }
     inflight_.push_back(std::move(w));
+    ++tracked_;
   }
   cv_.notify_one();
 }
@@ -175,7 +196,10 @@ void Lane::fail(const std::string& why, std::shared_ptr<Work> stuck) {
       why_ = why;
       failed_.store(true, std::memory_order_release);
     }
-    if (stuck && !stop_) inflight_.push_back(std::move(stuck));
+    if (stuck && !stop_) {
+      inflight_.push_back(std::move(stuck));
+      ++tracked_;
+    }
   }
   cv_.notify_one();
 }
@@ -191,16 +215,29 @@ void Lane::throw_unhealthy(const char* op) {
 void Lane::loop() {
   Backoff backoff(true);
   std::vector<std::shared_ptr<Work>> snapshot;
+  uint64_t seen = 0;  // tracked_ at the snapshot
+  auto sleep = [this, &seen](std::chrono::microseconds d) {
+    std::unique_lock<std::mutex> g(mu_);
+    cv_.wait_for(g, d, [this, &seen] { return stop_ || tracked_ != seen; });
+  };
   for (;;) {
     {
       std::unique_lock<std::mutex> g(mu_);
       cv_.wait(g, [this] { return stop_ || !inflight_.empty(); });
       if (stop_) return;
+      if (tracked_ != seen) backoff.reset();  // a new op: poll it at full rate
+      seen = tracked_;
       snapshot = inflight_;
     }
-    bool any_done = false;
-    for (auto& w : snapshot) any_done |= w->progress();
-    if (any_done) {
+    bool any_done = false, moved = false;
+    for (auto& w : snapshot) {
+      const uint64_t steps = w->advances();
+      any_done |= w->progress();
+      moved |= w->advances() != steps;
+    }
+    if (moved && !any_done) {
+      backoff.reset();
+    } else if (any_done) {
       std::lock_guard<std::mutex> g(mu_);
       auto& v = inflight_;
       v.erase(std::remove_if(v.begin(), v.end(),
@@ -209,7 +246,7 @@ void Lane::loop() {
       if (v.empty()) drained_.notify_all();
       backoff.reset();
     } else {
-      backoff.pause();
+      backoff.pause(sleep);
     }
   }
 }

@@ -23,6 +23,8 @@ class Lane;
 
 // How many times a waiter polls before it starts yielding the CPU between polls.
 void set_poll_spins(uint64_t n);
+// Whether long waits sleep (ranks outnumber cores): see Backoff in lane.cpp.
+void set_idle_sleep(bool on);
 
 class Work {
  public:
@@ -38,6 +40,10 @@ class Work {
 
   bool progress();
   bool is_completed() { return progress(); }
+  // A multi-step op (pccl's schedules) reports each completed step: a lane that sees steps
+  // complete keeps polling at full rate instead of backing off into sleeps.
+  void advanced() { advances_.fetch_add(1, std::memory_order_relaxed); }
+  uint64_t advances() const { return advances_.load(std::memory_order_relaxed); }
   // Blocks (the GIL must be released by the caller) until done; throws Error on
   // failure, CommTimeout-kind Error past the deadline. timeout < 0: the default.
   void wait(double timeout_s = -1.0);
@@ -60,6 +66,7 @@ class Work {
   double timeout_s_;
   std::weak_ptr<Lane> lane_;  // told when the op times out under the default timeout
   std::atomic<int> state_{kPending};
+  std::atomic<uint64_t> advances_{0};
   std::mutex claim_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -100,6 +107,7 @@ class Lane {
   std::condition_variable cv_;
   std::condition_variable drained_;
   std::vector<std::shared_ptr<Work>> inflight_;
+  uint64_t tracked_ = 0;  // ops handed over so far: wakes the lane from an idle sleep
   bool stop_ = false;
   std::thread thread_;
 };

@@ -522,7 +522,12 @@ class PcclComm {
   py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<Schedule> s, bool async_op,
                     std::unique_lock<std::mutex>& posted) {
     posted.unlock();
-    w->test = [s] { return s->test(); };
+    w->test = [s, work = w.get()] {  // the Work owns this function: `work` outlives it
+      const size_t step = s->i;
+      const bool done = s->test();
+      if (s->i != step) work->advanced();  // a step completed: the lane keeps polling
+      return done;
+    };
     return launch_work(lane_, w, async_op);
   }
 
