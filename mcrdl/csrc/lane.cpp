@@ -235,19 +235,18 @@ void Lane::loop() {
       any_done |= w->progress();
       moved |= w->advances() != steps;
     }
-    if (moved && !any_done) {
-      backoff.reset();
-    } else if (any_done) {
+    if (any_done) {
       std::lock_guard<std::mutex> g(mu_);
       auto& v = inflight_;
       v.erase(std::remove_if(v.begin(), v.end(),
                              [](const std::shared_ptr<Work>& w) { return w->finished(); }),
               v.end());
       if (v.empty()) drained_.notify_all();
-      backoff.reset();
-    } else {
-      backoff.pause(sleep);
     }
+    if (any_done || moved)
+      backoff.reset();
+    else
+      backoff.pause(sleep);
   }
 }
 
