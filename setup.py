@@ -84,5 +84,8 @@ setup(
             extra_link_args=link,
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    # MCRDL_NINJA=1 (with `pip install ninja`): parallel, incremental builds for
+    # development (`python setup.py build_ext --inplace`); the default builds anywhere.
+    cmdclass={"build_ext": BuildExtension.with_options(
+        use_ninja=os.environ.get("MCRDL_NINJA", "") not in ("", "0"))},
 )

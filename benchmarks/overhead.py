@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
-from mcrdl.bench import (
+from mcrdl.tuning.sizes import (
     add_size_sweep_args,
     check_size_sweep,
     element_count,

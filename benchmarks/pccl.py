@@ -35,7 +35,7 @@ import mcrdl
 from mcrdl import _C
 from mcrdl.backends import pccl_ref
 from mcrdl.backends.pccl import CostModel, initialized, use_algorithms
-from mcrdl.bench import format_size, parse_size, size_range
+from mcrdl.tuning.sizes import format_size, parse_size, size_range
 from mcrdl.launch import usable_cores
 
 

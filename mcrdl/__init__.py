@@ -2,7 +2,7 @@
 
 One API for every point-to-point and collective operation on PyTorch tensors over
 pluggable backends ("mpi", "gloo", ... or "auto"), each on its own execution lane.
-See API.md for the contract::
+See docs/api.md for the contract and docs/architecture.md for the layers::
 
     import mcrdl, torch
     mcrdl.init(["mpi", "gloo"])
@@ -16,20 +16,12 @@ import torch  # noqa: F401, I001  (loads libtorch, which mcrdl._C links against)
 
 from . import errors  # noqa: F401, I001  (before _C: the extension looks the classes up)
 from . import _C
+from . import api
 from .api import (
-    all_gather,
-    all_gatherv,
-    all_reduce,
-    all_to_all,
-    all_to_all_single,
-    all_to_allv,
+    all_gather_object,
     available_backends,
-    barrier,
-    bcast,
-    broadcast,
+    broadcast_object,
     finalize,
-    gather,
-    gatherv,
     get_backends,
     get_rank,
     get_size,
@@ -37,12 +29,6 @@ from .api import (
     init,
     is_initialized,
     new_group,
-    recv,
-    reduce,
-    reduce_scatter,
-    scatter,
-    scatterv,
-    send,
     synchronize,
 )
 from .backends import Backend, Capabilities, register_backend
@@ -54,7 +40,7 @@ from .errors import (
     MCRDLError,
     UnsupportedOperationError,
 )
-from .fusion import (
+from .extensions import (
     CompressionConfig,
     FusionConfig,
     LoggingConfig,
@@ -67,8 +53,12 @@ from .fusion import (
     reset_log,
 )
 from .groups import Group
-from .ops import ReduceOp
+from .ops import ALIASES, OPS, ReduceOp
 from .work import Work
+
+# The operations: mcrdl.all_reduce(backend, tensor, ...) and the others, one function per
+# spec of mcrdl.ops.OPS, made in mcrdl.api.
+globals().update({name: getattr(api, name) for name in (*OPS, *ALIASES)})
 
 Work.register(_C.Work)
 Work.register(_C.FusedCall)
@@ -78,9 +68,7 @@ __version__ = "0.1.0"
 __all__ = [
     "init", "finalize", "is_initialized", "available_backends", "get_backends", "get_rank",
     "get_size", "get_world_size", "new_group", "synchronize",
-    "all_reduce", "reduce", "bcast", "broadcast", "all_gather", "gather", "scatter",
-    "reduce_scatter", "all_to_all_single", "all_to_all", "gatherv", "scatterv", "all_gatherv",
-    "all_to_allv", "send", "recv", "barrier",
+    *OPS, *ALIASES, "all_gather_object", "broadcast_object",
     "ReduceOp", "Group", "Work", "Backend", "Capabilities", "register_backend",
     "MCRDLError", "BackendUnavailableError", "InvalidArgumentError", "UnsupportedOperationError",
     "CommTimeoutError", "DesyncError",

@@ -1,6 +1,12 @@
-"""Set-up traffic between ranks: object exchange for init/new_group and the TCP store
-that Gloo (and third-party backends) rendezvous on. Main thread only; never on the
-hot path."""
+"""Set-up traffic between ranks: object collectives (init, new_group, the public
+``mcrdl.all_gather_object`` / ``broadcast_object``) and the TCP store that Gloo (and
+third-party backends) rendezvous on. Main thread only; never on the hot path.
+
+Objects are pickled and moved as bytes over the MPI world when there is one (its own
+duplicated communicators, nonblocking calls polled under the timeout), else over the
+TCP store (whose own timeout applies). Every wait is bounded: a rank that never joins
+an object collective makes the others raise CommTimeoutError.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,12 @@ import os
 import pickle
 import socket
 import sys
+import time
 
-from .errors import BackendUnavailableError
+import numpy as np
+
+from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
+from .groups import Group, bad_group_error
 from .launch import LaunchInfo
 
 
@@ -37,38 +47,138 @@ def mpi_module():
 
 
 class Bootstrap:
-    """Object collectives over the MPI world when there is one, else over a TCP store."""
+    """Object collectives over the world and the groups of :meth:`add_group`."""
 
     def __init__(self, info: LaunchInfo, timeout: float):
         self.info = info
         self.timeout = timeout
-        self._comm = None
+        self._comms: dict[int, object] = {}  # group id -> MPI communicator (members only)
+        self._seqs: dict[int, int] = {}  # group id -> object collectives so far (store)
         self._store = None
-        self._seq = 0
         if info.mpi_world:
-            self._comm = mpi_module().COMM_WORLD.Dup()
+            self._comms[0] = mpi_module().COMM_WORLD.Dup()
+        self.world = Group(range(self.size), self.rank, 0)
+        self._groups: dict[int, Group] = {0: self.world}
+
+    @property
+    def mpi(self) -> bool:
+        return self.info.mpi_world
 
     @property
     def rank(self) -> int:
-        return self._comm.Get_rank() if self._comm is not None else self.info.rank
+        comm = self._comms.get(0)
+        return comm.Get_rank() if comm is not None else self.info.rank
 
     @property
     def size(self) -> int:
-        return self._comm.Get_size() if self._comm is not None else self.info.size
+        comm = self._comms.get(0)
+        return comm.Get_size() if comm is not None else self.info.size
 
-    def allgather_obj(self, obj: object) -> list:
-        if self._comm is not None:
-            return self._comm.allgather(obj)
+    def add_group(self, group: Group) -> None:
+        """Make `group` usable for object collectives (collective over the world)."""
+        self._groups[group.id] = group
+        if self.mpi:
+            MPI = mpi_module()
+            comm = self._comms[0].Split(0 if group.is_member else MPI.UNDEFINED,
+                                        max(group.rank, 0))
+            if group.is_member:
+                self._comms[group.id] = comm
+
+    # -- object collectives -------------------------------------------------------------
+    def all_gather_object(self, obj: object, group: Group | None = None) -> list:
+        """Every member's `obj`, in group rank order (collective over the group)."""
+        g = self._member_group(group, "all_gather_object")
+        data = pickle.dumps(obj)
+        if self.mpi:
+            return [pickle.loads(b) for b in self._mpi_all_gather(g, data)]
+        seq = self._next(g)
         store = self.store()
-        self._seq += 1
-        store.set(f"bootstrap/{self._seq}/{self.rank}", pickle.dumps(obj))
-        return [pickle.loads(store.get(f"bootstrap/{self._seq}/{r}")) for r in range(self.size)]
+        store.set(f"obj/{g.id}/{seq}/{g.rank}", data)
+        return [pickle.loads(self._store_get(store, f"obj/{g.id}/{seq}/{r}", g, seq,
+                                             "all_gather_object"))
+                for r in range(g.size)]
 
-    def bcast_obj(self, obj: object, root: int = 0) -> object:
-        if self._comm is not None:
-            return self._comm.bcast(obj, root=root)
-        return self.allgather_obj(obj if self.rank == root else None)[root]
+    def broadcast_object(self, obj: object, src: int = 0, group: Group | None = None) -> object:
+        """`obj` of group rank `src` on every member (collective over the group)."""
+        g = self._member_group(group, "broadcast_object")
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < g.size:
+            raise InvalidArgumentError(
+                f"broadcast_object: 'src' is {src!r}; expected a group rank in "
+                f"[0, {g.size - 1}]")
+        data = pickle.dumps(obj) if g.rank == src else b""
+        if self.mpi:
+            return pickle.loads(self._mpi_bcast(g, data, src))
+        seq = self._next(g)
+        store = self.store()
+        key = f"obj/{g.id}/{seq}/bcast"
+        if g.rank == src:
+            store.set(key, data)
+            return obj
+        return pickle.loads(self._store_get(store, key, g, seq, "broadcast_object"))
 
+    def _member_group(self, group: Group | None, op: str) -> Group:
+        if group is None:
+            return self.world
+        known = self._groups.get(getattr(group, "id", None))
+        if known is not group or not group.is_member:
+            raise bad_group_error(group)
+        return group
+
+    def _next(self, g: Group) -> int:
+        seq = self._seqs.get(g.id, 0) + 1
+        self._seqs[g.id] = seq
+        return seq
+
+    def _timed_out(self, op: str, g: Group) -> CommTimeoutError:
+        return CommTimeoutError(
+            f"{op} (group {g.describe()}, object collective number {self._seqs.get(g.id, 0)}) "
+            f"did not complete within {self.timeout} s; a rank of the group may never have "
+            "called it, may be stuck, or may have died")
+
+    def _wait(self, requests: list, op: str, g: Group) -> None:
+        """Poll MPI requests until done (sleeping back-off), CommTimeoutError past the
+        timeout. Object collectives are set-up traffic: latency does not matter here."""
+        MPI = mpi_module()
+        deadline = time.monotonic() + self.timeout
+        delay = 1e-6
+        while not MPI.Request.Testall(requests):
+            if time.monotonic() > deadline:
+                raise self._timed_out(op, g)
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def _mpi_all_gather(self, g: Group, data: bytes) -> list[bytes]:
+        self._next(g)
+        comm = self._comms[g.id]
+        sizes = np.zeros(g.size, dtype=np.int64)
+        mine = np.array([len(data)], dtype=np.int64)
+        self._wait([comm.Iallgather(mine, sizes)], "all_gather_object", g)
+        displs = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        out = bytearray(int(sizes.sum()))
+        send = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(0, np.uint8)
+        req = comm.Iallgatherv(send, [out, (sizes.tolist(), displs.tolist()), mpi_module().BYTE])
+        self._wait([req], "all_gather_object", g)
+        return [bytes(out[d:d + n]) for d, n in zip(displs.tolist(), sizes.tolist(), strict=True)]
+
+    def _mpi_bcast(self, g: Group, data: bytes, src: int) -> bytes:
+        self._next(g)
+        comm = self._comms[g.id]
+        size = np.array([len(data)], dtype=np.int64)
+        self._wait([comm.Ibcast(size, root=src)], "broadcast_object", g)
+        buf = bytearray(data) if g.rank == src else bytearray(int(size[0]))
+        if buf:
+            self._wait([comm.Ibcast([buf, mpi_module().BYTE], root=src)], "broadcast_object", g)
+        return bytes(buf)
+
+    def _store_get(self, store, key: str, g: Group, seq: int, op: str) -> bytes:
+        try:
+            return store.get(key)
+        except RuntimeError as exc:  # the store's own timeout
+            if "imeout" in str(exc) or "timed out" in str(exc):
+                raise self._timed_out(op, g) from None
+            raise
+
+    # -- the TCP store ------------------------------------------------------------------
     def store(self):
         """A torch.distributed store shared by all ranks (created on first use)."""
         if self._store is None:
@@ -80,7 +190,8 @@ class Bootstrap:
 
         td = datetime.timedelta(seconds=self.timeout)
         env = os.environ
-        if self._comm is not None:
+        comm = self._comms.get(0)
+        if comm is not None:
             host = env.get("MASTER_ADDR") or _this_host(self.info)
             store = None
             if self.rank == 0:
@@ -88,7 +199,7 @@ class Bootstrap:
                 addr = (host, store.port)
             else:
                 addr = None
-            host, port = self._comm.bcast(addr, root=0)
+            host, port = comm.bcast(addr, root=0)
             if store is None:
                 store = dist.TCPStore(host, port, self.size, False, td)
         elif self.info.launcher == "single":
@@ -106,12 +217,15 @@ class Bootstrap:
 
     def close(self) -> None:
         """Collective: rank 0 hosts the store, so it leaves only after every rank is done."""
-        if self._comm is not None:
-            self._comm.Barrier()
-            self._comm.Free()
-            self._comm = None
+        world = self._comms.pop(0, None)
+        for comm in self._comms.values():
+            comm.Free()
+        self._comms.clear()
+        if world is not None:
+            world.Barrier()
+            world.Free()
         elif self._store is not None and self.size > 1:
-            self.allgather_obj(None)
+            self.all_gather_object(None)
             if self.rank == 0:
                 self._store.wait([f"bootstrap/closed/{r}" for r in range(1, self.size)])
             else:

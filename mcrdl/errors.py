@@ -14,7 +14,25 @@ class InvalidArgumentError(MCRDLError, ValueError):
 
 
 class UnsupportedOperationError(MCRDLError):
-    """The backend cannot do this operation at all; the message names backends that can."""
+    """The backend cannot do this operation at all; the message names backends that can.
+
+    ``op`` and ``backend`` name the call; ``alternatives`` (the backends that have the
+    operation) is filled in by the front, which knows the registry. Given one argument
+    (as the C++ core raises it), that is the whole message."""
+
+    def __init__(self, op: str, backend: str | None = None,
+                 alternatives: list[str] | None = None):
+        self.op, self.backend, self.alternatives = op, backend, alternatives
+        if backend is None:
+            super().__init__(op)
+            return
+        text = f"{op}: backend '{backend}' does not implement it"
+        if alternatives is not None:
+            text += f"; backends that do: {', '.join(alternatives) if alternatives else 'none'}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        return type(self), (self.op, self.backend, self.alternatives)
 
 
 class CommTimeoutError(MCRDLError, TimeoutError):

@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-from mcrdl import bench
+from mcrdl.ops import OPS
+from mcrdl.tools import bench
+from mcrdl.tuning import sizes
 
 MPIEXEC = shutil.which("mpiexec")
 RUN_TIMEOUT_S = 300
@@ -48,7 +50,7 @@ def test_two_ranks_json_rows_are_sane(tmp_path):
     out = tmp_path / "bench.json"
     ops, backends = ["all_reduce", "all_gather"], ["mpi", "gloo"]
     options = "--max-bytes 4K --iters 3 --warmup 1".split()
-    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "mcrdl.bench", *options]
+    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "mcrdl.tools.bench", *options]
     command += ["--op", *ops, "--backend", *backends, "--json", str(out)]
     result = run_command(command, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -75,7 +77,7 @@ def test_two_ranks_json_rows_are_sane(tmp_path):
 
 
 def test_bad_size_suffix_exits_nonzero_with_message():
-    result = run_command([sys.executable, "-m", "mcrdl.bench", "--max-bytes", "4X"], timeout=120)
+    result = run_command([sys.executable, "-m", "mcrdl.tools.bench", "--max-bytes", "4X"], timeout=120)
     assert result.returncode != 0
     assert "invalid size '4X'" in result.stderr
     assert "K, M or G" in result.stderr
@@ -116,16 +118,16 @@ def test_argument_errors(argv, message, capsys):
     ],
 )
 def test_parse_size(text, nbytes):
-    assert bench.parse_size(text) == nbytes
+    assert sizes.parse_size(text) == nbytes
 
 
 def test_sizes_and_counts():
-    assert bench.size_range(8, 4096, 2) == [8 << k for k in range(10)]
-    assert bench.size_range(8, 100, 4) == [8, 32]
+    assert sizes.size_range(8, 4096, 2) == [8 << k for k in range(10)]
+    assert sizes.size_range(8, 100, 4) == [8, 32]
     # all_gather's size is its output: rounded to a multiple of n elements, at least n.
     assert bench.element_count("all_gather", 8, 4, 3) == 3
     assert bench.element_count("all_gather", 64, 4, 3) == 15
     assert bench.element_count("all_reduce", 64, 4, 3) == 16
     assert bench.element_count("barrier", 64, 4, 3) == 0
-    assert bench.BUS_FACTORS["all_reduce"](4) == pytest.approx(1.5)
-    assert bench.BUS_FACTORS["bcast"](4) == 1.0
+    assert OPS["all_reduce"].bus_factor(4) == pytest.approx(1.5)
+    assert OPS["bcast"].bus_factor(4) == 1.0

@@ -13,8 +13,9 @@ import sys
 import pytest
 
 import mcrdl
-from mcrdl.fusion import comm_logger
-from mcrdl.fusion.comm_logger import BUS_FACTORS, bucket_of
+from mcrdl.extensions import comm_logger
+from mcrdl.extensions.comm_logger import bucket_of
+from mcrdl.ops import OPS
 
 from ._launch import mpiexec_or_skip, run_launcher
 
@@ -75,9 +76,10 @@ def overlapping(doc: dict, pid: int, a: str, b: str) -> bool:
 
 def test_buckets_and_bus_bandwidth_factors():
     assert [bucket_of(n) for n in (0, 1, 3, 1024, 1500, 4096)] == [0, 1, 2, 1024, 1024, 4096]
-    assert BUS_FACTORS["all_reduce"](4) == 1.5 and BUS_FACTORS["all_gather"](4) == 0.75
-    assert BUS_FACTORS["bcast"](8) == BUS_FACTORS["send"](2) == 1.0
-    assert BUS_FACTORS["gather"](4) == BUS_FACTORS["all_to_all_single"](4) == 0.75
+    factor = {op: spec.bus_factor for op, spec in OPS.items()}
+    assert factor["all_reduce"](4) == 1.5 and factor["all_gather"](4) == 0.75
+    assert factor["bcast"](8) == factor["send"](2) == 1.0
+    assert factor["gather"](4) == factor["all_to_all_single"](4) == 0.75
 
 
 def test_summary_and_trace_of_records(tmp_path, capsys):

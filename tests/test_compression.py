@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mcrdl
-from mcrdl.fusion.compression import _RAW, _ZFP, decode, encode
+from mcrdl.extensions.compression import _RAW, _ZFP, decode, encode
 
 from ._launch import mpiexec_or_skip, run_launcher
 

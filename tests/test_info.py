@@ -8,7 +8,7 @@ from mcrdl.backends.cray_mpich import is_cray_mpich, recommended_env
 
 
 def test_mcrdl_info_lists_every_backend_with_a_reason():
-    out = subprocess.run([sys.executable, "-m", "mcrdl.info", "--json"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "mcrdl.tools.info", "--json"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     info = json.loads(out)
     b = info["backends"]
@@ -18,7 +18,7 @@ def test_mcrdl_info_lists_every_backend_with_a_reason():
     assert b["pccl"]["available"] and b["pccl"]["ops"] == 3
     assert not b["cray-mpich"]["available"]
     assert "not Cray MPICH" in b["cray-mpich"]["why"] and "'mpi'" in b["cray-mpich"]["why"]
-    text = subprocess.run([sys.executable, "-m", "mcrdl.info"], capture_output=True, text=True,
+    text = subprocess.run([sys.executable, "-m", "mcrdl.tools.info"], capture_output=True, text=True,
                           timeout=120, check=True).stdout
     assert "cray-mpich" in text and "unavailable" in text and "pccl" in text
 

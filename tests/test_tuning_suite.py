@@ -13,7 +13,7 @@ HERE = os.path.dirname(__file__)
 
 
 def tune(args, timeout=240, expect_rc=0):
-    cmd = [mpiexec_or_skip(), "-n", "3", sys.executable, "-m", "mcrdl.tuning.cli", *args]
+    cmd = [mpiexec_or_skip(), "-n", "3", sys.executable, "-m", "mcrdl.tools.tune", *args]
     return run_launcher(cmd, env=dict(os.environ, MCRDL_TIMEOUT="60"), timeout=timeout,
                         expect_rc=expect_rc)
 
@@ -61,13 +61,13 @@ def test_run_resume_and_plot(tmp_path):
     confirmed = json.loads(out.read_text())
     assert confirmed["ops"]["all_reduce"]["2"]["times"]["gloo"][forged] > 1e-6
     assert confirmed["ops"]["all_gather"] == data["ops"]["all_gather"]  # nothing forged there
-    model = run_launcher([sys.executable, "-m", "mcrdl.tuning.cli", "model", str(out)],
+    model = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "model", str(out)],
                          timeout=120)
     rows = [line.split() for line in model.splitlines() if line.startswith("  ")]
     assert {(r[0], r[1]) for r in rows} >= {("mpi", "all_reduce"), ("gloo", "all_gather")}
     assert all(r[4].endswith("%") for r in rows), model
     pytest.importorskip("matplotlib")
-    plots = run_launcher([sys.executable, "-m", "mcrdl.tuning.cli", "plot", str(out),
+    plots = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "plot", str(out),
                           "--out-dir", str(tmp_path / "png")], timeout=120)
     pngs = [line for line in plots.split() if line.endswith(".png")]
     assert any("all_reduce_heatmap" in p for p in pngs) and any("latency" in p for p in pngs)

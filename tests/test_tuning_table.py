@@ -698,7 +698,7 @@ def test_table_model_matches_model_fit():
 
 
 def test_suspicious_points_are_isolated_flips_and_close_calls():
-    from mcrdl.tuning.suite import suspicious_points
+    from mcrdl.tools.tuning_suite import suspicious_points
 
     t = TuningTable({})
     sizes = [8, 64, 512, 4096, 32768]

@@ -2,27 +2,28 @@
 
 A backend declares its :class:`Capabilities`, tells whether it is usable in this
 process (:meth:`Backend.availability`), is constructed collectively by ``mcrdl.init``
-and implements the operations it supports. The front (``mcrdl.api``) resolves the
-backend name and calls the method of the same name as the operation, with group
-resolved to a :class:`~mcrdl.groups.Group` (or None for the world) and ``op`` to a
-:class:`~mcrdl.ops.ReduceOp`. Operations not overridden raise
-UnsupportedOperationError naming the backends that can do them.
+and implements the operations it supports as methods named like them, taking the
+parameters of :data:`mcrdl.ops.OPS` in order, then ``group`` (a
+:class:`~mcrdl.groups.Group`, None for the world) and ``async_op``; ``op`` arguments
+arrive as :class:`~mcrdl.ops.ReduceOp`. The methods it does not implement raise
+UnsupportedOperationError (the front names the backends that have the operation).
 
 Third-party backends subclass :class:`Backend` and register with
 :func:`mcrdl.backends.register_backend` or the ``mcrdl.backends`` entry-point group
-(``name = "package.module:BackendClass"``). Their arguments are validated by the front
-before the method is called unless the class sets ``validates_arguments = True``.
+(``name = "package.module:BackendClass"``). Their arguments are validated before the
+method is called unless the class sets ``validates_arguments = True``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ..errors import UnsupportedOperationError
-from ..ops import DTYPES, OPERATIONS
+from ..ops import DTYPES, OPS, OpSpec
 
 if TYPE_CHECKING:
     from ..bootstrap import Bootstrap
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend can do: operation names, dtypes, device types, stream awareness."""
+    """What a backend can do: operation names (None: the operations its class
+    implements), dtypes, device types, stream awareness."""
 
-    ops: frozenset[str] = frozenset(OPERATIONS)
+    ops: frozenset[str] | None = None
     dtypes: frozenset[torch.dtype] = frozenset(DTYPES)
     devices: frozenset[str] = frozenset({"cpu"})
     stream_aware: bool = False
@@ -42,11 +44,14 @@ class Capabilities:
 
 @dataclass
 class InitContext:
-    """What a backend's constructor gets: the bootstrap channel, timeout, world groups."""
+    """What a backend's constructor gets: the bootstrap channel, timeout, world group,
+    and ``peer(name)``: another initialized backend of this process (None when it is not
+    initialized), for backends that run a phase of their ops on another one."""
 
     bootstrap: Bootstrap
     timeout: float
     world: Group
+    peer: Callable[[str], Backend | None] = lambda name: None
 
 
 class Backend:
@@ -60,6 +65,14 @@ class Backend:
     def availability(cls, launch) -> str | None:
         """None when usable in this process, else the reason it is not."""
         return None
+
+    @classmethod
+    def supported_ops(cls) -> frozenset[str]:
+        """The operations of this backend: its capabilities' list, else those its class
+        implements."""
+        if cls.capabilities.ops is not None:
+            return cls.capabilities.ops
+        return frozenset(op for op in OPS if getattr(cls, op) is not getattr(Backend, op))
 
     def __init__(self, ctx: InitContext):
         self.ctx = ctx
@@ -80,62 +93,18 @@ class Backend:
     def mark_failed(self, why: str) -> None:
         """Ops no longer match across ranks (timeout, desync): refuse new ones from now on."""
 
-    # -- operations (override what the backend supports) -----------------------------
-    def _unsupported(self, op: str):
-        from .registry import backends_supporting
 
-        others = [b for b in backends_supporting(op) if b != self.name]
-        raise UnsupportedOperationError(
-            f"{op}: backend '{self.name}' does not implement it; backends that do: "
-            f"{', '.join(others) if others else 'none'}"
-        )
+def _unsupported(spec: OpSpec):
+    def method(self, *args):
+        raise UnsupportedOperationError(spec.name, self.name)
 
-    def all_reduce(self, tensor, op, group, async_op):
-        self._unsupported("all_reduce")
+    method.__name__ = method.__qualname__ = spec.name
+    method.__doc__ = (f"{spec.doc}\n\nBackend method: {spec.name}({spec.signature()}). "
+                      "Not implemented by this backend.")
+    return method
 
-    def reduce(self, tensor, dst, op, group, async_op):
-        self._unsupported("reduce")
 
-    def bcast(self, tensor, src, group, async_op):
-        self._unsupported("bcast")
-
-    def all_gather(self, output, input, group, async_op):
-        self._unsupported("all_gather")
-
-    def gather(self, output, input, dst, group, async_op):
-        self._unsupported("gather")
-
-    def scatter(self, output, input, src, group, async_op):
-        self._unsupported("scatter")
-
-    def reduce_scatter(self, output, input, op, group, async_op):
-        self._unsupported("reduce_scatter")
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
-                          async_op):
-        self._unsupported("all_to_all_single")
-
-    def all_to_all(self, output_list, input_list, group, async_op):
-        self._unsupported("all_to_all")
-
-    def gatherv(self, output, input, counts, displs, dst, group, async_op):
-        self._unsupported("gatherv")
-
-    def scatterv(self, output, input, counts, displs, src, group, async_op):
-        self._unsupported("scatterv")
-
-    def all_gatherv(self, output, input, counts, displs, group, async_op):
-        self._unsupported("all_gatherv")
-
-    def all_to_allv(self, output, input, send_counts, recv_counts, send_displs, recv_displs,
-                    group, async_op):
-        self._unsupported("all_to_allv")
-
-    def send(self, tensor, dst, tag, group, async_op):
-        self._unsupported("send")
-
-    def recv(self, tensor, src, tag, group, async_op):
-        self._unsupported("recv")
-
-    def barrier(self, group, async_op):
-        self._unsupported("barrier")
+# The operations, one method each, derived from the specs (override what you support).
+for _spec in OPS.values():
+    setattr(Backend, _spec.name, _unsupported(_spec))
+del _spec

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import _C
 from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
 from ..groups import Group, bad_group_error
-from ..ops import ReduceOp
+from ..ops import ReduceOp, reduce_plan
 from ..work import ThreadedWait, Work, poll_until
 from .base import Backend, InitContext
 
@@ -35,21 +35,15 @@ _TORCH_OP = {
     ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
     ReduceOp.MIN: dist.ReduceOp.MIN,
     ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.AVG: dist.ReduceOp.SUM,  # then divided by the group size
+    ReduceOp.AVG: dist.ReduceOp.AVG,
     ReduceOp.BAND: dist.ReduceOp.BAND,
     ReduceOp.BOR: dist.ReduceOp.BOR,
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
-# bool tensors reduce as uint8 0/1: or = MAX, and = MIN, xor = BXOR.
-_BOOL_OP = {
-    ReduceOp.SUM: dist.ReduceOp.MAX,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.BOR: dist.ReduceOp.MAX,
-    ReduceOp.PRODUCT: dist.ReduceOp.MIN,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.BAND: dist.ReduceOp.MIN,
-    ReduceOp.BXOR: dist.ReduceOp.BXOR,
-}
+# bool reduces as uint8 0/1 (ops.reduce_plan): or and and as MAX and MIN, which every
+# library has (NCCL has no bitwise operators).
+_BOOL_OP = {ReduceOp.BOR: dist.ReduceOp.MAX, ReduceOp.BAND: dist.ReduceOp.MIN,
+            ReduceOp.BXOR: dist.ReduceOp.BXOR}
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -266,20 +260,13 @@ class C10dBackend(Backend):
         return None
 
     def _reduce_args(self, t: torch.Tensor, op: ReduceOp):
-        """(buffer to reduce, torch.distributed op, whether to divide by the group size).
-
-        bool reduces as uint8 0/1; AVG is the library's own when it has one, else SUM and
-        a division, in float32 for float16/bfloat16 (a half-precision SUM overflows long
-        before the average does)."""
+        """(buffer to reduce, torch.distributed op, whether to divide by the group size),
+        by the shared rule of ops.reduce_plan (the libraries reduce 16-bit floats)."""
+        plan = reduce_plan(t.dtype, op, native_avg=self.native_avg, native_half=True)
         if t.dtype == torch.bool:
-            return t.view(torch.uint8), _BOOL_OP[op], False
-        if op != ReduceOp.AVG:
-            return t, _TORCH_OP[op], False
-        if self.native_avg:
-            return t, dist.ReduceOp.AVG, False
-        if t.dtype in (torch.float16, torch.bfloat16):
-            return t.float(), dist.ReduceOp.SUM, True
-        return t, dist.ReduceOp.SUM, True
+            return t.view(torch.uint8), _BOOL_OP[plan.op], False
+        buf = t if plan.dtype == t.dtype else t.to(plan.dtype)
+        return buf, _TORCH_OP[plan.op], plan.average
 
     def _alltoall(self, g, out, inp, out_splits, in_splits):
         return g.pg.alltoall_base(out, inp, out_splits, in_splits,
@@ -288,7 +275,7 @@ class C10dBackend(Backend):
     # -- operations ----------------------------------------------------------------
     def all_reduce(self, tensor, op, group, async_op):
         g = self._group(group)
-        _C.validate("all_reduce", tensor, op)
+        _C.validate("all_reduce", tensor, op, g.rank, g.size)
         self._check_device("all_reduce", tensor)
         buf, top, divide = self._reduce_args(tensor, op)
         opts = dist.AllreduceOptions()
@@ -299,7 +286,7 @@ class C10dBackend(Backend):
 
     def reduce(self, tensor, dst, op, group, async_op):
         g = self._group(group)
-        _C.validate("reduce", tensor, dst, op, g.size)
+        _C.validate("reduce", tensor, dst, op, g.rank, g.size)
         self._check_device("reduce", tensor)
         root = dst == g.rank
         target = tensor if root else tensor.clone()  # others' tensor stays unchanged
@@ -314,7 +301,7 @@ class C10dBackend(Backend):
 
     def bcast(self, tensor, src, group, async_op):
         g = self._group(group)
-        _C.validate("bcast", tensor, src, g.size)
+        _C.validate("bcast", tensor, src, g.rank, g.size)
         self._check_device("bcast", tensor)
         opts = dist.BroadcastOptions()
         opts.rootRank = src
@@ -324,7 +311,7 @@ class C10dBackend(Backend):
 
     def all_gather(self, output, input, group, async_op):
         g = self._group(group)
-        _C.validate("all_gather", output, input, g.size)
+        _C.validate("all_gather", output, input, g.rank, g.size)
         self._check_device("all_gather", input)
         inp = input.clone() if _overlaps(input, output) else input
         if isinstance(output, torch.Tensor):
@@ -373,7 +360,7 @@ class C10dBackend(Backend):
 
     def reduce_scatter(self, output, input, op, group, async_op):
         g = self._group(group)
-        _C.validate("reduce_scatter", output, input, op, g.size)
+        _C.validate("reduce_scatter", output, input, op, g.rank, g.size)
         self._check_device("reduce_scatter", output)
         if self.native_reduce_scatter:
             return self._reduce_scatter_native(g, output, input, op, async_op)
@@ -409,8 +396,9 @@ class C10dBackend(Backend):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
                           async_op):
         g = self._group(group)
-        in_splits, out_splits = _C.validate("all_to_all_single", output, input,
-                                            output_split_sizes, input_split_sizes, g.size)
+        out_splits, in_splits = _C.validate("all_to_all_single", output, input,
+                                            output_split_sizes, input_split_sizes, g.rank,
+                                            g.size)
         self._check_device("all_to_all_single", input)
         inp = input.clone() if _overlaps(input, output) else input
         work = g.pg.alltoall_base(output, inp, out_splits, in_splits, dist.AllToAllOptions())
@@ -418,7 +406,7 @@ class C10dBackend(Backend):
 
     def all_to_all(self, output_list, input_list, group, async_op):
         g = self._group(group)
-        _C.validate("all_to_all", output_list, input_list, g.size)
+        _C.validate("all_to_all", output_list, input_list, g.rank, g.size)
         self._check_device("all_to_all", input_list[0])
         send = torch.cat([_flat(t) for t in input_list])
         rsizes = [t.numel() for t in output_list]
@@ -429,7 +417,7 @@ class C10dBackend(Backend):
 
     def gatherv(self, output, input, counts, displs, dst, group, async_op):
         g = self._group(group)
-        displs = _C.validate("gatherv", output, input, counts, displs, dst, g.rank, g.size)
+        (displs,) = _C.validate("gatherv", output, input, counts, displs, dst, g.rank, g.size)
         self._check_device("gatherv", input)
         send_splits = [0] * g.size
         send_splits[dst] = input.numel()
@@ -442,7 +430,7 @@ class C10dBackend(Backend):
 
     def scatterv(self, output, input, counts, displs, src, group, async_op):
         g = self._group(group)
-        displs = _C.validate("scatterv", output, input, counts, displs, src, g.rank, g.size)
+        (displs,) = _C.validate("scatterv", output, input, counts, displs, src, g.rank, g.size)
         self._check_device("scatterv", output)
         root = src == g.rank
         send = _take(input, counts, displs) if root else output.new_empty(0).view(-1)
@@ -454,7 +442,7 @@ class C10dBackend(Backend):
 
     def all_gatherv(self, output, input, counts, displs, group, async_op):
         g = self._group(group)
-        displs = _C.validate("all_gatherv", output, input, counts, displs, g.rank, g.size)
+        (displs,) = _C.validate("all_gatherv", output, input, counts, displs, g.rank, g.size)
         self._check_device("all_gatherv", input)
         send = _flat(input).repeat(g.size)
         recv = input.new_empty(sum(counts))
@@ -466,7 +454,7 @@ class C10dBackend(Backend):
                     group, async_op):
         g = self._group(group)
         sd, rd = _C.validate("all_to_allv", output, input, send_counts, recv_counts,
-                             send_displs, recv_displs, g.size)
+                             send_displs, recv_displs, g.rank, g.size)
         self._check_device("all_to_allv", input)
         send = _take(input, send_counts, sd)
         recv = input.new_empty(sum(recv_counts))

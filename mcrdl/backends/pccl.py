@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ from .. import _C
 from ..bootstrap import mpi_module
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..groups import Group
-from ..ops import ReduceOp
+from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
 from ..work import Work
 from .base import Capabilities, InitContext
 from .mpi import MPILaneBackend
@@ -51,10 +52,6 @@ ALGORITHMS = ("ring", "rd", "mpi")
 # nccl/rccl would take GPU tensors, which the inter-node phase over MPI does not accept.
 INTRA_BACKENDS = ("gloo",)
 INTRA_CHOICES = (*ALGORITHMS, *INTRA_BACKENDS)
-_BOOL_OP = {ReduceOp.SUM: ReduceOp.BOR, ReduceOp.MAX: ReduceOp.BOR, ReduceOp.BOR: ReduceOp.BOR,
-            ReduceOp.PRODUCT: ReduceOp.BAND, ReduceOp.MIN: ReduceOp.BAND,
-            ReduceOp.BAND: ReduceOp.BAND, ReduceOp.BXOR: ReduceOp.BXOR}
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _fold(p: int) -> tuple[int, int]:
@@ -338,7 +335,6 @@ class _Hier:
 class PCCLBackend(MPILaneBackend):
     name = "pccl"
     capabilities = Capabilities(
-        ops=frozenset({"all_gather", "reduce_scatter", "all_reduce"}),
         notes={"layout": "hierarchical on even node layouts, flat otherwise",
                "float16/bfloat16": "reduced in float32, rounded once"},
     )
@@ -350,8 +346,16 @@ class PCCLBackend(MPILaneBackend):
             return "needs an MPI world for its point-to-point phases: " + why
         return why
 
+    _current: weakref.ref | None = None  # the initialized instance (one per process)
+
+    @classmethod
+    def current(cls) -> PCCLBackend | None:
+        """The initialized "pccl" backend of this process, or None."""
+        return cls._current() if cls._current is not None else None
+
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
+        PCCLBackend._current = weakref.ref(self)
         self._base = self._MPI.COMM_WORLD.Dup()
         self.world_nodes = node_ids(self._base, self._base.Get_size())
         self.model = CostModel.from_env()
@@ -430,6 +434,7 @@ class PCCLBackend(MPILaneBackend):
             c.Free()
         self._mpi_comms.clear()
         self._base.Free()
+        PCCLBackend._current = None
 
     # -- algorithm choice ---------------------------------------------------------------
     def algorithms(self, comm: _C.PcclComm, block_bytes: int) -> tuple[str, str]:
@@ -451,7 +456,7 @@ class PCCLBackend(MPILaneBackend):
         h = self._hier.get(0 if group is None else group.id)
         if h is None:
             return None
-        d = _backend_object(name)  # the backend itself: the node group is internal
+        d = self.ctx.peer(name)  # the backend itself: the node group is internal
         if d is None:
             raise BackendUnavailableError(
                 f"{op}: pccl's intra-node phase is set to backend {name!r} (MCRDL_PCCL_INTRA "
@@ -531,21 +536,13 @@ class PCCLBackend(MPILaneBackend):
         return self._run(lambda a: c.all_gather(_words(out), _words(inp), *algos, a),
                          copy_out, async_op)
 
-    def _reduce_plan(self, dtype, op):
-        """(work dtype, reduce op code, average) for a reduction of `dtype` with `op`."""
-        if dtype == torch.bool:
-            return torch.uint8, _BOOL_OP[op], False
-        work = torch.float32 if dtype in _HALF else dtype
-        if op == ReduceOp.AVG:
-            return work, ReduceOp.SUM, True
-        return work, op, False
-
     def reduce_scatter(self, output, input, op, group, async_op):
         self._check_device("reduce_scatter", output)
         c = self.comm(group)
         src = (torch.cat([t.reshape(-1) for t in input]) if isinstance(input, (list, tuple))
                else input.reshape(-1))
-        wdtype, code, avg = self._reduce_plan(output.dtype, op)
+        plan = reduce_plan(output.dtype, op)
+        wdtype, code, avg = plan.dtype, plan.op, plan.average
         src = _as(src, wdtype)
         flat = output.view(-1)
         out = _as(flat, wdtype) if output.dtype == torch.bool else (
@@ -569,7 +566,8 @@ class PCCLBackend(MPILaneBackend):
         self._check_device("all_reduce", tensor)
         c = self.comm(group)
         p, count = c.size, tensor.numel()
-        wdtype, code, avg = self._reduce_plan(tensor.dtype, op)
+        plan = reduce_plan(tensor.dtype, op)
+        wdtype, code, avg = plan.dtype, plan.op, plan.average
         m = -(-count // p)  # block per rank, the tensor padded to p * m
         buf = torch.zeros(p * m, dtype=wdtype)
         buf[:count].copy_(_as(tensor.reshape(-1), wdtype) if tensor.dtype == torch.bool
@@ -622,7 +620,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """Data movement is bit-exact: move 16-bit and bool tensors as integer words."""
-    if t.dtype in _HALF:
+    if t.dtype in HALF_DTYPES:
         return t.view(torch.int16)
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
@@ -630,22 +628,11 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def initialized(where: str = "pccl") -> PCCLBackend:
-    """The initialized "pccl" backend object itself (under mcrdl.api's validating and
-    debug wrappers): its layouts, cost model and algorithm settings."""
-    b = _backend_object("pccl")
+    """The initialized "pccl" backend object itself: its layouts, cost model and
+    algorithm settings."""
+    b = PCCLBackend.current()
     if b is None:
         raise BackendUnavailableError(f"{where}: backend 'pccl' is not initialized")
-    return b
-
-
-def _backend_object(name: str):
-    """The initialized backend `name` itself, under mcrdl.api's validating and debug
-    wrappers; None when it is not initialized."""
-    from .. import api
-
-    b = api._state.backends.get(name)
-    while b is not None and "_inner" in vars(b):
-        b = vars(b)["_inner"]
     return b
 
 

@@ -98,7 +98,7 @@ def backends_supporting(op: str) -> list[str]:
         if name in _NOT_BUILT:
             continue
         cls = backend_class(name)
-        if op in cls.capabilities.ops:
+        if op in cls.supported_ops():
             names.append(name)
     return names
 

@@ -2,6 +2,8 @@
 #include "lane.h"
 #include "pyargs.h"
 
+#include <unordered_map>
+
 namespace mcrdl {
 
 void bind_mpi(py::module_& m);
@@ -21,65 +23,85 @@ void translate(std::exception_ptr p) {
   }
 }
 
-py::object validate_binding(const char* op, const py::args& a) {
-  auto t = [&](int i, const char* name) { return to_tensor(a[i], op, name); };
-  auto i64 = [&](int i, const char* name) { return to_int(a[i], op, name); };
-  auto sz = [&](int i) { return static_cast<int>(to_int(a[i], op, "size")); };
-  std::string o(op);
+// Parameter positions of every operation, by name, read from mcrdl.ops.OPS at import:
+// the Python spec is the one place an operation's parameters are declared.
+std::unordered_map<std::string, std::unordered_map<std::string, int>> g_params;
+
+void load_op_specs() {
+  py::dict ops = py::module_::import("mcrdl.ops").attr("OPS");
+  for (auto item : ops) {
+    auto& index = g_params[item.first.cast<std::string>()];
+    for (auto p : item.second.attr("index").cast<py::dict>())
+      index[p.first.cast<std::string>()] = p.second.cast<int>();
+  }
+}
+
+// validate(op, *args, rank, size): `args` are the operation's parameters in spec order
+// (as its Backend method takes them), then the caller's group rank and the group size.
+// Returns None, or the values of the parameters validation fills in (split sizes,
+// displacements), in spec order.
+py::object validate_binding(const std::string& o, const py::args& a) {
+  auto spec = g_params.find(o);
+  if (spec == g_params.end()) throw_invalid("validate: unknown operation '" + o + "'");
+  const char* op = spec->first.c_str();
+  if (a.size() != spec->second.size() + 2)
+    throw_invalid("validate: " + o + " takes " + std::to_string(spec->second.size()) +
+                  " arguments plus rank and size, got " + std::to_string(a.size()));
+  auto arg = [&](const char* name) { return a[spec->second.at(name)]; };
+  auto t = [&](const char* name) { return to_tensor(arg(name), op, name); };
+  auto i64 = [&](const char* name) { return to_int(arg(name), op, name); };
+  auto counts = [&](const char* name, bool opt) { return to_counts(arg(name), op, name, opt); };
+  const int rank = static_cast<int>(to_int(a[a.size() - 2], op, "rank"));
+  const int size = static_cast<int>(to_int(a[a.size() - 1], op, "size"));
   if (o == "all_reduce") {
-    validate_all_reduce(t(0, "tensor"), (int)i64(1, "op"));
+    validate_all_reduce(t("tensor"), (int)i64("op"));
   } else if (o == "reduce") {
-    validate_reduce(t(0, "tensor"), i64(1, "dst"), (int)i64(2, "op"), sz(3));
+    validate_reduce(t("tensor"), i64("dst"), (int)i64("op"), size);
   } else if (o == "bcast") {
-    validate_bcast(t(0, "tensor"), i64(1, "src"), sz(2));
+    validate_bcast(t("tensor"), i64("src"), size);
   } else if (o == "all_gather") {
-    validate_all_gather(to_blocks(a[0], op, "output", false), t(1, "input"), sz(2));
+    validate_all_gather(to_blocks(arg("output"), op, "output", false), t("input"), size);
   } else if (o == "gather") {
-    validate_gather(to_blocks(a[0], op, "output", true), t(1, "input"), i64(2, "dst"),
-                    (int)i64(3, "rank"), sz(4));
+    validate_gather(to_blocks(arg("output"), op, "output", true), t("input"), i64("dst"), rank,
+                    size);
   } else if (o == "scatter") {
-    validate_scatter(t(0, "output"), to_blocks(a[1], op, "input", true), i64(2, "src"),
-                     (int)i64(3, "rank"), sz(4));
+    validate_scatter(t("output"), to_blocks(arg("input"), op, "input", true), i64("src"), rank,
+                     size);
   } else if (o == "reduce_scatter") {
-    validate_reduce_scatter(t(0, "output"), to_blocks(a[1], op, "input", false),
-                            (int)i64(2, "op"), sz(3));
+    validate_reduce_scatter(t("output"), to_blocks(arg("input"), op, "input", false),
+                            (int)i64("op"), size);
   } else if (o == "all_to_all_single") {
-    auto r = validate_all_to_all_single(t(0, "output"), t(1, "input"),
-                                        to_counts(a[2], op, "output_split_sizes", true),
-                                        to_counts(a[3], op, "input_split_sizes", true), sz(4));
-    return py::make_tuple(r.first, r.second);
+    auto r = validate_all_to_all_single(t("output"), t("input"),
+                                        counts("output_split_sizes", true),
+                                        counts("input_split_sizes", true), size);
+    return py::make_tuple(r.second, r.first);  // (output_split_sizes, input_split_sizes)
   } else if (o == "all_to_all") {
-    validate_all_to_all(to_tensor_list(a[0], op, "output_list"),
-                        to_tensor_list(a[1], op, "input_list"), sz(2));
+    validate_all_to_all(to_tensor_list(arg("output_list"), op, "output_list"),
+                        to_tensor_list(arg("input_list"), op, "input_list"), size);
   } else if (o == "gatherv") {
     at::Tensor s;
-    return py::cast(validate_gatherv(to_tensor_opt(a[0], op, "output", s), t(1, "input"),
-                                     *to_counts(a[2], op, "counts", false),
-                                     to_counts(a[3], op, "displs", true), i64(4, "dst"),
-                                     (int)i64(5, "rank"), sz(6)));
+    return py::make_tuple(validate_gatherv(to_tensor_opt(arg("output"), op, "output", s),
+                                           t("input"), *counts("counts", false),
+                                           counts("displs", true), i64("dst"), rank, size));
   } else if (o == "scatterv") {
     at::Tensor s;
-    return py::cast(validate_scatterv(t(0, "output"), to_tensor_opt(a[1], op, "input", s),
-                                      *to_counts(a[2], op, "counts", false),
-                                      to_counts(a[3], op, "displs", true), i64(4, "src"),
-                                      (int)i64(5, "rank"), sz(6)));
+    return py::make_tuple(validate_scatterv(t("output"), to_tensor_opt(arg("input"), op, "input", s),
+                                            *counts("counts", false), counts("displs", true),
+                                            i64("src"), rank, size));
   } else if (o == "all_gatherv") {
-    return py::cast(validate_all_gatherv(t(0, "output"), t(1, "input"),
-                                         *to_counts(a[2], op, "counts", false),
-                                         to_counts(a[3], op, "displs", true), (int)i64(4, "rank"),
-                                         sz(5)));
+    return py::make_tuple(validate_all_gatherv(t("output"), t("input"), *counts("counts", false),
+                                               counts("displs", true), rank, size));
   } else if (o == "all_to_allv") {
-    auto r = validate_all_to_allv(t(0, "output"), t(1, "input"),
-                                  *to_counts(a[2], op, "send_counts", false),
-                                  *to_counts(a[3], op, "recv_counts", false),
-                                  to_counts(a[4], op, "send_displs", true),
-                                  to_counts(a[5], op, "recv_displs", true), sz(6));
+    auto r = validate_all_to_allv(t("output"), t("input"), *counts("send_counts", false),
+                                  *counts("recv_counts", false), counts("send_displs", true),
+                                  counts("recv_displs", true), size);
     return py::make_tuple(r.first, r.second);
-  } else if (o == "send" || o == "recv") {
-    validate_p2p(o == "send" ? "send" : "recv", t(0, "tensor"), i64(1, o == "send" ? "dst" : "src"),
-                 i64(2, "tag"), (int)i64(3, "rank"), sz(4));
-  } else {
-    throw_invalid("validate: unknown operation '" + o + "'");
+  } else if (o == "send") {
+    validate_p2p("send", t("tensor"), i64("dst"), i64("tag"), rank, size);
+  } else if (o == "recv") {
+    validate_p2p("recv", t("tensor"), i64("src"), i64("tag"), rank, size);
+  } else if (o != "barrier") {
+    throw_invalid("validate: operation '" + o + "' has no checks in csrc/module.cpp");
   }
   return py::none();
 }
@@ -110,6 +132,7 @@ PYBIND11_MODULE(_C, m) {
                           "BackendUnavailableError", "MCRDLError"};
   for (int i = 0; i < 5; ++i) g_errors[i] = py::object(errors.attr(names[i])).release().ptr();
   py::register_exception_translator(&translate);
+  load_op_specs();
 
   py::class_<Work, std::shared_ptr<Work>>(m, "Work",
                                           "Handle of an async operation (API.md 'Work').")
@@ -148,8 +171,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_poll_spins", &set_poll_spins, py::arg("n"),
         "Polls a waiter makes before yielding the CPU between polls (0: yield at once).");
   m.def("validate", &validate_binding, py::arg("op"),
-        "validate(op, *args): the local argument checks of operation `op` (see validate.h for "
-        "the argument order); raises InvalidArgumentError. v variants return filled displs.");
+        "validate(op, *args, rank, size): the local argument checks of operation `op`, its "
+        "arguments in the order of mcrdl.ops.OPS[op]; raises InvalidArgumentError. Returns "
+        "None or the filled-in split sizes / displacements in spec order.");
   bind_mpi(m);
   bind_pccl(m);
   bind_fusion(m);

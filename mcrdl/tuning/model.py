@@ -10,7 +10,8 @@ measurements. ``n`` is the size column of ``mcrdl-bench`` and of the tuning tabl
 bytes of the largest buffer one rank touches (the reduced buffer; the gathered output of
 all_gather/gather; the input of reduce_scatter/scatter; the send buffer of all_to_all).
 
-Coefficients chosen (``L = ceil(log2 p)``): the textbook costs of MPICH's algorithms
+The coefficients are the operation specs' (``mcrdl.ops.OPS[op].latency_steps`` and
+``.bus_factor``). Chosen (``L = ceil(log2 p)``): the textbook costs of MPICH's algorithms
 (Thakur, Rabenseifner and Gropp 2005). Other libraries' algorithms differ (Gloo's ring
 all_reduce has A = 2 (p - 1)): alpha absorbs constant factors but not a different shape
 in p, which is why a tuning table uses the model only beyond its measured points and
@@ -46,39 +47,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from ..ops import ALIASES, OPS, OpSpec
 
 Sample = tuple[int, int, float]  # (group size, bytes, seconds)
-
-
-def _steps(p: int) -> int:
-    """ceil(log2 p): rounds of a tree or recursive-doubling algorithm."""
-    return (p - 1).bit_length()
-
-
-def _spread(p: int) -> float:
-    return (p - 1) / p
-
-
-#: base op -> (A, B) as functions of the group size p.
-_SHAPES: dict[str, tuple[Callable[[int], float], Callable[[int], float]]] = {
-    "all_reduce": (lambda p: 2 * _steps(p), lambda p: 2 * _spread(p)),
-    "reduce": (_steps, lambda p: 1.0),
-    "bcast": (_steps, lambda p: 1.0),
-    "broadcast": (_steps, lambda p: 1.0),
-    "gather": (_steps, _spread),
-    "gatherv": (_steps, _spread),
-    "scatter": (_steps, _spread),
-    "scatterv": (_steps, _spread),
-    "all_gather": (lambda p: p - 1, _spread),
-    "all_gatherv": (lambda p: p - 1, _spread),
-    "reduce_scatter": (lambda p: p - 1, _spread),
-    "all_to_all": (lambda p: p - 1, _spread),
-    "all_to_all_single": (lambda p: p - 1, _spread),
-    "all_to_allv": (lambda p: p - 1, _spread),
-    "barrier": (_steps, lambda p: 0.0),
-    "send": (lambda p: 1.0, lambda p: 1.0),
-    "recv": (lambda p: 1.0, lambda p: 1.0),
-}
 
 
 def base_op(op: str) -> str:
@@ -86,20 +57,27 @@ def base_op(op: str) -> str:
     return op.split("@", 1)[0]
 
 
+def _spec(op: object) -> OpSpec | None:
+    if not isinstance(op, str):
+        return None
+    name = base_op(op)
+    return OPS.get(ALIASES.get(name, name))
+
+
 def is_modelled(op: str) -> bool:
     """Whether :func:`coefficients` knows ``op`` (or its base op)."""
-    return base_op(op) in _SHAPES
+    return _spec(op) is not None
 
 
 def coefficients(op: str, group_size: int) -> tuple[float, float]:
     """``(A, B)`` of ``op`` at ``group_size`` ranks (see the module docstring)."""
-    shape = _SHAPES.get(base_op(op)) if isinstance(op, str) else None
-    if shape is None:
+    spec = _spec(op)
+    if spec is None:
         raise InvalidArgumentError(
-            f"no alpha-beta model for operation {op!r}; expected one of {sorted(_SHAPES)} "
+            f"no alpha-beta model for operation {op!r}; expected one of {sorted(OPS)} "
             "(optionally with an '@...' suffix)")
     p = _check_group_size(group_size)
-    return max(float(shape[0](p)), 1.0), float(shape[1](p))
+    return max(float(spec.latency_steps(p)), 1.0), float(spec.bus_factor(p))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 
-from ..bench import format_size
+from .sizes import format_size
 from .table import TuningTable
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")

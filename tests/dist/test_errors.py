@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
+from mcrdl.ops import OPS, Kind
 
 BACKENDS = ("mpi", "gloo")
 
@@ -612,25 +613,23 @@ def test_p2p_self_and_tags(ctx, backend):
 # ------------------------------------------------------------------------ groups
 
 
-OPS_ON_GROUP = {
-    "all_reduce": lambda b, g: mcrdl.all_reduce(b, z(2), group=g),
-    "reduce": lambda b, g: mcrdl.reduce(b, z(2), dst=0, group=g),
-    "bcast": lambda b, g: mcrdl.bcast(b, z(2), src=0, group=g),
-    "all_gather": lambda b, g: mcrdl.all_gather(b, z(2), z(2), group=g),
-    "gather": lambda b, g: mcrdl.gather(b, z(2), z(2), dst=0, group=g),
-    "scatter": lambda b, g: mcrdl.scatter(b, z(2), z(2), src=0, group=g),
-    "reduce_scatter": lambda b, g: mcrdl.reduce_scatter(b, z(2), z(2), group=g),
-    "all_to_all_single": lambda b, g: mcrdl.all_to_all_single(b, z(2), z(2), group=g),
-    "all_to_all": lambda b, g: mcrdl.all_to_all(b, [z(2)], [z(2)], group=g),
-    "gatherv": lambda b, g: mcrdl.gatherv(b, z(2), z(2), [2], group=g),
-    "scatterv": lambda b, g: mcrdl.scatterv(b, z(2), z(2), [2], group=g),
-    "all_gatherv": lambda b, g: mcrdl.all_gatherv(b, z(2), z(2), [2], group=g),
-    "all_to_allv": lambda b, g: mcrdl.all_to_allv(b, z(2), z(2), [2], [2], group=g),
-    "send": lambda b, g: mcrdl.send(b, z(2), 0, group=g),
-    "recv": lambda b, g: mcrdl.recv(b, z(2), 0, group=g),
-    "barrier": lambda b, g: mcrdl.barrier(b, group=g),
-    "all_reduce async": lambda b, g: mcrdl.all_reduce(b, z(2), group=g, async_op=True),
-}
+# The smallest arguments of each kind of parameter (one-rank shapes: these calls are
+# refused for their group before the shapes matter); optional parameters keep defaults.
+_SMALL = {Kind.TENSOR: lambda: z(2), Kind.BLOCKS: lambda: z(2), Kind.OPT_BLOCKS: lambda: z(2),
+          Kind.OPT_TENSOR: lambda: z(2), Kind.TENSOR_LIST: lambda: [z(2)],
+          Kind.COUNTS: lambda: [2], Kind.ROOT: lambda: 0}
+
+
+def _on_group(name: str, async_op: bool = False) -> Callable:
+    spec = OPS[name]
+    small = {p.name: _SMALL[p.kind] for p in spec.params if p.kind in _SMALL}
+    return lambda b, g: getattr(mcrdl, name)(b, **{k: f() for k, f in small.items()},
+                                             group=g, async_op=async_op)
+
+
+#: Every operation, called with `group`: name -> fn(backend, group).
+OPS_ON_GROUP = {name: _on_group(name) for name in OPS}
+OPS_ON_GROUP["all_reduce async"] = _on_group("all_reduce", async_op=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -21,8 +21,7 @@ import torch
 import zfp_checks
 
 import mcrdl
-from mcrdl import api
-from mcrdl.fusion import compression_stats
+from mcrdl.extensions import compression_stats
 
 
 def _abort_on_error(exc_type, exc, tb):
@@ -100,7 +99,7 @@ def run_ops(b: str, mode: str, kind: str, dtype, async_op: bool) -> None:
     bt = torch.from_numpy(mine[2].copy()) if rank == 2 else torch.zeros(SHAPE, dtype=tdt)
     done(mcrdl.bcast(b, bt, src=2, async_op=async_op))
     check(f"{tag} bcast", mode, mine[2], bt)
-    views = api._state.bootstrap.allgather_obj(bt.numpy().tobytes())
+    views = mcrdl.all_gather_object(bt.numpy().tobytes())
     if len(set(views)) != 1:
         failures.append(f"{tag} bcast: ranks hold different bits after the bcast")
     # all_to_all_single with uneven splits: rank r sends (j + r) % 3 + 1 rows to rank j
@@ -193,7 +192,7 @@ with mcrdl.extensions(fusion=True, compression=MODES["accuracy"]):
         if float((t - exact).abs().max()) > size * 1e-3:
             failures.append(f"fused + compressed all_reduce {k}: wrong result")
 
-views = api._state.bootstrap.allgather_obj((ratios, failures))
+views = mcrdl.all_gather_object((ratios, failures))
 if rank == 0:
     print(f"# compressed bytes on the wire / uncompressed bytes, {size} ranks, every "
           "compressed op on mpi and gloo, float32 and float64, tensors of 24x40 values; "

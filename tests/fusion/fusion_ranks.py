@@ -41,7 +41,7 @@ import torch
 
 import mcrdl
 from mcrdl import api
-from mcrdl.fusion import FusionConfig, fusion_stats
+from mcrdl.extensions import FusionConfig, fusion_stats
 
 
 def _abort_on_error(exc_type, exc, tb):
@@ -249,7 +249,7 @@ for rnd in range(ROUNDS):
     checked += len(plain)
 
 stats = fusion_stats()
-views = api._state.bootstrap.allgather_obj(stats)
+views = mcrdl.all_gather_object(stats)
 if rank == 0:
     total = {k: sum(v[k] for v in views) for k in stats}
     print(f"fusion OK randomized: world {size}, {ROUNDS} rounds, {checked} calls on rank 0 "
@@ -358,10 +358,10 @@ with mcrdl.extensions(fusion=True):
         except mcrdl.InvalidArgumentError:
             pass
 
-if api._active["mpi"] is not api._state.backends["mpi"] or mcrdl.fusion.current().enabled:
+if api._dispatch["mpi"] is not api._runtime.bases["mpi"] or mcrdl.extensions.current().enabled:
     failures.append("after the extensions() blocks the hot path still goes through a chain")
 
-all_failures = api._state.bootstrap.allgather_obj(failures)
+all_failures = mcrdl.all_gather_object(failures)
 if rank == 0:
     bad = [f"rank {r}: {f}" for r, fs in enumerate(all_failures) for f in fs]
     if bad:

@@ -20,7 +20,6 @@ import time
 import torch
 
 import mcrdl
-from mcrdl import api
 
 
 def _abort_on_error(exc_type, exc, tb):
@@ -106,7 +105,7 @@ for r in rows:
 
 gathered = mcrdl.log_summary(gather=True, file=sys.stdout)
 everyone: dict[tuple, list[int]] = {}  # what all ranks issued: [count, bytes, ranks]
-for view in api._state.bootstrap.allgather_obj(expect):
+for view in mcrdl.all_gather_object(expect):
     for key, (count, nbytes) in view.items():
         e = everyone.setdefault(key, [0, 0, 0])
         e[0], e[1], e[2] = e[0] + count, e[1] + nbytes, e[2] + 1
@@ -153,7 +152,7 @@ trace = mcrdl.export_trace(os.path.join(outdir, "trace.json"), gather=True)
 if (rank == 0) != (trace is not None):
     failures.append(f"export_trace(gather=True) returned {trace!r} on rank {rank}")
 
-views = api._state.bootstrap.allgather_obj(failures)
+views = mcrdl.all_gather_object(failures)
 if rank == 0:
     bad = [f"rank {r}: {f}" for r, fs in enumerate(views) for f in fs]
     print("logger FAILED:\n" + "\n".join(bad) if bad else

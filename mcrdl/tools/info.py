@@ -17,9 +17,9 @@ import sys
 def collect() -> dict:
     import torch
 
-    from . import __version__
-    from .backends import registry
-    from .launch import detect
+    from mcrdl import __version__
+    from mcrdl.backends import registry
+    from mcrdl.launch import detect
 
     launch = detect()
     backends = {}
@@ -29,7 +29,7 @@ def collect() -> dict:
             try:
                 cls = registry.backend_class(name)
                 caps = cls.capabilities
-                entry["ops"] = len(caps.ops)
+                entry["ops"] = len(cls.supported_ops())
                 entry["devices"] = sorted(caps.devices)
                 entry["stream_aware"] = caps.stream_aware
             except Exception as exc:  # a broken plug-in still gets listed
@@ -38,7 +38,7 @@ def collect() -> dict:
     mpi = ""
     if launch.mpi_world:
         try:
-            from .bootstrap import mpi_module
+            from mcrdl.bootstrap import mpi_module
 
             mpi = " ".join(mpi_module().Get_library_version().strip().splitlines()[0].split())
         except Exception as exc:

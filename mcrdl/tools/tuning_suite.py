@@ -4,7 +4,7 @@ size sweep, at the world size and at sub-group sizes, and record a tuning table.
 Run by ``mcrdl-tune run`` on every rank (under mpiexec, torchrun or srun). Sub-groups
 are the first ``s`` world ranks, so one run covers several scales; ranks outside the
 group being measured wait without spinning. Each point is the median over iterations of
-the per-iteration maximum over ranks (``mcrdl.bench.time_call``). With ``overlap=K``
+the per-iteration maximum over ranks (``mcrdl.tools.bench.time_call``). With ``overlap=K``
 each op is also timed as K async ops in flight at once (time per op), as the MCR-DL
 paper does; those rows are stored under ``"<op>@overlap<K>"``.
 
@@ -29,13 +29,13 @@ import torch
 
 import mcrdl
 
-from ..bench import DTYPES, device_for, element_count, make_call, time_call
-from .table import TuningTable
+from mcrdl.ops import COLLECTIVES
+from mcrdl.tuning.table import TuningTable
 
-#: Operations tuned by default: every operation of API.md but send/recv (point to point).
-DEFAULT_OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter",
-               "reduce_scatter", "all_to_all_single", "all_to_all", "gatherv", "scatterv",
-               "all_gatherv", "all_to_allv", "barrier")
+from .bench import DTYPES, device_for, element_count, make_call, time_call
+
+#: Operations tuned by default: every collective (point to point is not tuned).
+DEFAULT_OPS = COLLECTIVES
 
 
 @dataclass
@@ -126,9 +126,9 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     # rank, so two can coincide), and skip decisions from the table as loaded: rank 0
     # adds points as it goes, and every rank must make the same decisions.
     plan = []
-    from ..backends.registry import backend_class
+    from mcrdl.backends.registry import backend_class
 
-    supports = {b: backend_class(b).capabilities.ops for b in cfg.backends}
+    supports = {b: backend_class(b).supported_ops() for b in cfg.backends}
     for s in cfg.group_sizes:
         for name, base, k in variants:
             for b in cfg.backends:
@@ -202,14 +202,13 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
     """Re-measure rank 0's suspicious points on every rank; returns how many."""
     import random
 
-    from .. import api
-    from ..backends.registry import backend_class
+    from mcrdl.backends.registry import backend_class
 
     rank = mcrdl.get_rank()
     dtype = DTYPES[cfg.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     points = suspicious_points(table, cfg.backends, cfg.confirm_margin) if rank == 0 else None
-    points = api._state.bootstrap.bcast_obj(points)
+    points = mcrdl.broadcast_object(points)
     rng = random.Random(len(points))
     for i, (name, s, nbytes) in enumerate(points):
         base, _, k = name.partition("@overlap")
@@ -223,7 +222,7 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
         if rank >= s:
             continue
         count = nbytes // itemsize
-        here = [b for b in cfg.backends if base in backend_class(b).capabilities.ops]
+        here = [b for b in cfg.backends if base in backend_class(b).supported_ops()]
         measured = {b: [] for b in here}
         for _ in range(cfg.confirm):
             for b in rng.sample(here, len(here)):

@@ -24,7 +24,7 @@ of at most B bytes by their sizes alone, so the fused collectives match too. A r
 that proposed more keeps the rest for the next round; a rank that is ahead waits in the
 agreement until the others reach it (their timers guarantee they do). Unfusable calls
 are posted only after every earlier buffered call was flushed. Rounds run on the
-stream's worker thread, or on the caller's thread when it is about to block anyway, so
+queue's worker thread, or on the caller's thread when it is about to block anyway, so
 an async call never blocks on other ranks.
 
 The calls themselves live in C++ (``_C.FusionQueue``, csrc/fusion.cpp): buffering a call
@@ -47,9 +47,9 @@ import torch
 
 from .. import _C
 from ..errors import DesyncError
-from ..ops import ReduceOp
+from ..ops import OPS, OpSpec, ReduceOp
 from .config import FusionConfig
-from .stream import ExtContext, OrderedStream, StreamedBackend, Task
+from .ordered import IssueQueue, OrderedLayer, Task
 
 _totals_lock = threading.Lock()
 _totals = {"flushes": 0, "short_flushes": 0, "calls": 0}
@@ -206,15 +206,15 @@ _ALL_REDUCE, _BCAST, _ALL_GATHER, _REDUCE_SCATTER = range(4)
 _POST = (_post_all_reduce, _post_bcast, _post_all_gather, _post_reduce_scatter)
 
 
-class FusionStream(OrderedStream):
-    """The fusion buffer of one (backend, group): an ordered stream whose items are
+class FusionBuffer(IssueQueue):
+    """The fusion buffer of one (backend, group): an ordered queue whose items are
     buffered calls and deferred unfusable calls; see the module docstring."""
 
-    def __init__(self, name: str, ext: ExtContext, inner, group, gsize: int, backend: str,
+    def __init__(self, name: str, rt, inner, group, gsize: int, backend: str,
                  config: FusionConfig):
-        super().__init__(name, ext.timeout_of)
+        super().__init__(name, rt.timeout_of)
         self.inner, self.group, self.gsize = inner, group, gsize
-        self.grank = ext.rank if group is None else group.rank
+        self.grank = rt.rank if group is None else group.rank
         self.backend = backend
         self.limit = config.buffer_bytes
         self.wait_s = config.wait_us * 1e-6
@@ -262,7 +262,7 @@ class FusionStream(OrderedStream):
             raise call.error
         return call.batch.poll()
 
-    # -- the ordered stream ---------------------------------------------------------
+    # -- the ordered queue ---------------------------------------------------------
     def _append(self, item) -> None:
         self.queue.push_task(item)  # deferred unfusable calls (Tasks): after every call
 
@@ -348,82 +348,80 @@ class FusionStream(OrderedStream):
         super().complete_all(max(deadline - time.monotonic(), 0.0))
 
 
-class Fused(StreamedBackend):
+class Fused(OrderedLayer):
     """Wrapper backend doing tensor fusion; see the module docstring."""
 
-    def __init__(self, inner, ext: ExtContext, config: FusionConfig):
-        super().__init__(inner, ext)
+    def __init__(self, inner, rt, config: FusionConfig):
         self._config = config
         self._limit = config.buffer_bytes
-        self._world_size = ext.world_size
-        self._size_rank = ext.size_rank
-        for op in ("all_reduce", "bcast", "all_gather", "reduce_scatter"):
-            if op not in config.ops:  # pass through, in order
-                self.__dict__[op] = self.__getattr__(op)
-        if "all_reduce" in config.ops:  # world calls: one C++ call (_all_reduce the others)
-            queue = self._stream(None, "fusion ").queue
+        super().__init__(inner, rt)
+
+    def wrap(self, spec: OpSpec, forward):
+        if spec.name not in self._config.ops:  # pass through, in order
+            return self.passthrough(spec, forward)
+        if spec.name == "all_reduce":  # world calls: one C++ call (_all_reduce the others)
+            queue = self._queue(None, "fusion ").queue
             queue.set_fallback(self._all_reduce)
-            self.__dict__["all_reduce"] = queue.all_reduce
+            return queue.all_reduce
+        return super().wrap(spec, forward)
 
-    def _make_stream(self, group, name: str) -> FusionStream:
-        gsize = self._ext.world_size if group is None else group.size
-        return FusionStream(name, self._ext, self._inner, group, gsize, self.name, self._config)
+    def _make_queue(self, group, name: str) -> FusionBuffer:
+        gsize = self._rt.world_size if group is None else group.size
+        return FusionBuffer(name, self._rt, self.inner, group, gsize, self.name, self._config)
 
-    def _group_size(self, group) -> int:
-        """The group's size; raises for non-members and non-groups."""
-        return self._world_size if group is None else self._size_rank(group)[0]
+    def _pass(self, op: str, *args):
+        """Hand the call (the Backend method's arguments) on unfused, in order."""
+        return self._ordered(OPS[op].call(args), getattr(self.inner, op))
 
     def _buffer(self, kind: int, param: int, tensor, nbytes: int, args: tuple, group,
                 async_op: bool):
-        """Buffer a validated call on the stream of `group` (a member's group); its fusion
+        """Buffer a validated call on the queue of `group` (a member's group); its fusion
         key is (kind, the dtype of `tensor`, param)."""
-        stream = self._streams.get(0 if group is None else group.id)
-        if stream is None:
-            stream = self._stream(group, "fusion ")
-        call = stream.queue.add(kind, param, tensor, nbytes, args, async_op)
+        queue = self._queues.get(0 if group is None else group.id)
+        if queue is None:
+            queue = self._queue(group, "fusion ")
+        call = queue.queue.add(kind, param, tensor, nbytes, args, async_op)
         if async_op:
             return call
         call.wait()
         return None
 
     def _all_reduce(self, tensor, op, group, async_op):
-        """all_reduce, but for the world group's fused calls (the stream's C++ front)."""
+        """all_reduce, but for the world group's fused calls (the queue's C++ front)."""
         if group is None:
-            stream = self._streams.get(0) or self._stream(None, "fusion ")
+            queue = self._queues.get(0) or self._queue(None, "fusion ")
         else:
-            self._size_rank(group)
-            stream = self._streams.get(group.id) or self._stream(group, "fusion ")
-        call = stream.queue.add_all_reduce(tensor, op, async_op)
+            self._rt.size_rank(group)
+            queue = self._queues.get(group.id) or self._queue(group, "fusion ")
+        call = queue.queue.add_all_reduce(tensor, op, async_op)
         if call is None:  # B bytes or more, or not on the CPU
-            return self._ordered("all_reduce", self._inner.all_reduce,
-                                 (tensor, op, group, async_op))
+            return self._pass("all_reduce", tensor, op, group, async_op)
         if async_op:
             return call
         call.wait()
         return None
 
     def bcast(self, tensor, src, group, async_op):
-        _validate("bcast", tensor, src, self._group_size(group))
+        size, rank = self._rt.size_rank(group)
+        _validate("bcast", tensor, src, rank, size)
         nbytes = tensor.nbytes
         if nbytes >= self._limit or not tensor.is_cpu:
-            return self._ordered("bcast", self._inner.bcast, (tensor, src, group, async_op))
+            return self._pass("bcast", tensor, src, group, async_op)
         return self._buffer(_BCAST, src, tensor, nbytes, (tensor,), group, async_op)
 
     def all_gather(self, output, input, group, async_op):
-        size = self._group_size(group)
-        _validate("all_gather", output, input, size)
+        size, rank = self._rt.size_rank(group)
+        _validate("all_gather", output, input, rank, size)
         nbytes = input.nbytes * size
         if nbytes >= self._limit or not input.is_cpu:
-            return self._ordered("all_gather", self._inner.all_gather,
-                                 (output, input, group, async_op))
+            return self._pass("all_gather", output, input, group, async_op)
         return self._buffer(_ALL_GATHER, 0, input, nbytes, (output, input), group, async_op)
 
     def reduce_scatter(self, output, input, op, group, async_op):
-        size = self._group_size(group)
-        _validate("reduce_scatter", output, input, op, size)
+        size, rank = self._rt.size_rank(group)
+        _validate("reduce_scatter", output, input, op, rank, size)
         nbytes = output.nbytes * size
         if nbytes >= self._limit or not output.is_cpu:
-            return self._ordered("reduce_scatter", self._inner.reduce_scatter,
-                                 (output, input, op, group, async_op))
+            return self._pass("reduce_scatter", output, input, op, group, async_op)
         return self._buffer(_REDUCE_SCATTER, int(op), output, nbytes, (output, input), group,
                             async_op)

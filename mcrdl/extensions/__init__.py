@@ -1,11 +1,14 @@
-"""Extensions on the call path: tensor fusion, zfp compression, communication logging.
+"""The layers of the call path between the front and the backends (see stack.py for
+their order): "auto" routing, communication logging, tensor fusion, zfp compression,
+debug-mode agreement and validation.
 
-Turned on for every later call with :func:`configure` (or ``mcrdl.configure``), or for
-a block of code with :func:`extensions`; with none on, calls take exactly the path
-they take without this package. See docs/extensions.md.
+The extensions (fusion, compression, logging) are turned on for every later call with
+:func:`configure` (or ``mcrdl.configure``), or for a block of code with
+:func:`extensions`; with none on, calls take exactly the path they take without them.
+See docs/extensions.md.
 """
 
-from .chain import configure, current, extensions
+from .stack import configure, current, extensions
 from .comm_logger import export_log, export_trace
 from .comm_logger import reset as reset_log
 from .comm_logger import summary as log_summary

@@ -23,27 +23,23 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from .errors import BackendUnavailableError, CommTimeoutError, DesyncError
-from .groups import Group, bad_group_error
-from .ops import ReduceOp
-from .validate import validate_call
-from .work import ThreadedWait, Work, poll_until
+from ..errors import BackendUnavailableError, CommTimeoutError, DesyncError
+from ..bootstrap import mpi_module
+from ..groups import Group, bad_group_error
+from ..ops import DTYPES, OPS, Agreement, Call, Kind, OpSpec, ReduceOp
+from ..validate import validate
+from ..work import ThreadedWait, Work, poll_until
+from .base import Layer
 
-_OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter", "reduce_scatter",
-        "all_to_all_single", "all_to_all", "gatherv", "scatterv", "all_gatherv", "all_to_allv",
-        "barrier")
-_OP_CODE = {name: i for i, name in enumerate(_OPS)}
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-           torch.int32, torch.int64, torch.bool)
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_UNIFORM = {"all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter", "reduce_scatter"}
-_EXCHANGE = {"all_to_all_single", "all_to_all", "all_to_allv"}
-_VECTOR = {"gatherv", "scatterv", "all_gatherv"}
+_OP_NAMES = tuple(OPS)  # a signature's op code is the operation's index here
+_DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}
 _HEADER = 5  # op, dtype, count, root, reduce op
 _LOCAL_ERROR = -2  # op code of a rank whose call raised before anything was sent
 
 
 def _numel(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_numel(x) for x in t)
     return t.numel() if isinstance(t, torch.Tensor) else -1
 
 
@@ -65,48 +61,33 @@ def _rows(t: torch.Tensor, splits, size: int) -> list[int]:
     return [int(s) * row for s in splits]
 
 
-def signature(op: str, args: tuple, size: int) -> np.ndarray:
+def _peer_counts(call: Call, size: int) -> tuple[list[int], list[int]]:
+    """(elements sent to, elements expected from) each peer of an EXCHANGE call."""
+    spec = call.spec
+    if spec.param(Kind.SPLITS):
+        return (_rows(call["input"], call["input_split_sizes"], size),
+                _rows(call["output"], call["output_split_sizes"], size))
+    if spec.param(Kind.TENSOR_LIST):
+        return ([_numel(t) for t in call["input_list"]],
+                [_numel(t) for t in call["output_list"]])
+    return list(call["send_counts"]), list(call["recv_counts"])
+
+
+def signature(call: Call, size: int) -> np.ndarray:
     """This rank's view of a call: header + per-peer send and receive counts."""
+    spec = call.spec
     sig = np.full(_HEADER + 2 * size, -1, dtype=np.int64)
-    root = rop = -1
+    payload = call[spec.payload] if spec.payload else None
+    count = 0 if payload is None else _numel(payload)
+    root = call[spec.root] if spec.root else None
+    rop = call[spec.reduce_op] if spec.reduce_op else None
     send = recv = None
-    if op == "all_reduce":
-        t, rop = args[0], args[1]
-        count, dt = _numel(t), _dtype(t)
-    elif op == "reduce":
-        t, root, rop = args[0], args[1], args[2]
-        count, dt = _numel(t), _dtype(t)
-    elif op == "bcast":
-        t, root = args[0], args[1]
-        count, dt = _numel(t), _dtype(t)
-    elif op == "all_gather":
-        count, dt = _numel(args[1]), _dtype(args[1])
-    elif op in ("gather", "scatter"):
-        t = args[1] if op == "gather" else args[0]
-        count, dt, root = _numel(t), _dtype(t), args[2]
-    elif op == "reduce_scatter":
-        count, dt, rop = _numel(args[0]), _dtype(args[0]), args[2]
-    elif op == "all_to_all_single":
-        out, inp, osplit, isplit = args[:4]
-        count, dt = _numel(inp), _dtype(inp)
-        send, recv = _rows(inp, isplit, size), _rows(out, osplit, size)
-    elif op == "all_to_all":
-        outs, ins = args[0], args[1]
-        count, dt = sum(_numel(t) for t in ins), _dtype(ins)
-        send, recv = [_numel(t) for t in ins], [_numel(t) for t in outs]
-    elif op == "all_to_allv":
-        count, dt = _numel(args[1]), _dtype(args[1])
-        send, recv = list(args[2]), list(args[3])
-    elif op in _VECTOR:
-        t = args[0] if op == "scatterv" else args[1]
-        count, dt = _numel(t), _dtype(t)
-        recv = list(args[2])
-        if op != "all_gatherv":
-            root = args[4]
-    else:  # barrier
-        count, dt = 0, -1
-    sig[:_HEADER] = (_OP_CODE[op], dt, count, -1 if root is None else int(root),
-                     -1 if rop is None else int(rop))
+    if spec.agreement is Agreement.EXCHANGE:
+        send, recv = _peer_counts(call, size)
+    elif spec.agreement is Agreement.VECTOR:
+        recv = list(call[spec.param(Kind.COUNTS)])
+    sig[:_HEADER] = (_OP_NAMES.index(spec.name), _dtype(payload), count,
+                     -1 if root is None else int(root), -1 if rop is None else int(rop))
     if send is not None and len(send) == size:
         sig[_HEADER:_HEADER + size] = send
     if recv is not None and len(recv) == size:
@@ -123,16 +104,16 @@ def disagreement(views: np.ndarray) -> str | None:
         return None  # every rank rejected its arguments: nothing was sent anywhere
     if bad:
         return f"call: rank(s) {bad} rejected their arguments locally (see their errors)"
-    op = _OPS[int(head[0, 0])] if 0 <= head[0, 0] < len(_OPS) else "?"
     for col, what in ((0, "operation"), (1, "dtype"), (3, "root"), (4, "reduce op")):
         if len(set(head[:, col].tolist())) > 1:
             return what
-    if op in _UNIFORM and len(set(head[:, 2].tolist())) > 1:
+    agreement = OPS[_OP_NAMES[int(head[0, 0])]].agreement
+    if agreement is Agreement.UNIFORM and len(set(head[:, 2].tolist())) > 1:
         return "element count"
     send, recv = views[:, _HEADER:_HEADER + size], views[:, _HEADER + size:]
-    if op in _EXCHANGE and not np.array_equal(send, recv.T):
+    if agreement is Agreement.EXCHANGE and not np.array_equal(send, recv.T):
         return "counts (what rank i sends to j differs from what j expects from i)"
-    if op in _VECTOR:
+    if agreement is Agreement.VECTOR:
         if any(not np.array_equal(recv[0], recv[r]) for r in range(size)):
             return "counts vector"
         if not np.array_equal(recv[0], head[:, 2]):
@@ -146,8 +127,8 @@ def table(views: np.ndarray, group: str, backend: str) -> str:
             "send/recv counts"]
     for r in range(size):
         op, dt, count, root, rop = (int(x) for x in views[r, :_HEADER])
-        name = _OPS[op] if 0 <= op < len(_OPS) else "<raised locally>"
-        dname = str(_DTYPES[dt]) if 0 <= dt < len(_DTYPES) else "-"
+        name = _OP_NAMES[op] if 0 <= op < len(_OP_NAMES) else "<raised locally>"
+        dname = str(DTYPES[dt]) if 0 <= dt < len(DTYPES) else "-"
         rname = ReduceOp(rop).name if 0 <= rop <= 7 else "-"
         extra = ""
         if (views[r, _HEADER:] >= 0).any():
@@ -216,7 +197,7 @@ class _GlooChannel:
         pass
 
 
-class _Call:
+class _Checked:
     """One collective in debug mode: its exchange, the deferred post, the outcome."""
 
     __slots__ = ("op", "group", "channel", "handle", "post", "work", "error", "posted")
@@ -237,11 +218,11 @@ class _Lane:
         self.channel = channel
         self._backend, self._gid = backend, gid
         self._timeout_of, self._fail = timeout_of, fail
-        self._queue: queue.Queue[_Call | None] = queue.Queue()
+        self._queue: queue.Queue[_Checked | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, call: _Call) -> None:
+    def submit(self, call: _Checked) -> None:
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -291,7 +272,7 @@ class DebugWork(Work):
 
     __slots__ = ("_call", "backend", "_timeout", "_what")
 
-    def __init__(self, call: _Call, backend: str, timeout: float, what: str):
+    def __init__(self, call: _Checked, backend: str, timeout: float, what: str):
         self._call, self.backend, self._timeout, self._what = call, backend, timeout, what
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -313,7 +294,7 @@ class DebugWork(Work):
         return self._call.work is None or self._call.work.is_completed()
 
 
-class Debugged:
+class Debugged(Layer):
     """Wraps a backend: every collective goes through the agreement check.
 
     The caller validates locally and posts its signature; the debug lane of the call's
@@ -324,27 +305,27 @@ class Debugged:
     ops.
     """
 
-    def __init__(self, inner, bootstrap, world: Group, timeout_of, size_rank):
-        self._inner = inner
-        self.name = inner.name
-        self._bootstrap = bootstrap
-        self._timeout_of = timeout_of
-        self._size_rank = size_rank
+    def __init__(self, inner, rt):
+        self._bootstrap = rt.bootstrap
+        self._timeout_of = rt.timeout_of
+        self._size_rank = rt.size_rank
         self._lanes: dict[int, _Lane] = {}  # group id -> lane (groups this rank is in)
         self._failed: str | None = None  # set with the first timeout or desync
-        self._pending: list[_Call] = []  # calls not yet known to be posted
-        self._make_lane(world)
+        self._pending: list[_Checked] = []  # calls not yet known to be posted
+        super().__init__(inner)
+        self._make_lane(rt.world)
 
-    def __getattr__(self, attr):
-        if attr in _OP_CODE:
-            call = self.__dict__[attr] = lambda *args: self._call(attr, args)  # built once
-            return call
-        return getattr(self._inner, attr)
+    def passthrough(self, spec: OpSpec, forward):
+        if spec.p2p:  # matched by tag and peer, not by issue order: nothing to agree on
+            return forward
+
+        def call(*args):
+            return self._call(spec.call(args), forward)
+
+        return call
 
     def _make_lane(self, group: Group) -> None:
         """The side channel (collective over the world) and lane of a new group."""
-        from .bootstrap import mpi_module
-
         boot = self._bootstrap
         channel = None
         if boot.info.mpi_world:
@@ -365,7 +346,7 @@ class Debugged:
                                           self._fail)
 
     def add_group(self, group: Group) -> None:
-        self._inner.add_group(group)
+        self.inner.add_group(group)
         self._make_lane(group)
 
     def synchronize(self, timeout: float) -> None:
@@ -376,20 +357,20 @@ class Debugged:
                 raise CommTimeoutError(f"synchronize: {call.op} on backend '{self.name}' "
                                        f"(group {call.group}) did not pass the debug "
                                        f"agreement check within {timeout} s")
-        self._inner.synchronize(timeout)
+        self.inner.synchronize(timeout)
 
     def finalize(self) -> None:
         lanes, self._lanes = list(self._lanes.values()), {}
         for lane in lanes:
             lane.stop(self._timeout_of())
-        self._inner.finalize()
+        self.inner.finalize()
 
-    def _call(self, op: str, args: tuple):
+    def _call(self, call: Call, forward):
+        op, group = call.op, call.group
         if self._failed is not None:
             raise BackendUnavailableError(
                 f"{op}: backend '{self.name}' is unusable since {self._failed} (ranks no longer "
                 "issue matching operations); finalize and restart the job")
-        *rest, group, async_op = args
         size, rank = self._size_rank(group)  # non-members and non-groups raise here
         lane = self._lanes.get(0 if group is None else group.id)
         if lane is None:
@@ -398,27 +379,26 @@ class Debugged:
         gname = "world" if group is None else group.describe()
         what = f"{op} on backend '{self.name}' (group {gname})"
         try:
-            rest = validate_call(op, tuple(rest), size, rank)
+            call = validate(call, size, rank)
         except Exception:
             # One signature per call keeps the channel aligned; the others see the error.
             sig = np.full(_HEADER + 2 * size, _LOCAL_ERROR, dtype=np.int64)
-            call = _Call(op, gname, channel, channel.post(sig), None)
-            lane.submit(call)
-            call.posted.wait(self._timeout_of())
+            checked = _Checked(op, gname, channel, channel.post(sig), None)
+            lane.submit(checked)
+            checked.posted.wait(self._timeout_of())
             raise
-        sig = signature(op, tuple(rest), size)
-        method = getattr(self._inner, op)
-        call = _Call(op, gname, channel, channel.post(sig),
-                     lambda: method(*rest, group, True))
-        lane.submit(call)
+        posted = call.replace(async_op=True)
+        checked = _Checked(op, gname, channel, channel.post(signature(call, size)),
+                           lambda: posted.forward(forward))
+        lane.submit(checked)
         self._pending = [p for p in self._pending if not p.posted.is_set()]
-        self._pending.append(call)
-        work = DebugWork(call, self.name, self._timeout_of(), what)
-        if async_op:
+        self._pending.append(checked)
+        work = DebugWork(checked, self.name, self._timeout_of(), what)
+        if call.async_op:
             return work
         work.wait()
         return None
 
     def _fail(self, why: str) -> None:
         self._failed = self._failed or why
-        self._inner.mark_failed(why)
+        self.inner.mark_failed(why)

@@ -13,14 +13,10 @@ import math
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
+from ..ops import COMPRESSIBLE_OPS, FUSABLE_OPS
 
 MIB = 1 << 20
 
-#: Operations tensor fusion can combine (calls of other operations pass through, in order).
-FUSABLE_OPS = frozenset({"all_reduce", "all_gather", "bcast", "reduce_scatter"})
-#: Operations zfp compression applies to (float32/float64 CPU tensors; others pass through).
-COMPRESSIBLE_OPS = frozenset({"all_gather", "gather", "scatter", "bcast", "all_to_all_single",
-                              "all_to_all", "send", "recv", "all_reduce"})
 COMPRESSION_MODES = ("rate", "precision", "accuracy")
 
 

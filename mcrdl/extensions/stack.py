@@ -1,21 +1,25 @@
-"""The extension chain: which extensions are on, and the wrapper backends that do them.
+"""The call path's layers, their one order, and the one place they are installed.
 
-``mcrdl.api`` keeps one dict, ``_active``, from backend name to the object whose
-methods run the operations; the hot path is one lookup in it. With no extension on,
-it holds the backends themselves, so the path is exactly as without this package.
-Turning an extension on (:func:`configure`, or :func:`extensions` for a block of code)
-puts, for every initialized backend, a chain of wrapper backends in front of it::
+Every call the front makes goes to ``runtime.dispatch[name]``: for a backend, the top of
+that backend's layers; for "auto", a router that resolves the call to a backend and
+hands it to that backend's layers. From the front down::
 
-    Logged(level "call") -> Fused -> Compressed -> Logged(level "wire") -> backend
+    auto -> log calls -> fuse -> compress -> log wire -> debug -> validate -> backend
 
-(each link only when its extension is on; the "wire" logger only when fusion or
-compression changes what is sent). "auto" is rebuilt over the wrapped backends, so it
-first resolves the call to a concrete backend and the chain of that backend then runs:
-fusion keys, logs and ``Work.backend`` name the resolved backend.
+- ``auto`` (mcrdl.extensions.auto): picks the backend; fusion keys, logs and
+  ``Work.backend`` name the resolved one.
+- ``log calls`` / ``log wire`` (comm_logger.Logged): what the program called, and, with
+  fusion or compression on, what went to the backend.
+- ``fuse`` (tensor_fusion.Fused), ``compress`` (compression.Compressed): the
+  extensions of :func:`configure` / :func:`extensions`.
+- ``debug`` (debug.Debugged, MCRDL_DEBUG=1), ``validate`` (validation.Validated, for
+  backends that do not validate): made with the backend by the runtime, once.
 
-Every rank must turn the same extensions on and off at the same points of its calls of
-each (backend, group), like any other collective call sequence. Changing the
-configuration first posts every call the old chain still holds (a blocking step).
+With no extension on, the dispatch table holds the bases (the backends themselves for
+the built-in ones), so the path is exactly as without this package. Every rank must
+turn the same extensions on and off at the same points of its calls of each (backend,
+group), like any other collective call sequence. Changing the configuration first posts
+every call the old layers still hold (a blocking step).
 """
 
 from __future__ import annotations
@@ -26,15 +30,19 @@ import threading
 from collections.abc import Iterator
 
 from ..errors import InvalidArgumentError
+from .comm_logger import Logged, logger
+from .compression import Compressed
 from .config import CompressionConfig, ExtensionConfig, FusionConfig, LoggingConfig, coerce
+from .tensor_fusion import Fused
 
 log = logging.getLogger("mcrdl")
 
 _lock = threading.RLock()
 _global = ExtensionConfig()  # set by configure()
 _stack: list[ExtensionConfig] = []  # extensions() blocks, innermost last
-_applied: ExtensionConfig | None = None  # what the installed wrappers do
-_wrappers: list = []  # every wrapper of the installed chain, outermost first
+_applied: ExtensionConfig | None = None  # what the installed layers do
+_runtime = None  # the runtime whose dispatch table holds the installed layers
+_installed: list = []  # the extension layers installed, outermost first
 
 
 def current() -> ExtensionConfig:
@@ -107,81 +115,70 @@ def extensions(*, fusion: bool | dict | FusionConfig | None = None,
 
 
 def _apply() -> None:
-    """Install the chain of current() in mcrdl.api (when initialized)."""
-    from .. import api
-
-    if current() == _applied or not api.is_initialized():
+    """Rebuild the installed runtime's dispatch table for current() (when initialized)."""
+    if current() == _applied or _runtime is None or not _runtime.backends:
         return
-    api._install_extensions()
+    _runtime.install()
 
 
-def wrap(backends: dict, ext) -> dict:
-    """Hook of mcrdl.api: the objects to put in ``_active`` for `backends` (name ->
-    backend). Posts what the previous chain holds first. With no extension on, returns
-    `backends` itself."""
-    global _applied
+def build(runtime) -> dict:
+    """Hook of the runtime: backend name -> the top of its layers for current(). Posts
+    what the previous layers hold first. With no extension on, the bases themselves."""
+    global _applied, _runtime
     with _lock:
-        _retire(ext.timeout_of())
+        _retire(runtime.timeout)
         config = current()
-        _applied = config
+        _applied, _runtime = config, runtime
+        logger().attach(runtime)
         if not config.enabled:
-            return backends
-        return {name: _chain(backend, config, ext) for name, backend in backends.items()}
+            return dict(runtime.bases)
+        return {name: _layers(base, config, runtime) for name, base in runtime.bases.items()}
 
 
-def _chain(backend, config: ExtensionConfig, ext):
-    obj = backend
+def _layers(base, config: ExtensionConfig, runtime):
+    top = base
     if config.logging is not None:
-        from .comm_logger import Logged, logger
-
         log_ = logger()
-        log_.configure(config.logging, ext)
-        wire = config.logging.wire and (config.fusion is not None
-                                        or config.compression is not None)
-        if wire:
-            obj = Logged(obj, log_, "wire", ext)
+        log_.configure(config.logging, runtime.rank)
+        if config.logging.wire and (config.fusion is not None or config.compression is not None):
+            top = Logged(top, log_, "wire", runtime.world_size)
     if config.compression is not None:
-        from .compression import Compressed
-
-        obj = Compressed(obj, ext, config.compression)
-        _wrappers.insert(0, obj)
+        top = Compressed(top, runtime, config.compression)
+        _installed.insert(0, top)
     if config.fusion is not None:
-        from .tensor_fusion import Fused
-
-        obj = Fused(obj, ext, config.fusion)
-        _wrappers.insert(0, obj)
+        top = Fused(top, runtime, config.fusion)
+        _installed.insert(0, top)
     if config.logging is not None:
-        obj = Logged(obj, log_, "call", ext)
-    return obj
+        top = Logged(top, log_, "call", runtime.world_size)
+    return top
 
 
 def _retire(timeout: float) -> None:
-    """Post every call the installed wrappers hold, then stop their threads."""
-    global _wrappers
-    wrappers, _wrappers = _wrappers, []
+    """Post every call the installed layers hold, then stop their threads."""
+    global _installed
+    installed, _installed = _installed, []
     errors = []
-    for w in wrappers:  # outermost first: fusion's rounds may post through compression
+    for layer in installed:  # outermost first: fusion's rounds may post through compression
         try:
-            w.drain(timeout)
+            layer.drain(timeout)
         except Exception as exc:  # noqa: BLE001 - reported below, the others still drain
             errors.append(exc)
-    for w in wrappers:
-        w.close(timeout)
+    for layer in installed:
+        layer.close(timeout)
     if errors:
         raise errors[0]
 
 
-def shutdown(timeout: float) -> None:
-    """Hook of mcrdl.finalize: post what the chain holds (best effort) and stop its
-    threads. The configuration stays for a later init."""
-    global _applied
+def retire(runtime) -> None:
+    """Hook of the runtime's finalize: post what the layers hold (best effort) and stop
+    their threads. The configuration stays for a later init."""
+    global _applied, _runtime
     with _lock:
         try:
-            _retire(timeout)
+            _retire(runtime.timeout)
         except Exception as exc:  # noqa: BLE001 - finalize goes on
-            log.warning("mcrdl: finalize: calls held by the extension chain could not all be "
+            log.warning("mcrdl: finalize: calls held by the extensions could not all be "
                         "posted: %s", exc)
-        _applied = None
-        from .comm_logger import logger
-
+        _applied = _runtime = None
         logger().finish_pending()
+        logger().attach(None)

@@ -27,14 +27,14 @@ raw blocks are exact. Other dtypes
 (float16/bfloat16 included: zfp has no 16-bit floats), GPU tensors, the other
 operations and reduce ops are passed through uncompressed, in order. The sizes are
 exchanged before the bytes can be posted, so an async call is posted by the group's
-stream worker (mcrdl.fusion.stream), never blocking the caller.
+queue worker (mcrdl.extensions.ordered), never blocking the caller.
 
 Error bounds (zfp 1.0 documentation): "accuracy" keeps every value within
 ``tolerance`` (zfp rounds the tolerance down to a power of two); "precision" keeps
 ``precision`` bit planes of the block transform, error at most
 ``k(d) * 2**(emax - precision)`` for a block of 4**d values whose largest magnitude has
 exponent emax (k(1) = 20, k(2) = 125, ...); "rate" stores every block of 4**d values in
-``round(4**d * rate)`` bits (the stream is written in 64-bit words after a 96-bit
+``round(4**d * rate)`` bits (the queue is written in 64-bit words after a 96-bit
 header) with no error bound. A compressed all_reduce(SUM) adds up to one error bound
 per rank. Tensors are compressed with their own shape (up to 4-D; more dims are
 folded into the first).
@@ -49,10 +49,11 @@ import torch
 
 from ..errors import DesyncError, MCRDLError
 from ..ops import ReduceOp
-from ..validate import validate_call
+from ..ops import OPS, OpSpec
+from ..validate import validate
 from ..work import Work
 from .config import CompressionConfig
-from .stream import ExtContext, Finish, OrderedStream, StreamedBackend
+from .ordered import Finish, IssueQueue, OrderedLayer
 
 _FLOATS = (torch.float32, torch.float64)
 _RAW, _ZFP = 0, 1  # tag byte of a block
@@ -188,31 +189,38 @@ class _Works(Work):
         return all(w.is_completed() for w in self._works)
 
 
-class Compressed(StreamedBackend):
+class Compressed(OrderedLayer):
     """Wrapper backend compressing payloads with zfp; see the module docstring."""
 
-    def __init__(self, inner, ext: ExtContext, config: CompressionConfig):
-        super().__init__(inner, ext)
+    def __init__(self, inner, rt, config: CompressionConfig):
         self._config = config
         self._zfp = config.zfp_args()
-        self._p2p: dict[tuple, OrderedStream] = {}
-        for op in ("all_gather", "gather", "scatter", "bcast", "all_to_all_single",
-                   "all_to_all", "send", "recv", "all_reduce"):
-            if op not in config.ops:  # pass through, in order
-                self.__dict__[op] = self.__getattr__(op)
+        self._p2p: dict[tuple, IssueQueue] = {}
+        super().__init__(inner, rt)
+
+    def wrap(self, spec: OpSpec, forward):
+        if spec.name not in self._config.ops:  # pass through, in order
+            return self.passthrough(spec, forward)
+        return super().wrap(spec, forward)
 
     # -- helpers ---------------------------------------------------------------------
-    def _check(self, op: str, args: tuple, group) -> tuple[int, int, tuple]:
-        size, rank = self._ext.size_rank(group)
-        return size, rank, validate_call(op, args, size, rank)
+    def _check(self, op: str, args: tuple, group) -> tuple[int, int]:
+        """(size, rank) of `group` after validating the call `args` (without group)."""
+        size, rank = self._rt.size_rank(group)
+        validate(OPS[op].call((*args, group, False)), size, rank)
+        return size, rank
+
+    def _pass(self, op: str, *args):
+        """Hand the call (the Backend method's arguments) on uncompressed, in order."""
+        return self._ordered(OPS[op].call(args), getattr(self.inner, op))
 
     def _run(self, group, post, async_op: bool):
-        return self._stream(group, "compression ").run_task(post, self.name, async_op)
+        return self._queue(group, "compression ").run_task(post, self.name, async_op)
 
     def _sizes_all_gather(self, payload: torch.Tensor, group, size: int) -> list[int]:
         mine = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = torch.empty(size, dtype=torch.int64)
-        self._inner.all_gather(sizes, mine, group, False)
+        self.inner.all_gather(sizes, mine, group, False)
         return sizes.tolist()
 
     def _all_gather_encoded(self, op: str, t: torch.Tensor, group, size: int):
@@ -221,7 +229,7 @@ class Compressed(StreamedBackend):
         payload = encode(t, self._zfp)
         counts = self._sizes_all_gather(payload, group, size)
         recv = torch.empty(sum(counts), dtype=torch.uint8)
-        work = self._inner.all_gatherv(recv, payload, counts, None, group, True)
+        work = self.inner.all_gatherv(recv, payload, counts, None, group, True)
         _count(op, t.nbytes, payload.numel() + _SIZE_BYTES)
         return recv, counts, work
 
@@ -232,9 +240,8 @@ class Compressed(StreamedBackend):
     # -- collectives -------------------------------------------------------------------
     def all_gather(self, output, input, group, async_op):
         if not _eligible(input):
-            return self._ordered("all_gather", self._inner.all_gather,
-                                 (output, input, group, async_op))
-        size, _, _ = self._check("all_gather", (output, input), group)
+            return self._pass("all_gather", output, input, group, async_op)
+        size, _ = self._check("all_gather", (output, input), group)
         where = self._where("all_gather", group)
 
         def post():
@@ -250,9 +257,8 @@ class Compressed(StreamedBackend):
 
     def all_reduce(self, tensor, op, group, async_op):
         if not _eligible(tensor) or op not in _REDUCE:
-            return self._ordered("all_reduce", self._inner.all_reduce,
-                                 (tensor, op, group, async_op))
-        size, _, _ = self._check("all_reduce", (tensor, op), group)
+            return self._pass("all_reduce", tensor, op, group, async_op)
+        size, _ = self._check("all_reduce", (tensor, op), group)
         where = self._where("all_reduce", group)
         combine = _REDUCE[op]
 
@@ -275,16 +281,15 @@ class Compressed(StreamedBackend):
 
     def gather(self, output, input, dst, group, async_op):
         if not _eligible(input):
-            return self._ordered("gather", self._inner.gather,
-                                 (output, input, dst, group, async_op))
-        size, rank, _ = self._check("gather", (output, input, dst), group)
+            return self._pass("gather", output, input, dst, group, async_op)
+        size, rank = self._check("gather", (output, input, dst), group)
         where = self._where("gather", group)
 
         def post():
             payload = encode(input, self._zfp)
             counts = self._sizes_all_gather(payload, group, size)
             recv = torch.empty(sum(counts) if rank == dst else 0, dtype=torch.uint8)
-            work = self._inner.gatherv(recv if rank == dst else None, payload, counts, None,
+            work = self.inner.gatherv(recv if rank == dst else None, payload, counts, None,
                                        dst, group, True)
             _count("gather", input.nbytes, payload.numel() + _SIZE_BYTES)
 
@@ -300,9 +305,8 @@ class Compressed(StreamedBackend):
 
     def scatter(self, output, input, src, group, async_op):
         if not _eligible(output):
-            return self._ordered("scatter", self._inner.scatter,
-                                 (output, input, src, group, async_op))
-        size, rank, _ = self._check("scatter", (output, input, src), group)
+            return self._pass("scatter", output, input, src, group, async_op)
+        size, rank = self._check("scatter", (output, input, src), group)
         where = self._where("scatter", group)
 
         def post():
@@ -316,18 +320,18 @@ class Compressed(StreamedBackend):
                        send.numel() + _SIZE_BYTES * size)
             else:
                 sizes, send = torch.empty(size, dtype=torch.int64), None
-            self._inner.bcast(sizes, src, group, False)
+            self.inner.bcast(sizes, src, group, False)
             counts = sizes.tolist()
             recv = torch.empty(counts[rank], dtype=torch.uint8)
-            work = self._inner.scatterv(recv, send, counts, None, src, group, True)
+            work = self.inner.scatterv(recv, send, counts, None, src, group, True)
             return Finish([work], lambda: decode(recv, output, where))
 
         return self._run(group, post, async_op)
 
     def bcast(self, tensor, src, group, async_op):
         if not _eligible(tensor):
-            return self._ordered("bcast", self._inner.bcast, (tensor, src, group, async_op))
-        _, rank, _ = self._check("bcast", (tensor, src), group)
+            return self._pass("bcast", tensor, src, group, async_op)
+        _, rank = self._check("bcast", (tensor, src), group)
         where = self._where("bcast", group)
 
         def post():
@@ -337,10 +341,10 @@ class Compressed(StreamedBackend):
                 _count("bcast", tensor.nbytes, buf.numel() + _SIZE_BYTES)
             else:
                 n = torch.empty(1, dtype=torch.int64)
-            self._inner.bcast(n, src, group, False)
+            self.inner.bcast(n, src, group, False)
             if rank != src:
                 buf = torch.empty(int(n[0]), dtype=torch.uint8)
-            work = self._inner.bcast(buf, src, group, True)
+            work = self.inner.bcast(buf, src, group, True)
             return Finish([work], lambda: decode(buf, tensor, where))
 
         return self._run(group, post, async_op)
@@ -351,11 +355,11 @@ class Compressed(StreamedBackend):
         payloads = [encode(b, self._zfp) for b in sends]
         send_sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
         recv_sizes = torch.empty(size, dtype=torch.int64)
-        self._inner.all_to_all_single(recv_sizes, send_sizes, None, None, group, False)
+        self.inner.all_to_all_single(recv_sizes, send_sizes, None, None, group, False)
         scounts, rcounts = send_sizes.tolist(), recv_sizes.tolist()
         send = torch.cat(payloads)
         recv = torch.empty(sum(rcounts), dtype=torch.uint8)
-        work = self._inner.all_to_allv(recv, send, scounts, rcounts, None, None, group, True)
+        work = self.inner.all_to_allv(recv, send, scounts, rcounts, None, None, group, True)
         _count(op, raw, send.numel() + _SIZE_BYTES * size)
 
         def then():
@@ -367,11 +371,10 @@ class Compressed(StreamedBackend):
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
                           async_op):
         if not _eligible(input) or input.dim() == 0:
-            return self._ordered("all_to_all_single", self._inner.all_to_all_single,
-                                 (output, input, output_split_sizes, input_split_sizes, group,
-                                  async_op))
-        size, _, _ = self._check("all_to_all_single", (output, input, output_split_sizes,
-                                                       input_split_sizes), group)
+            return self._pass("all_to_all_single", output, input, output_split_sizes,
+                              input_split_sizes, group, async_op)
+        size, _ = self._check("all_to_all_single", (output, input, output_split_sizes,
+                                                    input_split_sizes), group)
         where = self._where("all_to_all_single", group)
 
         def rows(t, splits):
@@ -388,9 +391,8 @@ class Compressed(StreamedBackend):
     def all_to_all(self, output_list, input_list, group, async_op):
         if not isinstance(input_list, (list, tuple)) or not input_list \
                 or not _eligible(input_list[0]):
-            return self._ordered("all_to_all", self._inner.all_to_all,
-                                 (output_list, input_list, group, async_op))
-        size, _, _ = self._check("all_to_all", (output_list, input_list), group)
+            return self._pass("all_to_all", output_list, input_list, group, async_op)
+        size, _ = self._check("all_to_all", (output_list, input_list), group)
         where = self._where("all_to_all", group)
 
         def post():
@@ -402,13 +404,13 @@ class Compressed(StreamedBackend):
     # -- point to point ----------------------------------------------------------------
     def send(self, tensor, dst, tag, group, async_op):
         if not _eligible(tensor):
-            return self._inner.send(tensor, dst, tag, group, async_op)
+            return self.inner.send(tensor, dst, tag, group, async_op)
         self._check("send", (tensor, dst, tag), group)
         payload = encode(tensor, self._zfp)
         n = torch.tensor([payload.numel()], dtype=torch.int64)
-        works = [self._inner.send(n, dst, tag, group, True)]
+        works = [self.inner.send(n, dst, tag, group, True)]
         if payload.numel():
-            works.append(self._inner.send(payload, dst, tag, group, True))
+            works.append(self.inner.send(payload, dst, tag, group, True))
         _count("send", tensor.nbytes, payload.numel() + _SIZE_BYTES)
         work = _Works(works, (n, payload), self.name)
         if async_op:
@@ -418,25 +420,25 @@ class Compressed(StreamedBackend):
 
     def recv(self, tensor, src, tag, group, async_op):
         if not _eligible(tensor):
-            return self._inner.recv(tensor, src, tag, group, async_op)
+            return self.inner.recv(tensor, src, tag, group, async_op)
         self._check("recv", (tensor, src, tag), group)
         where = self._where("recv", group)
         gid = 0 if group is None else group.id
         key = (gid, src, tag)
-        stream = self._p2p.get(key)
-        if stream is None:
-            with self._streams_lock:
-                stream = self._p2p.setdefault(key, OrderedStream(
-                    f"compression {self.name} recv from {src} tag {tag}", self._ext.timeout_of))
+        queue = self._p2p.get(key)
+        if queue is None:
+            with self._queues_lock:
+                queue = self._p2p.setdefault(key, IssueQueue(
+                    f"compression {self.name} recv from {src} tag {tag}", self._rt.timeout_of))
 
         def post():
             n = torch.empty(1, dtype=torch.int64)
-            self._inner.recv(n, src, tag, group, False)
+            self.inner.recv(n, src, tag, group, False)
             buf = torch.empty(int(n[0]), dtype=torch.uint8)
-            works = [self._inner.recv(buf, src, tag, group, True)] if buf.numel() else []
+            works = [self.inner.recv(buf, src, tag, group, True)] if buf.numel() else []
             return Finish(works, lambda: decode(buf, tensor, where))
 
-        return stream.run_task(post, self.name, async_op)
+        return queue.run_task(post, self.name, async_op)
 
-    def _all_streams(self) -> list:
-        return [*self._streams.values(), *self._p2p.values()]
+    def _all_queues(self) -> list:
+        return [*self._queues.values(), *self._p2p.values()]

@@ -20,7 +20,9 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from ..bench import DTYPES, add_size_sweep_args, check_size_sweep, size_range
+from mcrdl.tuning.sizes import add_size_sweep_args, check_size_sweep, size_range
+
+from .bench import DTYPES
 
 
 def _sizes(args) -> list[int]:
@@ -28,7 +30,7 @@ def _sizes(args) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .suite import DEFAULT_OPS
+    from .tuning_suite import DEFAULT_OPS
 
     p = argparse.ArgumentParser(prog="mcrdl-tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     import mcrdl
 
-    from .suite import SuiteConfig, default_group_sizes, run_suite
-    from .table import TuningTable, current_provenance
+    from mcrdl.tuning.table import TuningTable, current_provenance
+
+    from .tuning_suite import SuiteConfig, default_group_sizes, run_suite
 
     mcrdl.init(args.backend)
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
@@ -149,8 +152,8 @@ def _model(args) -> int:
     """Per (backend, op): alpha, beta and the relative error of the model on points it
     was not fitted on, twice: held-out sizes (every third size) and the largest group
     size (extrapolation in scale, what predictions for big machines rely on)."""
-    from . import model
-    from .table import TuningTable
+    from mcrdl.tuning import model
+    from mcrdl.tuning.table import TuningTable
 
     table = TuningTable.load(args.table)
     print(f"# alpha-beta model of {args.table} (relative error |predicted - measured| / "
@@ -188,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     if args.command == "model":
         return _model(args)
-    from .plot import plot_table
+    from mcrdl.tuning.plot import plot_table
 
     for path in plot_table(args.table, args.out_dir):
         print(path)

@@ -37,14 +37,13 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
-from ..ops import BUS_FACTORS, CALL_BYTES
+from ..ops import OPS, OpSpec
 from ..work import Work
+from .base import Layer
 from .config import LoggingConfig
-from .stream import ExtContext
-
-_P2P = frozenset({"send", "recv"})
 
 ROW_FIELDS = ("level", "op", "backend", "bucket_bytes", "bucket", "group_size", "count",
               "bytes", "completed", "lat_min_us", "lat_median_us", "lat_max_us",
@@ -92,6 +91,7 @@ class CommLogger:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.runtime = None
         self.rank = 0
         self.trace = True
         self.max_events = 1_000_000
@@ -111,14 +111,19 @@ class CommLogger:
             self.seqs: dict[tuple, int] = {}
             self.pending: list[Record] = []
 
-    def configure(self, config: LoggingConfig, ext: ExtContext) -> None:
-        self.rank = ext.rank
+    def attach(self, runtime) -> None:
+        """The runtime whose ranks :func:`summary` and the exports gather (None: none)."""
+        self.runtime = runtime
+
+    def configure(self, config: LoggingConfig, rank: int) -> None:
+        self.rank = rank
         self.trace = config.trace
         self.max_events = config.max_events
 
     # -- recording (hot path when logging is on) -----------------------------------
-    def start(self, level: str, op: str, backend: str, group, gsize: int, nbytes: int,
+    def start(self, level: str, spec: OpSpec, backend: str, group, gsize: int, nbytes: int,
               t0: int, async_op: bool) -> Record:
+        op = spec.name
         gid = 0 if group is None else group.id
         with self._lock:
             lane = (level, backend, gid)
@@ -131,7 +136,7 @@ class CommLogger:
                 row = self.rows[key] = _Row()
             row.count += 1
             row.bytes += nbytes
-            if op not in _P2P:
+            if not spec.p2p:
                 self.arrivals.setdefault((level, backend, gid, op, gsize), []).append(
                     (seq, t0, key[3]))
             if async_op:
@@ -223,41 +228,32 @@ class LoggedWork(Work):
         return f"<logged {self._inner!r}>"
 
 
-class Logged:
-    """Wrapper backend recording every call in the logger (see the module docstring)."""
+class Logged(Layer):
+    """The layer recording every call in the logger (see the module docstring)."""
 
-    def __init__(self, inner, log: CommLogger, level: str, ext: ExtContext):
-        self._inner = inner
-        self.name = inner.name
-        self._log = log
-        self._level = level
-        self._world_size = ext.world_size
+    def __init__(self, inner, log: CommLogger, level: str, world_size: int):
+        self._log, self._level, self._world_size = log, level, world_size
+        super().__init__(inner)
 
-    def __getattr__(self, attr):
-        if attr not in CALL_BYTES:
-            return getattr(self._inner, attr)
-        method = getattr(self._inner, attr)
-        nbytes_of = CALL_BYTES[attr]
+    def passthrough(self, spec: OpSpec, forward: Callable) -> Callable:
         log, level, name, world_size = self._log, self._level, self.name, self._world_size
         perf = time.perf_counter_ns
 
         def call(*args):
             t0 = perf()
-            result = method(*args)
-            group, async_op = args[-2], args[-1]
-            gsize = world_size if group is None else group.size
-            rec = log.start(level, attr, name, group, gsize, nbytes_of(args, gsize), t0,
-                            async_op)
-            if not async_op:
+            result = forward(*args)
+            c = spec.call(args)
+            gsize = world_size if c.group is None else c.group.size
+            rec = log.start(level, spec, name, c.group, gsize, c.nbytes(gsize), t0, c.async_op)
+            if not c.async_op:
                 log.finish(rec, perf())
                 return result
             return LoggedWork(result, rec, log)
 
-        self.__dict__[attr] = call  # built once: later calls skip __getattr__
         return call
 
     def synchronize(self, timeout: float) -> None:
-        self._inner.synchronize(timeout)
+        self.inner.synchronize(timeout)
         self._log.finish_pending({self.name})
 
 
@@ -287,7 +283,7 @@ def _rows_from(views: list[dict], level: str | None) -> list[dict]:
             row.update(lat_min_us=min(lats) / 1000.0, lat_median_us=med,
                        lat_max_us=max(lats) / 1000.0)
             algbw = (nbytes / count) / (med * 1e-6) / 1e9 if med > 0 else 0.0
-            row.update(algbw_GBps=algbw, busbw_GBps=algbw * BUS_FACTORS[op](gsize))
+            row.update(algbw_GBps=algbw, busbw_GBps=algbw * OPS[op].bus_factor(gsize))
         else:
             row.update(lat_min_us=None, lat_median_us=None, lat_max_us=None, algbw_GBps=None,
                        busbw_GBps=None)
@@ -342,13 +338,12 @@ def _views(gather: bool) -> list[dict]:
 
 def _allgather(obj: object) -> list:
     """Every rank's `obj` (collective over the world, on mcrdl's bootstrap channel)."""
-    from .. import api
-
-    if not api.is_initialized():
+    runtime = logger().runtime
+    if runtime is None or not runtime.backends:
         raise BackendUnavailableError(
             "gather=True exchanges the logs of every rank and needs mcrdl initialized; call it "
             "on every rank before mcrdl.finalize(), or pass gather=False")
-    return api._state.bootstrap.allgather_obj(obj)
+    return runtime.all_gather_object(obj)
 
 
 def summary(*, gather: bool = False, level: str | None = "call", file=None,

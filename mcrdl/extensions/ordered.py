@@ -6,16 +6,16 @@ the calls of one (backend, group) in the order the program issued them, and neit
 block the calling thread on other ranks when the call was asynchronous (the caller may
 go on to issue the call on another backend that those ranks are waiting for).
 
-An :class:`OrderedStream` is the queue of one (backend, group): items are posted in
+An :class:`IssueQueue` is the queue of one (backend, group): items are posted in
 FIFO order by whoever holds its *runner* lock, which is either
 
 - the calling thread, when nothing is queued ahead and no one else is posting (the
   fast path: a call is posted inline, exactly as without the extension), or a thread
   that is about to block anyway (a blocking call, ``Work.wait``, ``synchronize``);
-- else the stream's worker thread (started on first use), which may block on other
+- else the queue's worker thread (started on first use), which may block on other
   ranks; that stalls only this (backend, group), whose calls are ordered anyway.
 
-Point-to-point calls never go through a stream: their matching does not depend on the
+Point-to-point calls never go through a queue: their matching does not depend on the
 order of collectives, and queueing a send behind a collective could deadlock.
 """
 
@@ -34,16 +34,17 @@ from ..errors import (
     InvalidArgumentError,
     UnsupportedOperationError,
 )
-from ..ops import OPERATIONS
-from ..validate import validate_call
+from ..ops import Call, OpSpec
+from ..validate import validate
 from ..work import Work
+from .base import Layer
 
 
 class Task:
     """One deferred item: ``post()`` posts its calls and returns its finish step (a
     :class:`Finish`, or None when nothing is left to do after posting).
 
-    Items of a stream (tasks here, buffered calls in fusion) have ``seq`` (issue
+    Items of a queue (tasks here, buffered calls in fusion) have ``seq`` (issue
     order), ``posted`` (set once their calls were handed to the backend) and ``error``.
     """
 
@@ -92,10 +93,10 @@ class DeferredWork(Work):
     """The Work of a deferred task: waits until the task posted its calls, then runs
     the task's finish step (once) under the remaining timeout."""
 
-    __slots__ = ("_task", "_stream", "backend", "_lock", "_completed", "_error")
+    __slots__ = ("_task", "_queue", "backend", "_lock", "_completed", "_error")
 
-    def __init__(self, task: Task, stream: OrderedStream, backend: str):
-        self._task, self._stream, self.backend = task, stream, backend
+    def __init__(self, task: Task, queue: IssueQueue, backend: str):
+        self._task, self._queue, self.backend = task, queue, backend
         self._lock = threading.Lock()
         self._completed = False
         self._error: BaseException | None = None
@@ -103,8 +104,8 @@ class DeferredWork(Work):
     def wait(self, timeout: float | None = None) -> bool:
         if self._completed:
             return True
-        deadline = self._stream.deadline(timeout)
-        self._stream.wait_posted(self._task, deadline, inline=timeout is None)
+        deadline = self._queue.deadline(timeout)
+        self._queue.wait_posted(self._task, deadline, inline=timeout is None)
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -126,7 +127,7 @@ class DeferredWork(Work):
             return True
         task = self._task
         if not task.posted:
-            self._stream.request(task.seq)
+            self._queue.request(task.seq)
             return False
         if task.error is not None:
             raise task.error
@@ -136,7 +137,7 @@ class DeferredWork(Work):
         return True
 
 
-class OrderedStream:
+class IssueQueue:
     """The issue-order queue of one (backend, group); see the module docstring."""
 
     def __init__(self, name: str, timeout_of: Callable[[], float]):
@@ -166,7 +167,7 @@ class OrderedStream:
         return self._seq
 
     def _refuse_items(self) -> None:
-        """The stream failed (cv held): nothing may join the queue from now on."""
+        """The queue failed (cv held): nothing may join the queue from now on."""
 
     def _fail_item(self, item, exc: BaseException) -> None:
         """`item` will never be posted: it fails with `exc`."""
@@ -177,7 +178,7 @@ class OrderedStream:
         """Post the head item (runner held, items not empty). Tasks run here; fusion
         overrides this to flush buffered calls. `waiting`: the posting thread is a
         caller about to wait (it may post blocking calls). A failed task fails the
-        stream: ranks may have posted part of it."""
+        queue: ranks may have posted part of it."""
         with self._cv:
             task = self._items.popleft()
         task.run()
@@ -231,7 +232,7 @@ class OrderedStream:
         return task
 
     def run_task(self, post: Callable, backend: str, async_op: bool):
-        """Post a multi-step call: inline when the stream is idle and the caller blocks
+        """Post a multi-step call: inline when the queue is idle and the caller blocks
         anyway; else on the worker. Returns its Work (async) or None after completion."""
         task = Task(post)
         if not async_op and self.try_inline():
@@ -359,7 +360,7 @@ class OrderedStream:
                     self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
-        """A posting step raised: every queued item gets the error; the stream refuses
+        """A posting step raised: every queued item gets the error; the queue refuses
         new calls (ranks no longer agree on what was posted)."""
         with self._cv:
             self.failed = self.failed or f"{type(exc).__name__}: {exc}"
@@ -382,108 +383,90 @@ class OrderedStream:
 
 
 #: Errors a backend raises before posting anything: a task failing with one of these
-#: leaves the ranks in step, so the stream stays usable.
+#: leaves the ranks in step, so the queue stays usable.
 _LOCAL_ERRORS = (InvalidArgumentError, UnsupportedOperationError)
-_P2P = frozenset({"send", "recv"})
 
 
-class StreamedBackend:
-    """Base of the wrapper backends that defer calls (fusion, compression).
+class OrderedLayer(Layer):
+    """Base of the layers that defer calls (fusion, compression).
 
-    Holds one :class:`OrderedStream` per group this wrapper ever deferred a call on.
-    Operations a subclass does not handle pass through in order: straight to the inner
-    backend when the group has no stream or its stream is idle (the caller posts
-    inline), else validated now and queued behind the deferred calls. Point-to-point
-    calls always go straight through (see the module docstring).
+    Holds one :class:`IssueQueue` per group this layer ever deferred a call on.
+    Operations a subclass does not handle pass through in order: straight to the next
+    layer when the group has no queue or its queue is idle (the caller posts inline),
+    else validated now and queued behind the deferred calls. Point-to-point calls always
+    go straight through (see the module docstring). ``rt`` is the runtime (world,
+    timeout, group checks).
     """
 
-    stream_class = OrderedStream
+    queue_class = IssueQueue
 
-    def __init__(self, inner, ext: ExtContext):
-        self._inner = inner
-        self.name = inner.name
-        self._ext = ext
-        self._streams: dict[int, OrderedStream] = {}
-        self._streams_lock = threading.Lock()
+    def __init__(self, inner, rt):
+        self._rt = rt
+        self._queues: dict[int, IssueQueue] = {}
+        self._queues_lock = threading.Lock()
+        super().__init__(inner)
 
-    def __getattr__(self, attr):
-        if attr not in OPERATIONS:
-            return getattr(self._inner, attr)
-        method = getattr(self._inner, attr)
-        if attr in _P2P:
-            self.__dict__[attr] = method
-            return method
+    def passthrough(self, spec: OpSpec, forward: Callable) -> Callable:
+        if spec.p2p:
+            return forward
 
         def call(*args):
-            return self._ordered(attr, method, args)
+            return self._ordered(spec.call(args), forward)
 
-        self.__dict__[attr] = call  # built once: later calls skip __getattr__
         return call
 
-    def _ordered(self, op: str, method, args: tuple):
-        group = args[-2]
-        stream = self._streams.get(0 if group is None else getattr(group, "id", None))
-        if stream is None:
-            return method(*args)
-        if stream.try_inline():
+    def _ordered(self, call: Call, forward: Callable):
+        """Hand `call` to `forward` behind whatever its group's queue holds."""
+        group = call.group
+        queue = self._queues.get(0 if group is None else getattr(group, "id", None))
+        if queue is None:
+            return call.forward(forward)
+        if queue.try_inline():
             try:
-                return method(*args)
+                return call.forward(forward)
             finally:
-                stream.release()
-        *rest, group, async_op = args
-        size, rank = self._ext.size_rank(group)
-        rest = validate_call(op, tuple(rest), size, rank)  # errors now, not when posted
+                queue.release()
+        size, rank = self._rt.size_rank(group)
+        posted = validate(call, size, rank).replace(async_op=True)  # errors now, not later
 
         def post():
-            return Finish([method(*rest, group, True)])
+            return Finish([posted.forward(forward)])
 
-        return stream.run_task(post, self.name, async_op)
+        return queue.run_task(post, self.name, call.async_op)
 
-    def _stream(self, group, what: str = "") -> OrderedStream:
-        """The stream of `group` (created on first use)."""
+    def _queue(self, group, what: str = "") -> IssueQueue:
+        """The queue of `group` (created on first use)."""
         gid = 0 if group is None else group.id
-        stream = self._streams.get(gid)
-        if stream is None:
-            with self._streams_lock:
-                stream = self._streams.get(gid)
-                if stream is None:
+        queue = self._queues.get(gid)
+        if queue is None:
+            with self._queues_lock:
+                queue = self._queues.get(gid)
+                if queue is None:
                     gname = "world" if group is None else group.describe()
-                    stream = self._make_stream(group, f"{what}{self.name} group {gname}")
-                    self._streams[gid] = stream
-        return stream
+                    queue = self._make_queue(group, f"{what}{self.name} group {gname}")
+                    self._queues[gid] = queue
+        return queue
 
-    def _make_stream(self, group, name: str) -> OrderedStream:
-        return self.stream_class(name, self._ext.timeout_of)
+    def _make_queue(self, group, name: str) -> IssueQueue:
+        return self.queue_class(name, self._rt.timeout_of)
 
     def drain(self, timeout: float) -> None:
         """Post every deferred call (blocking on the other ranks, bounded by `timeout`)."""
-        for stream in self._all_streams():
-            stream.drain(timeout)
+        for queue in self._all_queues():
+            queue.drain(timeout)
 
     def synchronize(self, timeout: float) -> None:
         """Post every deferred call, complete them (their results reach the tensors),
-        then synchronize the inner backend."""
+        then synchronize the next layer."""
         deadline = time.monotonic() + timeout
         self.drain(timeout)
-        for stream in self._all_streams():
-            stream.complete_all(max(deadline - time.monotonic(), 0.0))
-        self._inner.synchronize(max(deadline - time.monotonic(), 0.0))
+        for queue in self._all_queues():
+            queue.complete_all(max(deadline - time.monotonic(), 0.0))
+        self.inner.synchronize(max(deadline - time.monotonic(), 0.0))
 
-    def _all_streams(self) -> list:
-        return list(self._streams.values())
+    def _all_queues(self) -> list:
+        return list(self._queues.values())
 
     def close(self, timeout: float) -> None:
-        for stream in self._all_streams():
-            stream.close(timeout)
-
-
-class ExtContext:
-    """What the extension wrappers need from the front: the world, the timeout and the
-    group check (mcrdl.api passes its own)."""
-
-    __slots__ = ("rank", "world_size", "timeout_of", "size_rank")
-
-    def __init__(self, rank: int, world_size: int, timeout_of: Callable[[], float],
-                 size_rank: Callable):
-        self.rank, self.world_size = rank, world_size
-        self.timeout_of, self.size_rank = timeout_of, size_rank
+        for queue in self._all_queues():
+            queue.close(timeout)

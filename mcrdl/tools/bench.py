@@ -4,8 +4,8 @@ Run it under any launcher mcrdl understands; every rank runs the same sweep and 
 prints one table per (operation, backend)::
 
     mpiexec -n 4 mcrdl-bench --op all_reduce all_gather --max-bytes 64M
-    mpiexec -n 2 python -m mcrdl.bench --backend mpi gloo --dtype float64 --json out.json
-    torchrun --nproc-per-node 4 -m mcrdl.bench --op bcast --backend gloo
+    mpiexec -n 2 python -m mcrdl.tools.bench --backend mpi gloo --dtype float64 --json out.json
+    torchrun --nproc-per-node 4 -m mcrdl.tools.bench --op bcast --backend gloo
 
 Columns (as in nccl-tests):
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -40,7 +39,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 import mcrdl
-from mcrdl.ops import BUS_FACTORS
+from mcrdl.ops import COLLECTIVES, OPS, Agreement
+from mcrdl.tuning.sizes import add_size_sweep_args, check_size_sweep, format_size, size_range
 
 DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
@@ -54,44 +54,13 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 
-OPS = tuple(op for op in BUS_FACTORS if op not in ("send", "recv"))  # collectives
-# Operations whose buffer is split into one block per rank.
-BLOCKED_OPS = frozenset(OPS) - {"all_reduce", "bcast", "reduce", "barrier"}
+# Operations whose buffer is split into one block per rank (bytes per rank, counts, or
+# an exchange with every peer).
+BLOCKED_OPS = frozenset(
+    op for op, s in OPS.items() if s.nbytes is not None
+    and (s.nbytes.per_rank or s.nbytes.counts or s.agreement is Agreement.EXCHANGE))
 DEFAULT_BACKENDS = ("mpi", "gloo")
 GPU_BACKENDS = frozenset({"nccl", "rccl"})
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)(i?b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in ``text``: an integer with an optional K, M or G suffix (powers of 1024)."""
-    match = _SIZE_RE.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: expected a non-negative integer with an optional "
-            "suffix K, M or G (powers of 1024), e.g. 8, 4K, 64M, 1G"
-        )
-    return int(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-
-
-def format_size(nbytes: int) -> str:
-    """``nbytes`` with the largest exact binary suffix (``4096`` -> ``"4K"``)."""
-    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= unit and nbytes % unit == 0:
-            return f"{nbytes // unit}{suffix}"
-    return str(nbytes)
-
-
-def size_range(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
-    """Geometric sweep ``min_bytes, min_bytes*factor, ...`` up to ``max_bytes`` inclusive."""
-    sizes = []
-    size = min_bytes
-    while size <= max_bytes:
-        sizes.append(size)
-        size *= factor
-    return sizes
-
 
 def element_count(op: str, nbytes: int, itemsize: int, nranks: int) -> int:
     """Elements of the buffer ``size(B)`` describes for ``op`` (see the module docstring)."""
@@ -101,31 +70,6 @@ def element_count(op: str, nbytes: int, itemsize: int, nranks: int) -> int:
     if op in BLOCKED_OPS:
         count = max(count - count % nranks, nranks)
     return count
-
-
-def add_size_sweep_args(parser: argparse.ArgumentParser, factor: int,
-                        factor_note: str = "") -> None:
-    """--min-bytes, --max-bytes (K/M/G suffixes) and --factor, shared by mcrdl-bench,
-    mcrdl-tune and benchmarks/overhead.py; check them with check_size_sweep."""
-    parser.add_argument("--min-bytes", type=parse_size, default=8, metavar="SIZE",
-                        help="smallest size, suffixes K/M/G allowed (default 8)")
-    parser.add_argument("--max-bytes", type=parse_size, default=64 << 20, metavar="SIZE",
-                        help="largest size, suffixes K/M/G allowed (default 64M)")
-    parser.add_argument("--factor", type=int, default=factor,
-                        help=f"multiplicative step between sizes, integer >= 2 "
-                             f"(default {factor}){factor_note}")
-
-
-def check_size_sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Exit with status 2 and a message when the sweep options are inconsistent."""
-    if args.min_bytes < 1:
-        parser.error("--min-bytes must be at least 1 byte")
-    if args.min_bytes > args.max_bytes:
-        parser.error(
-            f"--min-bytes ({args.min_bytes}) is larger than --max-bytes ({args.max_bytes})"
-        )
-    if args.factor < 2:
-        parser.error(f"--factor must be an integer >= 2, got {args.factor}")
 
 
 def _positive_int(text: str) -> int:
@@ -163,10 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--op",
         nargs="+",
-        choices=OPS,
+        choices=COLLECTIVES,
         default=["all_reduce"],
         metavar="OP",
-        help=f"operations to run (default all_reduce); any of: {', '.join(OPS)}",
+        help=f"operations to run (default all_reduce); any of: {', '.join(COLLECTIVES)}",
     )
     parser.add_argument(
         "--backend",
@@ -298,7 +242,7 @@ def make_call(
     if op == "all_to_allv":
         inp, out = buf(count), buf(count)
         return lambda: mcrdl.all_to_allv(backend, out, inp, blocks, blocks, **kw)
-    raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    raise ValueError(f"unknown op {op!r}; expected one of {', '.join(COLLECTIVES)}")
 
 
 def time_call(
@@ -327,10 +271,10 @@ def time_call(
 def _barrier_backend(backend: str) -> str:
     """`backend` when it has barrier (and all_reduce), else the first initialized one
     that has (the ranks line up before each timed call and agree on the slowest)."""
-    from .backends.registry import backend_class
+    from mcrdl.backends.registry import backend_class
 
     def has(b: str) -> bool:
-        ops = backend_class(b).capabilities.ops
+        ops = backend_class(b).supported_ops()
         return "barrier" in ops and "all_reduce" in ops
 
     if has(backend):
@@ -370,7 +314,7 @@ def run_table(
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     device = device_for(backend)
-    factor = BUS_FACTORS[op](nranks)
+    factor = OPS[op].bus_factor(nranks)
     counts = sorted({element_count(op, size, itemsize, nranks) for size in sizes})
     emit("#")
     emit(f"# {op} on {backend}: {nranks} ranks, busbw factor {factor:.4f}")

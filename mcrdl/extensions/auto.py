@@ -1,0 +1,142 @@
+"""The "auto" backend: the first layer of the call path, which resolves each call to a
+concrete backend and hands it to that backend's layers.
+
+With a tuning table, a call goes to the backend the table predicts fastest for
+(operation, group size, bytes) among the initialized ones; calls the table cannot place
+(no data, malformed arguments) take the fixed rule, whose backend then validates them.
+The fixed rule, without a table: tensors on a GPU to "nccl" (or "rccl") when
+initialized, other tensors to "mpi" when initialized, else "gloo", else the first
+initialized backend. Lookups are cached per (group size, bytes): one dict hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable
+
+from ..ops import OPS, Kind, OpSpec
+
+log = logging.getLogger("mcrdl")
+
+#: The fixed rule, in order of preference.
+CPU_PREFERENCE = ("mpi", "gloo")
+GPU_PREFERENCE = ("nccl", "rccl")
+_ROUTES_MAX = 4096  # distinct (group size, bytes) per op kept before starting over
+
+
+def load_table(path: str | None):
+    """The tuning table "auto" routes by: `path` (init's tuning_table or
+    $MCRDL_TUNING_TABLE), else the shipped table matching this system; None (fixed rule)
+    when there is none."""
+    from ..tuning.table import TuningTable, current_provenance, find_shipped_table
+
+    current = current_provenance()
+    if path is None:
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        shipped = os.path.join(here, "tuning_tables")
+        path = find_shipped_table(shipped, current) if os.path.isdir(shipped) else None
+        if path is None:
+            return None
+    table = TuningTable.load(path)
+    stale = table.stale_reasons(current)
+    if stale:
+        warnings.warn(f"mcrdl: tuning table {path} was measured with other libraries than "
+                      f"these ({'; '.join(stale)}); \"auto\" may pick slower backends. "
+                      "Re-run mcrdl-tune.", stacklevel=4)
+    log.info("mcrdl: \"auto\" routes by tuning table %s", path)
+    return table
+
+
+def build(chains: dict, table, world_size: int):
+    """The object the front calls for "auto" over `chains` (backend name -> the top of
+    its layers); None when no backend is initialized."""
+    def first(names):
+        return next((chains[n] for n in names if n in chains), None)
+
+    cpu, gpu = first(CPU_PREFERENCE), first(GPU_PREFERENCE)
+    if cpu is not None and gpu is not None:
+        fixed = ByDevice(cpu, gpu)
+    elif cpu or gpu or chains:
+        fixed = cpu or gpu or next(iter(chains.values()))
+    else:
+        return None
+    return fixed if table is None else ByTable(table, chains, fixed, world_size)
+
+
+class _Router:
+    """One callable per operation, made by :meth:`route`; synchronize reaches every
+    backend the router may send to."""
+
+    name = "auto"
+
+    def __init__(self, targets: list):
+        self._targets = targets
+        for op, spec in OPS.items():
+            self.__dict__[op] = self.route(spec)
+
+    def route(self, spec: OpSpec) -> Callable:
+        raise NotImplementedError
+
+    def synchronize(self, timeout: float) -> None:
+        for t in self._targets:
+            t.synchronize(timeout)
+
+
+class ByTable(_Router):
+    """"auto" with a tuning table; see the module docstring."""
+
+    def __init__(self, table, chains: dict, fixed, world_size: int):
+        self._table, self._chains, self._fixed = table, chains, fixed
+        self._names = tuple(chains)
+        self._world_size = world_size
+        super().__init__(list(chains.values()))
+
+    def route(self, spec: OpSpec) -> Callable:
+        op, table, chains, names = spec.name, self._table, self._chains, self._names
+        fallback = getattr(self._fixed, op)
+        nbytes_of, at_group, world_size = spec.nbytes_of, len(spec.params), self._world_size
+        routes: dict = {}  # (group size, bytes) -> the chosen backend's callable
+
+        def call(*args):
+            try:
+                group = args[at_group]
+                gsize = world_size if group is None else group.size
+                key = (gsize, nbytes_of(args, gsize))
+            except (AttributeError, TypeError, IndexError):  # let a backend say what is wrong
+                return fallback(*args)
+            fn = routes.get(key)
+            if fn is None:
+                name = table.lookup(op, gsize, key[1], names)
+                fn = getattr(chains[name], op) if name else fallback
+                if len(routes) >= _ROUTES_MAX:
+                    routes.clear()
+                routes[key] = fn
+            return fn(*args)
+
+        return call
+
+
+class ByDevice(_Router):
+    """"auto" when CPU and GPU backends are both initialized: a call whose payload
+    tensor is on a GPU goes to the GPU backend, any other to the CPU backend."""
+
+    def __init__(self, cpu, gpu):
+        self._cpu, self._gpu = cpu, gpu
+        super().__init__([cpu, gpu])
+
+    def route(self, spec: OpSpec) -> Callable:
+        on_cpu, on_gpu = getattr(self._cpu, spec.name), getattr(self._gpu, spec.name)
+        if spec.payload is None:
+            return on_cpu
+        at = spec.index[spec.payload]
+        is_list = spec.params[at].kind is Kind.TENSOR_LIST
+
+        def call(*args):
+            t = args[at]
+            if is_list:
+                t = t[0] if t else None
+            return (on_gpu if getattr(t, "is_cuda", False) else on_cpu)(*args)
+
+        return call
