@@ -1,4 +1,4 @@
-"""Error classes of mcrdl (API.md "Errors"); all re-exported from ``mcrdl``."""
+"""Error classes of mcrdl (docs/api.md "Errors"); all re-exported from ``mcrdl``."""
 
 
 class MCRDLError(RuntimeError):

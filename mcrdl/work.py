@@ -1,4 +1,4 @@
-"""The Work handle of async operations (API.md "Work")."""
+"""The Work handle of async operations (docs/api.md "Work")."""
 
 from __future__ import annotations
 

@@ -261,7 +261,7 @@ def test_unsupported_operation(fresh):
     ("DesyncError", ("MCRDLError", RuntimeError)),
 ])
 def test_error_hierarchy(cls, bases):
-    """API.md "Errors": base classes, and mcrdl re-exports the classes of mcrdl.errors."""
+    """docs/api.md "Errors": base classes, and mcrdl re-exports the classes of mcrdl.errors."""
     c = getattr(mcrdl, cls)
     assert c is getattr(mcrdl.errors, cls)
     assert isinstance(c, type) and issubclass(c, Exception)

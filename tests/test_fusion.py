@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mcrdl
-from mcrdl.extensions import FusionConfig
+from mcrdl.extensions import FusionConfig, current
 
 from ._launch import mpiexec_or_skip, run_launcher
 
@@ -60,17 +60,17 @@ def test_fusion_config_checks_its_fields():
         mcrdl.configure(fusion={"buffer": 4})
     with pytest.raises(mcrdl.InvalidArgumentError, match="fusion"):
         mcrdl.configure(fusion="yes")
-    assert not mcrdl.extensions.current().enabled  # refused settings change nothing
+    assert not current().enabled  # refused settings change nothing
 
 
 def test_extensions_block_restores_the_configuration_outside():
-    before = mcrdl.extensions.current()
+    before = current()
     with mcrdl.extensions(fusion={"wait_us": 50}) as inside:
-        assert inside.fusion.wait_us == 50 and mcrdl.extensions.current() is inside
+        assert inside.fusion.wait_us == 50 and current() is inside
         with mcrdl.extensions(fusion=False, logging=True) as inner:
             assert inner.fusion is None and inner.logging is not None
-        assert mcrdl.extensions.current() is inside
-    assert mcrdl.extensions.current() == before
+        assert current() is inside
+    assert current() == before
 
 
 def test_rounds_are_cut_by_key_and_into_runs_of_at_most_b_bytes():

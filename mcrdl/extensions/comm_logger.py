@@ -121,9 +121,8 @@ class CommLogger:
         self.max_events = config.max_events
 
     # -- recording (hot path when logging is on) -----------------------------------
-    def start(self, level: str, spec: OpSpec, backend: str, group, gsize: int, nbytes: int,
+    def start(self, level: str, op: str, backend: str, group, gsize: int, nbytes: int,
               t0: int, async_op: bool) -> Record:
-        op = spec.name
         gid = 0 if group is None else group.id
         with self._lock:
             lane = (level, backend, gid)
@@ -136,7 +135,7 @@ class CommLogger:
                 row = self.rows[key] = _Row()
             row.count += 1
             row.bytes += nbytes
-            if not spec.p2p:
+            if not OPS[op].p2p:
                 self.arrivals.setdefault((level, backend, gid, op, gsize), []).append(
                     (seq, t0, key[3]))
             if async_op:
@@ -244,7 +243,7 @@ class Logged(Layer):
             result = forward(*args)
             c = spec.call(args)
             gsize = world_size if c.group is None else c.group.size
-            rec = log.start(level, spec, name, c.group, gsize, c.nbytes(gsize), t0, c.async_op)
+            rec = log.start(level, c.op, name, c.group, gsize, c.nbytes(gsize), t0, c.async_op)
             if not c.async_op:
                 log.finish(rec, perf())
                 return result

@@ -1,4 +1,4 @@
-"""Multi-rank conformance of every operation of API.md against a numpy reference.
+"""Multi-rank conformance of every operation of docs/api.md against a numpy reference.
 
 Run by every rank under mpiexec (see tests/test_dist_launch.py). Each test loops over
 dtypes x sizes (x reduce ops), cycling the group (world, strict subset, permuted),

@@ -31,7 +31,7 @@ BACKENDS = ("mpi", "gloo")
 IAE = mcrdl.InvalidArgumentError
 BUE = mcrdl.BackendUnavailableError
 
-# dtypes outside API.md's list (each named in the message as Python prints it).
+# dtypes outside docs/api.md's list (each named in the message as Python prints it).
 BAD_DTYPES = [torch.complex64, torch.int16] + [
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)
 ]

@@ -41,7 +41,7 @@ import torch
 
 import mcrdl
 from mcrdl import api
-from mcrdl.extensions import FusionConfig, fusion_stats
+from mcrdl.extensions import FusionConfig, current, fusion_stats
 
 
 def _abort_on_error(exc_type, exc, tb):
@@ -358,7 +358,7 @@ with mcrdl.extensions(fusion=True):
         except mcrdl.InvalidArgumentError:
             pass
 
-if api._dispatch["mpi"] is not api._runtime.bases["mpi"] or mcrdl.extensions.current().enabled:
+if api._dispatch["mpi"] is not api._runtime.bases["mpi"] or current().enabled:
     failures.append("after the extensions() blocks the hot path still goes through a chain")
 
 all_failures = mcrdl.all_gather_object(failures)
