@@ -34,9 +34,10 @@ import torch
 import mcrdl
 from mcrdl import _C
 from mcrdl.backends import pccl_ref
-from mcrdl.backends.pccl import CostModel, initialized, use_algorithms
-from mcrdl.tuning.sizes import format_size, parse_size, size_range
+from mcrdl.backends.pccl import initialized, use_algorithms
+from mcrdl.backends.pccl_cost_model import CostModel
 from mcrdl.launch import usable_cores
+from mcrdl.tuning.sizes import format_size, parse_size, size_range
 
 
 def timed(fn, iters: int, back: int = 1, warmup: int = 2) -> float:

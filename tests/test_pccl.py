@@ -41,7 +41,7 @@ def test_pccl_conformance(n, per_node, expected):
 
 
 def test_layout():
-    from mcrdl.backends.pccl import Layout
+    from mcrdl.backends.pccl_layout import Layout
 
     nodes = [r // 3 for r in range(6)]  # 2 nodes x 3, blocked
     lay = Layout.of(tuple(range(6)), nodes)
@@ -58,7 +58,7 @@ def test_layout():
 
 
 def test_cost_model():
-    from mcrdl.backends.pccl import CostModel
+    from mcrdl.backends.pccl_cost_model import CostModel
 
     m = CostModel(alpha=10e-6, beta_ring=1e-10, beta_rd=2e-10)
     p = 16
@@ -76,7 +76,8 @@ def test_cost_model():
 
 def test_cost_model_fit():
     from mcrdl import InvalidArgumentError
-    from mcrdl.backends.pccl import CostModel, fit_line
+    from mcrdl.backends.pccl_cost_model import CostModel
+    from mcrdl.tuning.model import fit_line
 
     true = CostModel(alpha=20e-6, beta_ring=1.2e-9, beta_rd=1.5e-9)
     sizes = [1024 * 4**i for i in range(8)]  # 1 KiB .. 16 MiB
@@ -107,7 +108,8 @@ def test_cost_model_fit():
 
 def test_model_and_env_errors(monkeypatch):
     from mcrdl import InvalidArgumentError
-    from mcrdl.backends.pccl import CostModel, node_ids
+    from mcrdl.backends.pccl_cost_model import CostModel
+    from mcrdl.backends.pccl_layout import node_ids
 
     monkeypatch.setenv("MCRDL_PCCL_MODEL", "1e-6,2e-10")
     with pytest.raises(InvalidArgumentError, match="MCRDL_PCCL_MODEL"):

@@ -1,6 +1,7 @@
-"""Tuning tables (mcrdl.tuning.table) and the alpha-beta model (mcrdl.tuning.model):
-round trip, atomic save, schema validation, lookup at exact / in-between / out-of-range
-points, provenance, shipped-table choice, the model fit, and the cost of a lookup."""
+"""Tuning tables (mcrdl.tuning.table, .schema, .provenance) and the alpha-beta model
+(mcrdl.tuning.model): round trip, atomic save, schema validation, lookup at exact /
+in-between / out-of-range points, provenance, shipped-table choice, the model fit, and
+the cost of a lookup."""
 
 import copy
 import json
@@ -18,16 +19,12 @@ import pytest
 
 import mcrdl
 from mcrdl.tuning import model as mdl
+from mcrdl.tuning import schema
 from mcrdl.tuning import table as tbl
 from mcrdl.tuning.model import AlphaBeta, coefficients, fit, holdout_error
-from mcrdl.tuning.table import (
-    SCHEMA,
-    VERSION,
-    TuningTable,
-    TuningTableError,
-    current_provenance,
-    find_shipped_table,
-)
+from mcrdl.tuning.provenance import current_provenance, find_shipped_table
+from mcrdl.tuning.schema import SCHEMA, VERSION, TuningTableError
+from mcrdl.tuning.table import TuningTable
 
 README = pathlib.Path(__file__).resolve().parent.parent / "tuning_tables" / "README.md"
 PROV = {"host": "node01", "system": "test", "cpu_model": "cpu X", "gpu_model": "",
@@ -130,7 +127,7 @@ def test_interrupted_save_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatc
     before = path.read_bytes()
     new = model_table({"mpi": (1e-6, 1e-9), "gloo": (2e-6, 1e-10)})
     with monkeypatch.context() as m:
-        m.setattr(tbl.json if target == "dumps" else tbl.os, target, fault)
+        m.setattr(schema.json if target == "dumps" else schema.os, target, fault)
         with pytest.raises((OSError, KeyboardInterrupt)):
             new.save(path)
     assert path.read_bytes() == before
@@ -142,7 +139,7 @@ def test_interrupted_save_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatc
 
 
 def test_failed_first_save_leaves_nothing(tmp_path, monkeypatch):
-    monkeypatch.setattr(tbl.os, "replace", _boom)
+    monkeypatch.setattr(schema.os, "replace", _boom)
     with pytest.raises(OSError):
         model_table({"mpi": (1e-6, 1e-9)}).save(tmp_path / "t.json")
     assert os.listdir(tmp_path) == []
@@ -544,7 +541,7 @@ def test_current_provenance():
     import torch
 
     p = current_provenance("mcrdl-tune run --output x.json")
-    assert set(p) >= set(tbl.PROVENANCE_KEYS)
+    assert set(p) >= set(schema.PROVENANCE_KEYS)
     assert all(isinstance(v, str) for v in p.values())
     assert p["host"] == socket.gethostname()
     assert p["torch"] == torch.__version__
@@ -560,12 +557,12 @@ def test_current_provenance():
 
 
 def test_current_provenance_does_not_import_mpi():
-    code = ("import sys; import mcrdl.tuning.table as t; before = 'mpi4py.MPI' in sys.modules;"
+    code = ("import sys; import mcrdl.tuning.provenance as t; before = 'mpi4py.MPI' in sys.modules;"
             "p = t.current_provenance(); print(before, 'mpi4py.MPI' in sys.modules, p['mpi'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()
     assert out[0] == out[1] == "False" and len(out) == 2  # mpi is "" when MPI is not loaded
-    code = ("from mpi4py import MPI; import mcrdl.tuning.table as t;"
+    code = ("from mpi4py import MPI; import mcrdl.tuning.provenance as t;"
             "print(t.current_provenance()['mpi'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()

@@ -51,8 +51,16 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1)
 
 
-def _blocks(t: torch.Tensor, n: int, size: int) -> list[torch.Tensor]:
-    return [t.narrow(0, i * n, n) for i in range(size)]
+def _root_buffers(buffers, root: int, g, n: int) -> list[list[torch.Tensor]]:
+    """c10d's list argument of gather (the outputs) and scatter (the inputs): on the root,
+    its one buffer per rank, as `g.size` blocks of `n` elements of one tensor or as the
+    tensors of a list (flat, detached views); empty on the other ranks."""
+    if root != g.rank:
+        return []
+    if isinstance(buffers, torch.Tensor):
+        flat = _flat(buffers)
+        return [[flat.narrow(0, i * n, n) for i in range(g.size)]]
+    return [[_flat(b.detach()) for b in buffers]]
 
 
 class C10dWork(Work):
@@ -325,18 +333,11 @@ class C10dBackend(Backend):
         _C.validate("gather", output, input, dst, g.rank, g.size)
         self._check_device("gather", input)
         inp = _flat(input)
+        if dst == g.rank and _overlaps(input, output):
+            inp = inp.clone()
         opts = dist.GatherOptions()
         opts.rootRank = dst
-        if dst == g.rank:
-            if isinstance(output, torch.Tensor):
-                outs = _blocks(_flat(output), inp.numel(), g.size)
-            else:
-                outs = [_flat(o.detach()) for o in output]
-            if _overlaps(input, output):
-                inp = inp.clone()
-            work = g.pg.gather([outs], [inp], opts)
-        else:
-            work = g.pg.gather([], [inp], opts)
+        work = g.pg.gather(_root_buffers(output, dst, g, inp.numel()), [inp], opts)
         return self._run(g, "gather", [work], None, async_op)
 
     def scatter(self, output, input, src, group, async_op):
@@ -344,18 +345,12 @@ class C10dBackend(Backend):
         _C.validate("scatter", output, input, src, g.rank, g.size)
         self._check_device("scatter", output)
         out = _flat(output)
+        ins = _root_buffers(input, src, g, out.numel())
+        if ins and _overlaps(output, input):
+            ins = [[i.clone() for i in ins[0]]]
         opts = dist.ScatterOptions()
         opts.rootRank = src
-        if src == g.rank:
-            if isinstance(input, torch.Tensor):
-                ins = _blocks(_flat(input), out.numel(), g.size)
-            else:
-                ins = [_flat(i) for i in input]
-            if _overlaps(output, input):
-                ins = [i.clone() for i in ins]
-            work = g.pg.scatter([out], [ins], opts)
-        else:
-            work = g.pg.scatter([out], [], opts)
+        work = g.pg.scatter([out], ins, opts)
         return self._run(g, "scatter", [work], None, async_op)
 
     def reduce_scatter(self, output, input, op, group, async_op):

@@ -1,13 +1,13 @@
 """The "pccl" backend: hierarchical two-level all_gather, reduce_scatter and all_reduce
 (the PCCL paper), with the algorithms in C++ (``mcrdl._C.PcclComm``, csrc/pccl.cpp).
 
-Nodes come from MPI's shared-memory split, or ``MCRDL_RANKS_PER_NODE=k`` (world ranks
-``0..k-1`` are node 0, and so on) to simulate several nodes on one machine. For each
-group whose members spread evenly over N > 1 nodes with L > 1 ranks each, the backend
-builds an intra-node communicator (this node's members) and an inter-node one (the
-members with this rank's local index, one per node); every inter-node group runs its
-phase concurrently with the others. Groups that are not even (say 5 ranks as 2 + 2 + 1)
-or sit on one node run the inter-node algorithm over the whole group (flat).
+Nodes and group layouts are ``pccl_layout``'s (MPI's shared-memory split, or
+``MCRDL_RANKS_PER_NODE=k`` to simulate several nodes on one machine). For each group
+whose members spread evenly over N > 1 nodes with L > 1 ranks each, the backend builds
+an intra-node communicator (this node's members) and an inter-node one (the members
+with this rank's local index, one per node); every inter-node group runs its phase
+concurrently with the others. Groups that are not even (say 5 ranks as 2 + 2 + 1) or
+sit on one node run the inter-node algorithm over the whole group (flat).
 
   all_gather:     inter-node phase, intra-node phase, local shuffle
   reduce_scatter: local pre-shuffle, intra-node phase, inter-node phase
@@ -16,10 +16,11 @@ or sit on one node run the inter-node algorithm over the whole group (flat).
 
 Algorithms (per phase): "ring", "rd" (recursive doubling / halving; any process count:
 the extra ranks fold in before and out after) and "mpi" (the MPI library's collective).
-The inter-node one is chosen per call by the alpha-beta cost model below ("auto", the
-default), or fixed with ``MCRDL_PCCL_INTER=ring|rd|mpi``; the intra-node one is "mpi"
-(the vendor library's role on CPU) unless ``MCRDL_PCCL_INTRA=ring|rd``. Both can be
-changed at run time with :func:`use_algorithms`.
+The inter-node one is chosen per call by the alpha-beta cost model of
+``pccl_cost_model`` ("auto", the default), or fixed with ``MCRDL_PCCL_INTER=ring|rd|mpi``;
+the intra-node one is "mpi" (the vendor library's role on CPU) unless
+``MCRDL_PCCL_INTRA=ring|rd``. Both can be changed at run time with
+:func:`use_algorithms`.
 
 Every dtype of API.md: bool reduces as uint8 0/1 (SUM/MAX = or, PRODUCT/MIN = and),
 float16/bfloat16 reduce in float32 and round once, AVG is SUM then a division. Other
@@ -30,7 +31,6 @@ tensors only (MPI point-to-point on GPU memory needs a CUDA-aware MPI, not assum
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -38,13 +38,14 @@ from dataclasses import dataclass
 import torch
 
 from .. import _C
-from ..bootstrap import mpi_module
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..groups import Group
 from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
 from ..work import Work
 from .base import Capabilities, InitContext
 from .mpi import MPILaneBackend
+from .pccl_cost_model import CostModel
+from .pccl_layout import Layout, node_ids
 
 ALGORITHMS = ("ring", "rd", "mpi")
 # Backends that can run the intra-node phase instead of pccl's C++ over MPI (their
@@ -54,160 +55,11 @@ INTRA_BACKENDS = ("gloo",)
 INTRA_CHOICES = (*ALGORITHMS, *INTRA_BACKENDS)
 
 
-def _fold(p: int) -> tuple[int, int]:
-    """(p2, f) of the cost model: the largest power of two <= p, and 1 when p is not one
-    (recursive doubling/halving folds the extra ranks in and out)."""
-    p2 = 1 << (p.bit_length() - 1)
-    return p2, int(p != p2)
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Alpha-beta model of the inter-node phase over p ranks, b bytes per rank's block:
-
-        ring: (p - 1) (alpha + b beta_ring)
-        rd:   (log2 p2 + 2 f) alpha + (p - 1) b beta_rd (1 + f)
-
-    p2 is the largest power of two <= p and f = 1 when p != p2 (the fold and unfold
-    steps move the data once more). Fitted by ``benchmarks/pccl.py`` on the 2-core
-    machines; ``MCRDL_PCCL_MODEL="alpha,beta_ring,beta_rd"`` (seconds, seconds per byte)
-    replaces the coefficients."""
-
-    alpha: float = 6.0e-6
-    beta_ring: float = 2.0e-10
-    beta_rd: float = 2.6e-10
-
-    @classmethod
-    def from_env(cls) -> CostModel:
-        text = os.environ.get("MCRDL_PCCL_MODEL")
-        if not text:
-            return cls()
-        try:
-            a, br, bd = (float(x) for x in text.split(","))
-        except ValueError:
-            raise InvalidArgumentError(
-                f"MCRDL_PCCL_MODEL={text!r}: expected three numbers 'alpha,beta_ring,beta_rd' "
-                "(seconds and seconds per byte)") from None
-        return cls(a, br, bd)
-
-    @classmethod
-    def fit(cls, p: int, sizes, ring_s, rd_s) -> CostModel:
-        """The model of measured flat all_gathers over `p` ranks: seconds `ring_s` and
-        `rd_s` at `sizes` bytes per block. alpha and beta_ring come from the ring's line,
-        beta_rd from the slope of rd's."""
-        if p < 2 or not len(sizes) == len(ring_s) == len(rd_s) >= 2:
-            raise InvalidArgumentError(
-                f"CostModel.fit: need p >= 2 (got {p}) and at least two sizes with a time "
-                f"for each algorithm (got {len(sizes)}, {len(ring_s)}, {len(rd_s)})")
-        _, f = _fold(p)
-        a_ring, b_ring = fit_line(sizes, ring_s)
-        _, b_rd = fit_line(sizes, rd_s)
-        return cls(alpha=a_ring / (p - 1), beta_ring=b_ring / (p - 1),
-                   beta_rd=b_rd / ((p - 1) * (1 + f)))
-
-    def ring(self, p: int, b: float) -> float:
-        return (p - 1) * (self.alpha + b * self.beta_ring)
-
-    def rd(self, p: int, b: float) -> float:
-        p2, f = _fold(p)
-        return (math.log2(p2) + 2 * f) * self.alpha + (p - 1) * b * self.beta_rd * (1 + f)
-
-    def choose(self, p: int, b: float) -> str:
-        return "rd" if self.rd(p, b) <= self.ring(p, b) else "ring"
-
-    def crossover(self, p: int) -> float | None:
-        """Bytes per block above which ring is predicted faster (None: never)."""
-        p2, f = _fold(p)
-        slope = (p - 1) * (self.beta_rd * (1 + f) - self.beta_ring)
-        gain = self.alpha * ((p - 1) - (math.log2(p2) + 2 * f))
-        if slope <= 0:
-            return None if gain >= 0 else 0.0
-        return max(0.0, gain / slope)
-
-
-def fit_line(xs, ys) -> tuple[float, float]:
-    """``a + b x`` (a, b >= 0) by least squares of the relative error. Sizes span 1 KiB
-    to 16 MiB: plain least squares lets the largest times set the intercept (alpha comes
-    out 0, or milliseconds, from the noise of one 16 MiB call)."""
-    if any(y <= 0 for y in ys):
-        raise InvalidArgumentError(f"fit_line: times must be positive, got {list(ys)}")
-    w2 = [1.0 / (y * y) for y in ys]
-    s0, s1 = sum(w2), sum(w * x for w, x in zip(w2, xs, strict=True))
-    s2 = sum(w * x * x for w, x in zip(w2, xs, strict=True))
-    t0 = sum(w * y for w, y in zip(w2, ys, strict=True))
-    t1 = sum(w * x * y for w, x, y in zip(w2, xs, ys, strict=True))
-    det = s0 * s2 - s1 * s1
-    if det <= 0:  # one distinct size: no slope to fit
-        return t0 / s0, 0.0
-    a, b = (t0 * s2 - s1 * t1) / det, (s0 * t1 - s1 * t0) / det
-    if a < 0:  # the best line through the origin
-        return 0.0, t1 / s2
-    if b < 0:  # the best constant
-        return t0 / s0, 0.0
-    return a, b
-
-
 def _algo_env(var: str, default: str, allowed: tuple[str, ...]) -> str:
     value = os.environ.get(var, default)
     if value not in allowed:
         raise InvalidArgumentError(f"{var}={value!r}: expected one of {', '.join(allowed)}")
     return value
-
-
-def node_ids(comm, world_size: int) -> list[int]:
-    """Node index of every world rank: MCRDL_RANKS_PER_NODE=k, else MPI's shared-memory
-    split (nodes numbered in order of their lowest world rank)."""
-    text = os.environ.get("MCRDL_RANKS_PER_NODE")
-    if text:
-        try:
-            k = int(text)
-        except ValueError:
-            k = 0
-        if k < 1:
-            raise InvalidArgumentError(
-                f"MCRDL_RANKS_PER_NODE={text!r}: expected a positive integer (ranks per "
-                "simulated node)")
-        return [r // k for r in range(world_size)]
-    MPI = mpi_module()
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
-    shared.Free()
-    leaders = comm.allgather(leader)
-    order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
-    return [order[lead] for lead in leaders]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a group's members sit on nodes: N nodes x L ranks each when even."""
-
-    nodes: int
-    per_node: int
-    node_of: tuple[int, ...]  # group rank -> node index within the group
-    local_of: tuple[int, ...]  # group rank -> local index on its node
-    hierarchical: bool
-
-    @classmethod
-    def of(cls, ranks: tuple[int, ...], world_nodes: list[int]) -> Layout:
-        order: dict[int, int] = {}
-        node_of, local_of, count = [], [], {}
-        for r in ranks:
-            n = order.setdefault(world_nodes[r], len(order))
-            node_of.append(n)
-            local_of.append(count.get(n, 0))
-            count[n] = count.get(n, 0) + 1
-        sizes = set(count.values())
-        even = len(sizes) == 1
-        per_node = sizes.pop() if even else 0
-        hier = even and len(order) > 1 and per_node > 1
-        return cls(len(order), per_node, tuple(node_of), tuple(local_of), hier)
-
-    def perm(self) -> list[int]:
-        """perm[l * N + j] = group rank of (node j, local l)."""
-        out = [0] * len(self.node_of)
-        for g, (j, loc) in enumerate(zip(self.node_of, self.local_of, strict=True)):
-            out[loc * self.nodes + j] = g
-        return out
 
 
 class PcclWork(Work):

@@ -49,27 +49,41 @@ def _exchange(comm, sends, recvs, tag: int) -> None:
     MPI.Request.Waitall(reqs)
 
 
+def _check_algo(op: str, algo: str) -> None:
+    if algo not in ("ring", "rd"):
+        raise ValueError(f"{op}: algo must be 'ring' or 'rd', got {algo!r}")
+
+
+def _fold_in(comm, f: _Fold, r: int, odd_sends: np.ndarray, even_receives: np.ndarray,
+             tag: int) -> bool:
+    """The fold step of recursive doubling/halving: in each of the first ``f.rem`` pairs
+    of ranks (2i, 2i + 1) the odd rank sends `odd_sends` to the even one, which receives
+    it into `even_receives`. True on the ranks that received."""
+    if r >= 2 * f.rem:
+        return False
+    if r % 2:
+        _exchange(comm, [(odd_sends, r - 1)], [], tag)
+        return False
+    _exchange(comm, [], [(even_receives, r + 1)], tag)
+    return True
+
+
 def all_gather(comm, buf: np.ndarray, n: int, algo: str, tag: int = 0) -> None:
     """All-gather of p blocks of n elements in `buf`, this rank's block already in place."""
     p, r = comm.Get_size(), comm.Get_rank()
     blk = lambda lo, hi: buf[lo * n:hi * n]  # noqa: E731
     if p == 1:
         return
+    _check_algo("all_gather", algo)
     if algo == "ring":
         right, left = (r + 1) % p, (r - 1) % p
         for k in range(p - 1):
             sb, rb = (r - k) % p, (r - k - 1) % p
             _exchange(comm, [(blk(sb, sb + 1), right)], [(blk(rb, rb + 1), left)], tag)
         return
-    if algo != "rd":
-        raise ValueError(f"all_gather: algo must be 'ring' or 'rd', got {algo!r}")
     f = _Fold(p)
     me = f.survivor(r)
-    if r < 2 * f.rem:
-        if r % 2:
-            _exchange(comm, [(blk(r, r + 1), r - 1)], [], tag)
-        else:
-            _exchange(comm, [], [(blk(r + 1, r + 2), r + 1)], tag)
+    _fold_in(comm, f, r, blk(r, r + 1), blk(r + 1, r + 2), tag)
     if me >= 0:
         d = 1
         while d < f.p2:
@@ -97,6 +111,7 @@ def reduce_scatter(comm, acc: np.ndarray, out: np.ndarray, n: int, op: str, algo
     if p == 1:
         out[:] = blk(acc, 0, 1)
         return
+    _check_algo("reduce_scatter", algo)
     if algo == "ring":
         right, left = (r + 1) % p, (r - 1) % p
         t = blk(tmp, 0, 1)
@@ -107,16 +122,10 @@ def reduce_scatter(comm, acc: np.ndarray, out: np.ndarray, n: int, op: str, algo
             red(a, t, out=a)
         out[:] = blk(acc, r, r + 1)
         return
-    if algo != "rd":
-        raise ValueError(f"reduce_scatter: algo must be 'ring' or 'rd', got {algo!r}")
     f = _Fold(p)
     me = f.survivor(r)
-    if r < 2 * f.rem:
-        if r % 2:
-            _exchange(comm, [(blk(acc, 0, p), r - 1)], [], tag)
-        else:
-            _exchange(comm, [], [(blk(tmp, 0, p), r + 1)], tag)
-            red(acc, tmp, out=acc)
+    if _fold_in(comm, f, r, blk(acc, 0, p), blk(tmp, 0, p), tag):
+        red(acc, tmp, out=acc)
     if me < 0:
         _exchange(comm, [], [(out, r - 1)], tag)
         return

@@ -30,7 +30,8 @@ def load_table(path: str | None):
     """The tuning table "auto" routes by: `path` (init's tuning_table or
     $MCRDL_TUNING_TABLE), else the shipped table matching this system; None (fixed rule)
     when there is none."""
-    from ..tuning.table import TuningTable, current_provenance, find_shipped_table
+    from ..tuning.provenance import current_provenance, find_shipped_table
+    from ..tuning.table import TuningTable
 
     current = current_provenance()
     if path is None:

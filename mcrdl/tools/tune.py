@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     import mcrdl
-
-    from mcrdl.tuning.table import TuningTable, current_provenance
+    from mcrdl.tuning.provenance import current_provenance
+    from mcrdl.tuning.table import TuningTable
 
     from .tuning_suite import SuiteConfig, default_group_sizes, run_suite
 

@@ -34,6 +34,7 @@ The fit minimises the *relative* error (each least-squares row divided by its me
 time), so 8-byte and 64-MiB messages weigh the same, under ``alpha, beta >= 0``; the
 two-parameter non-negative least squares is solved exactly (the unconstrained optimum
 when it is feasible, else the best point on the faces ``alpha = 0`` / ``beta = 0``).
+``fit_line`` fits a plain line ``a + b x`` the same way.
 """
 
 from __future__ import annotations
@@ -100,17 +101,26 @@ def fit(op: str, samples: Iterable[Sample]) -> AlphaBeta:
     """Fit alpha, beta >= 0 of ``op`` to ``samples`` ``(group_size, nbytes, seconds)``,
     minimising the sum of squared relative errors. Samples of 0 seconds carry no relative
     error and are skipped; with no usable sample the model is ``alpha = beta = 0``."""
-    rows = _check_samples(op, samples)
-    rows = [(a, b, n, t) for a, b, n, t in rows if t > 0]
+    rows = [(a, b * n, t) for a, b, n, t in _check_samples(op, samples) if t > 0]
     if not rows:
         return AlphaBeta(0.0, 0.0, op)
-    x = np.array([[a / t, b * n / t] for a, b, n, t in rows], dtype=np.float64)
-    y = np.ones(len(rows))
-    scale = np.linalg.norm(x, axis=0)
-    scale[scale == 0] = 1.0
-    xs = x / scale  # unit columns: alpha ~ 1e-6 and beta ~ 1e-10 are solved equally well
-    w = _nnls2(xs, y) / scale
-    return AlphaBeta(float(w[0]), float(w[1]), op)
+    alpha, beta = _fit_relative(rows)
+    return AlphaBeta(alpha, beta, op)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``(a, b)``, both >= 0, of the line ``y = a + b x`` through the points ``(xs, ys)``
+    minimising the sum of squared relative errors (``fit`` with ``A = B = 1``). With one
+    distinct ``x`` there is no slope to fit: the best constant, ``b = 0``. Every ``y``
+    must be positive (a relative error needs it)."""
+    if len(xs) != len(ys) or not ys:
+        raise InvalidArgumentError(
+            f"fit_line: expected as many xs as ys, at least one (got {len(xs)} and {len(ys)})")
+    if any(y <= 0 for y in ys):
+        raise InvalidArgumentError(f"fit_line: times must be positive, got {list(ys)}")
+    if len(set(xs)) == 1:
+        return _fit_relative([(1.0, 0.0, y) for y in ys])
+    return _fit_relative([(1.0, x, y) for x, y in zip(xs, ys, strict=True)])
 
 
 def holdout_error(op: str, samples: Iterable[Sample],
@@ -144,6 +154,19 @@ def holdout_error(op: str, samples: Iterable[Sample],
         "alpha": model.alpha,
         "beta": model.beta,
     }
+
+
+def _fit_relative(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(u, v) >= 0`` minimising the sum over rows ``(c, d, t)`` (``t > 0``) of
+    ``((u c + v d - t) / t) ** 2``: least squares of the relative error, so that small
+    and large times weigh the same."""
+    x = np.array([[c / t, d / t] for c, d, t in rows], dtype=np.float64)
+    y = np.ones(len(rows))
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale  # unit columns: alpha ~ 1e-6 and beta ~ 1e-10 are solved equally well
+    w = _nnls2(xs, y) / scale
+    return float(w[0]), float(w[1])
 
 
 def _nnls2(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -207,5 +230,5 @@ def _is_int(v) -> bool:
     return True
 
 
-__all__: Sequence[str] = ["AlphaBeta", "base_op", "coefficients", "fit", "holdout_error",
-                          "is_modelled"]
+__all__: Sequence[str] = ["AlphaBeta", "base_op", "coefficients", "fit", "fit_line",
+                          "holdout_error", "is_modelled"]

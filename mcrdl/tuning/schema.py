@@ -1,0 +1,287 @@
+"""The JSON document of a tuning table (``tuning_tables/README.md``): its schema and
+version, validation with errors that name the file, the JSON path and what was
+expected, and reading and writing the file.
+
+A document is decoded into the table's provenance and its measured :class:`Point` s;
+the table (``table.py``) stores them. A reader accepts exactly the version it writes,
+``VERSION``: a change to the layout (a new field of a point, say) raises ``VERSION``
+and says here how an older document reads, if it still can.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from ..errors import InvalidArgumentError
+
+SCHEMA = "mcrdl-tuning-table"
+VERSION = 1
+
+#: Provenance keys mcrdl writes (all strings); a table may hold others (JSON scalars).
+PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "torch", "nccl",
+                   "gloo", "date", "command")
+
+_TOP_KEYS = ("schema", "version", "provenance", "ops")
+_ENTRY_KEYS = ("sizes", "times", "winners")
+_MISS = object()
+
+#: The measured times of a table: op -> group size -> backend -> {nbytes: seconds}.
+Times = dict[str, dict[int, dict[str, dict[int, float]]]]
+
+
+class TuningTableError(InvalidArgumentError):
+    """A tuning table that cannot be used: missing or unreadable file, invalid JSON, wrong
+    schema or version, or a bad field. The message names the file, the JSON path of the
+    problem and what was expected."""
+
+
+class Point(NamedTuple):
+    """One measured time: ``seconds`` per call of ``op`` on ``backend`` over
+    ``group_size`` ranks with ``nbytes`` bytes."""
+
+    op: str
+    group_size: int
+    backend: str
+    nbytes: int
+    seconds: float
+
+
+def is_seconds(v: object) -> bool:
+    """Whether `v` is a measured time: a finite number >= 0 (not a bool or a string)."""
+    if isinstance(v, (bool, str, bytes)):
+        return False
+    try:
+        seconds = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return False
+    return math.isfinite(seconds) and seconds >= 0
+
+
+def encode(provenance: dict, times: Times,
+           winners: Callable[[str, int], list[tuple[int, str]]]) -> dict:
+    """The JSON document of a table: its `provenance`, its `times`, and each curve's
+    `winners(op, group_size)` (written for readers; :func:`decode` re-derives them)."""
+    provenance = check_provenance(provenance, "<provenance>", "$.provenance")
+    ops: dict = {}
+    for op in sorted(times):
+        groups = {}
+        for g in sorted(times[op]):
+            per_b = times[op][g]
+            sizes = sorted({n for pts in per_b.values() for n in pts})
+            groups[str(g)] = {
+                "sizes": sizes,
+                "times": {b: [per_b[b].get(n) for n in sizes] for b in sorted(per_b)},
+                "winners": [[n, b] for n, b in winners(op, g)],
+            }
+        ops[op] = groups
+    return {"schema": SCHEMA, "version": VERSION, "provenance": provenance, "ops": ops}
+
+
+def decode(d: object, source: str = "<dict>") -> tuple[dict, list[Point]]:
+    """Validate a JSON document and return its provenance and measured points;
+    ``source`` names the document in errors. ``winners`` is checked for shape only."""
+    src = str(source)
+    if not isinstance(d, dict):
+        _fail(src, "$", "a JSON object with keys " + ", ".join(_TOP_KEYS), d)
+    _check_keys(d, _TOP_KEYS, _TOP_KEYS, src, "$")
+    if d["schema"] != SCHEMA:
+        _fail(src, "$.schema", f'"{SCHEMA}" (not an mcrdl tuning table?)', d["schema"])
+    _check_version(d["version"], src)
+    provenance = check_provenance(d["provenance"], src, "$.provenance")
+    ops = d["ops"]
+    if not isinstance(ops, dict):
+        _fail(src, "$.ops", 'an object {op: {group size: entry}}', ops)
+    points: list[Point] = []
+    for op, groups in ops.items():
+        opath = f"$.ops[{_key(op)}]"
+        if not isinstance(op, str) or not op:
+            _fail(src, opath, "a non-empty operation name", op)
+        if not isinstance(groups, dict):
+            _fail(src, opath, 'an object {"<group size>": entry}', groups)
+        for gkey, entry in groups.items():
+            points.extend(_read_entry(op, gkey, entry, src, f"{opath}[{_key(gkey)}]"))
+    return provenance, points
+
+
+def check_provenance(prov: object, src: str, path: str) -> dict:
+    """A copy of provenance `prov` once valid: string keys, JSON scalar values, strings
+    for PROVENANCE_KEYS (TuningTableError naming `src` and `path` otherwise)."""
+    if not isinstance(prov, dict):
+        _fail(src, path, "an object of strings (host, cpu_model, mpi, torch, ...)", prov)
+    for key, value in prov.items():
+        kpath = f"{path}[{_key(key)}]"
+        if not isinstance(key, str):
+            _fail(src, kpath, "string keys", key)
+        if key in PROVENANCE_KEYS and not isinstance(value, str):
+            _fail(src, kpath, "a string", value)
+        if not (value is None or isinstance(value, (str, bool, int))
+                or (isinstance(value, float) and math.isfinite(value))):
+            _fail(src, kpath, "a string, number, boolean or null", value)
+    return dict(prov)
+
+
+def read(path: str | os.PathLike) -> object:
+    """The parsed JSON of the file at `path` (TuningTableError when it cannot be read or
+    is not JSON); validate it with :func:`decode`."""
+    src = os.fspath(path)
+    try:
+        with open(src, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise TuningTableError(f"{src}: no such tuning table; expected a JSON file written "
+                               "by mcrdl-tune run (see tuning_tables/README.md)") from None
+    except UnicodeDecodeError as e:
+        raise TuningTableError(f"{src}: not UTF-8 text (byte offset {e.start}); expected a "
+                               "JSON tuning table") from None
+    except OSError as e:
+        raise TuningTableError(f"{src}: cannot read the tuning table: "
+                               f"{e.strerror or e}") from None
+    if not text.strip():
+        raise TuningTableError(f"{src}: empty file; expected a JSON tuning table")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TuningTableError(f"{src}: invalid JSON at line {e.lineno}, column {e.colno}: "
+                               f"{e.msg}") from None
+
+
+def write(path: str | os.PathLike, doc: dict) -> None:
+    """Write `doc` to `path` atomically: a temporary file in the same directory, flushed
+    and fsynced, then renamed over `path` (keeping its file mode). An interrupted write
+    leaves the previous file (if any) intact and no temporary file behind."""
+    path = os.fspath(path)
+    text = _dumps(doc) + "\n"
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # make the rename durable where possible
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+# -- validation -------------------------------------------------------------------------
+
+
+def _check_version(version: object, src: str) -> None:
+    is_int = isinstance(version, int) and not isinstance(version, bool)
+    if is_int and version == VERSION:
+        return
+    if is_int and version > VERSION:
+        why = ("the table was written by a newer mcrdl: upgrade mcrdl to read it, or re-run "
+               "mcrdl-tune with this one")
+    else:
+        why = f"this mcrdl reads version {VERSION} tables; re-run mcrdl-tune to regenerate it"
+    _fail(src, "$.version", f"{VERSION} ({why})", version)
+
+
+def _read_entry(op: str, gkey: str, entry: object, src: str, path: str) -> Iterator[Point]:
+    """The points of one {"sizes", "times", "winners"} entry, validated."""
+    if not (isinstance(gkey, str) and gkey.isascii() and gkey.isdigit()
+            and str(int(gkey)) == gkey and int(gkey) >= 1):
+        _fail(src, path, 'a group size key: a decimal integer >= 1 such as "4"', gkey)
+    g = int(gkey)
+    if not isinstance(entry, dict):
+        _fail(src, path, 'an object with keys "sizes", "times" (and "winners")', entry)
+    _check_keys(entry, ("sizes", "times"), _ENTRY_KEYS, src, path)
+    sizes = entry["sizes"]
+    if not isinstance(sizes, list):
+        _fail(src, f"{path}.sizes", "a list of sizes in bytes", sizes)
+    for i, n in enumerate(sizes):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            _fail(src, f"{path}.sizes[{i}]", "an integer number of bytes >= 0", n)
+        if i and n <= sizes[i - 1]:
+            _fail(src, f"{path}.sizes[{i}]", "sizes in strictly increasing order (sorted, "
+                  f"no duplicates), i.e. above {sizes[i - 1]}", n)
+    times = entry["times"]
+    if not isinstance(times, dict):
+        _fail(src, f"{path}.times", 'an object {backend: [seconds or null, ...]}', times)
+    for backend, ts in times.items():
+        bpath = f"{path}.times[{_key(backend)}]"
+        if not isinstance(backend, str) or not backend:
+            _fail(src, bpath, "a non-empty backend name", backend)
+        if not isinstance(ts, list) or len(ts) != len(sizes):
+            if isinstance(ts, list):
+                _fail(src, bpath, f"a list of {len(sizes)} times (one per size)",
+                      got_text=f"{len(ts)} entries")
+            _fail(src, bpath, f"a list of {len(sizes)} times (one per size)", ts)
+        for i, t in enumerate(ts):
+            if t is None:
+                continue
+            if not is_seconds(t):
+                _fail(src, f"{bpath}[{i}]", "a finite time in seconds >= 0, or null", t)
+            yield Point(op, g, backend, sizes[i], float(t))
+    winners = entry.get("winners", [])
+    if not isinstance(winners, list):
+        _fail(src, f"{path}.winners", "a list of [from_bytes, backend] pairs", winners)
+    for i, w in enumerate(winners):
+        if not (isinstance(w, list) and len(w) == 2 and isinstance(w[0], int)
+                and not isinstance(w[0], bool) and w[0] >= 0 and isinstance(w[1], str)):
+            _fail(src, f"{path}.winners[{i}]", "a [from_bytes, backend] pair", w)
+
+
+def _check_keys(d: dict, required: tuple, allowed: tuple, src: str, path: str) -> None:
+    for key in d:
+        if key not in allowed:
+            _fail(src, path, "only the keys " + ", ".join(allowed),
+                  got_text=f"unknown key {key!r}")
+    for key in required:
+        if key not in d:
+            _fail(src, path, f"a key {key!r} (required: {', '.join(required)})",
+                  got_text="none")
+
+
+def _key(k: object) -> str:
+    """A key as written in a JSON path: ``"all_reduce"``."""
+    return json.dumps(k) if isinstance(k, str) else repr(k)
+
+
+def _show(v: object) -> str:
+    text = repr(v)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    kind = {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+    return f"{text} ({kind})"
+
+
+def _fail(source: str, path: str, expected: str, got: object = _MISS, *, got_text: str = ""):
+    """Raise the TuningTableError of a bad field: file, JSON path, expectation, value."""
+    msg = f"{source}: {path}: expected {expected}"
+    if got is not _MISS:
+        msg += f", got {_show(got)}"
+    elif got_text:
+        msg += f", got {got_text}"
+    raise TuningTableError(msg)
+
+
+def _dumps(obj: object, level: int = 0) -> str:
+    """JSON with objects indented and lists on one line (one curve per line)."""
+    if isinstance(obj, dict) and obj:
+        pad = "  " * (level + 1)
+        items = [f"{pad}{json.dumps(k)}: {_dumps(v, level + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + "\n" + "  " * level + "}"
+    return json.dumps(obj, allow_nan=False)
