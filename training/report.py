@@ -15,8 +15,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 import mcrdl
 
 from .timers import PHASES, PhaseTimers
@@ -117,20 +115,12 @@ def gather_phase_times(timers: PhaseTimers, wall: float, steps: int,
     times = timers.snapshot()
     times["other"] = max(0.0, wall - sum(v for k, v in times.items() if k != "other"))
     times["wall"] = wall
-    columns = ("key",) + PHASES + ("wall",)
-    mine = torch.tensor([float(key)] + [times[p] for p in PHASES] + [wall],
-                        dtype=torch.float64)
-    rows = mine.view(1, -1)
-    if mcrdl.get_size() > 1:
-        rows = torch.empty(mcrdl.get_size() * len(mine), dtype=torch.float64)
-        mcrdl.all_gather("auto", rows, mine)
-        rows = rows.view(mcrdl.get_size(), -1)
+    gathered = mcrdl.all_gather_object((key, times))
     if mcrdl.get_rank() != 0 or steps < 1:
         return {}
     by_key: dict[int, list[dict[str, float]]] = {}
-    for row in rows.tolist():
-        rank_times = dict(zip(columns, row, strict=True))
-        by_key.setdefault(int(rank_times["key"]), []).append(rank_times)
+    for rank_key, rank_times in gathered:
+        by_key.setdefault(rank_key, []).append(rank_times)
     return {k: {phase: sum(t[phase] for t in rows) / len(rows) / steps
                 for phase in PHASES + ("wall",)}
             for k, rows in sorted(by_key.items())}

@@ -57,26 +57,16 @@ def raise_together(error: Exception | None, context: str) -> None:
     CheckpointError with the message of the lowest failing rank, so that no rank is left
     waiting for the others. Errors other than CheckpointError are prefixed with
     `context` and their type."""
-    rank, size = mcrdl.get_rank(), mcrdl.get_size()
-    # the lowest failing rank is size - max(size - rank) over the failing ranks
-    lowest = torch.tensor([size - rank if error is not None else 0], dtype=torch.int64)
-    if size > 1:
-        mcrdl.all_reduce("auto", lowest, op=mcrdl.ReduceOp.MAX)
-    if not int(lowest):
-        return
-    src = size - int(lowest)
-    message = ""
+    message = None
     if error is not None:
         message = (str(error) if isinstance(error, ckpt.CheckpointError)
                    else f"{context}: {type(error).__name__}: {error}")
-    text = torch.zeros(4096, dtype=torch.uint8)
-    if rank == src:
-        encoded = message.encode()[:4096]
-        text[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    if size > 1:
-        mcrdl.bcast("auto", text, src=src)
-    decoded = bytes(text[text != 0].tolist()).decode(errors="replace")
-    raise ckpt.CheckpointError(decoded if size == 1 else f"(rank {src}) {decoded}")
+    messages = mcrdl.all_gather_object(message)
+    failed = [rank for rank, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    text = messages[failed[0]]
+    raise ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
 
 
 class Trainer:
@@ -167,30 +157,6 @@ class Trainer:
         return record
 
     # --- checkpoints ----------------------------------------------------------------------
-    def _gather_shard_entries(self, shard: dict | None) -> list[dict]:
-        """Every rank's shard entry (None where it wrote none), as float64 rows: stage,
-        bytes and the sha256 in 8 words of 32 bits."""
-        row = [0.0] * 10
-        if shard is not None:
-            sha = shard["sha256"]
-            row = [float(shard["stage"]), float(shard["bytes"])] + [
-                float(int(sha[i:i + 8], 16)) for i in range(0, 64, 8)]
-        mine = torch.tensor(row, dtype=torch.float64)
-        rows = mine.view(1, -1)
-        if self.world_size > 1:
-            rows = torch.empty(self.world_size * len(row), dtype=torch.float64)
-            mcrdl.all_gather("auto", rows, mine)
-            rows = rows.view(self.world_size, -1)
-        shards = []
-        for rank in range(self.world_size):
-            if self.grid.coords_of(rank)[Axis.DATA] != 0:
-                continue
-            stage, nbytes, *words = rows[rank].tolist()
-            shards.append({"stage": int(stage), "file": ckpt.shard_name(int(stage)),
-                           "bytes": int(nbytes),
-                           "sha256": "".join(f"{int(w):08x}" for w in words)})
-        return shards
-
     def save_checkpoint(self) -> Path:
         """Collective: the first data-parallel replica of each stage writes its shard,
         world rank 0 the manifest; returns the step directory once the manifest is on
@@ -208,7 +174,7 @@ class Trainer:
         except (OSError, RuntimeError) as e:
             error = e
         raise_together(error, f"cannot save checkpoint {directory}")
-        shards = self._gather_shard_entries(shard)
+        shards = [s for s in mcrdl.all_gather_object(shard) if s is not None]
         if self.world_rank == 0:
             try:
                 ckpt.write_manifest(directory, ckpt.build_manifest(
