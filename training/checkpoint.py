@@ -80,11 +80,11 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     root = Path(root)
-    ptr = root / "latest"
-    if ptr.exists():
-        cand = root / ptr.read_text().strip()
-        if (cand / "manifest.json").exists():
-            return cand
+    pointer = root / "latest"
+    if pointer.exists():
+        named = root / pointer.read_text().strip()
+        if (named / "manifest.json").exists():
+            return named
     done = complete_checkpoints(root)
     return done[-1] if done else None
 

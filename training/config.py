@@ -323,26 +323,35 @@ def read_config_file(path: str, config_class: type[Options]) -> dict[str, Any]:
     file = Path(path)
     if not file.exists():
         raise FileNotFoundError(f"--config {path}: no such file")
-    if file.suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError as e:  # Python 3.10
-            raise ValueError(f"--config {path}: TOML needs Python >= 3.11; use JSON") from e
-        raw = tomllib.loads(file.read_text())
-    else:
-        raw = json.loads(file.read_text())
-    known = {f.name for f in fields(config_class)}
-    section_names = {s.section for s in sections(config_class)}
-    flat: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key in section_names and isinstance(value, dict):
-            flat.update(value)
+    try:
+        if file.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError as e:  # Python 3.10
+                raise ValueError("TOML needs Python >= 3.11; use JSON") from e
+            raw = tomllib.loads(file.read_text())
         else:
-            flat[key] = value
+            raw = json.loads(file.read_text())
+    except ValueError as e:  # including the TOML and JSON decoders' errors
+        raise ValueError(f"--config {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a table of options, got "
+                         f"{type(raw).__name__}")
+    known = {f.name for f in fields(config_class)}
+    section_fields = {s.section: _section_fields(s) for s in sections(config_class)}
     values = {}
-    for key, value in flat.items():
-        name = key.replace("-", "_")
-        if name not in known:
-            raise ValueError(f"--config {path}: unknown option {key!r}")
-        values[name] = value
+    for key, value in raw.items():
+        if key in section_fields and isinstance(value, dict):
+            entries = [(key, k, v) for k, v in value.items()]
+        else:
+            entries = [(None, key, value)]
+        for table, option_key, option_value in entries:
+            name = option_key.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"--config {path}: unknown option {option_key!r}")
+            if table is not None and name not in section_fields[table]:
+                home = next(t for t, names in section_fields.items() if name in names)
+                raise ValueError(f"--config {path}: option {option_key!r} is in [{table}]; "
+                                 f"it belongs in [{home}] (or at the top level)")
+            values[name] = option_value
     return values

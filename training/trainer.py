@@ -108,14 +108,13 @@ class Trainer:
         else:
             self.optimizer = DataParallelAdamW(self.model_stage.parameters(), cfg.optim(),
                                                **comm)
-        self.engine = PipelineEngine(self.model_stage, rank=self.stage_index,
-                                     size=self.n_stages, group=self.pipe_group,
+        stage_delay = (compute_delay or {}).get(self.stage_index, 0.0)
+        self.engine = PipelineEngine(self.model_stage, stage_index=self.stage_index,
+                                     n_stages=self.n_stages, group=self.pipe_group,
                                      p2p_backend=self.p2p_backend,
                                      micro_batch=cfg.micro_batch_size,
                                      pipeline_limit=cfg.pipeline_limit, timers=self.timers,
-                                     timeout=cfg.timeout,
-                                     compute_delay=(compute_delay or {}).get(self.stage_index,
-                                                                             0.0),
+                                     timeout=cfg.timeout, compute_delay=stage_delay,
                                      record=record)
         self.step = 0  # steps completed
 
