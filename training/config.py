@@ -18,6 +18,7 @@ command line; ``validate()`` then checks types, ranges and the rules between opt
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import typing
 from collections.abc import Sequence
@@ -52,7 +53,8 @@ def flag(name: str) -> str:
 class Options:
     """Base of the config sections. A section class sets ``section`` (its name in
     ``--help`` and in config files) and may define ``check(self)`` for the rules between
-    its options; ``validate()`` checks every field, then runs each section's ``check``."""
+    its options; ``validate()`` checks every field, then runs each section's ``check``.
+    The grid is read from the options declared with an ``axis``, whatever their section."""
 
     section: ClassVar[str]
 
@@ -65,6 +67,20 @@ class Options:
             if "check" in vars(section):
                 section.check(self)
 
+    def degrees(self) -> dict[Axis, int]:
+        """The degree of each grid axis, from the options that declare an axis."""
+        return {f.metadata["axis"]: getattr(self, f.name) for f in self._degree_fields()}
+
+    def degree_options(self) -> dict[str, int]:
+        """The grid as option name -> degree (``{"G_inter": 2, "G_data": 2}``)."""
+        return {f.name: getattr(self, f.name) for f in self._degree_fields()}
+
+    def describe_grid(self) -> str:
+        """The grid as options: ``G_inter=2 x G_data=2``."""
+        return " x ".join(f"{name}={n}" for name, n in self.degree_options().items())
+
+    def _degree_fields(self) -> list[Field]:
+        return [f for f in fields(self) if f.metadata.get("axis") is not None]
 
 
 def sections(config_class: type) -> list[type]:
@@ -73,7 +89,8 @@ def sections(config_class: type) -> list[type]:
 
 
 def _section_fields(section: type) -> list[str]:
-    return list(vars(section).get("__annotations__", {}))
+    """The options `section` itself declares (not those of its bases)."""
+    return list(inspect.get_annotations(section))
 
 
 @dataclass
@@ -114,19 +131,6 @@ class PipelineOptions(Options):
                                         "2 x G_inter)", minimum=1)
     p2p_backend: str | None = option(None, "mcrdl backend of the pipeline's messages "
                                      "(default nccl on GPUs, else mpi, else gloo)")
-
-    def degrees(self) -> dict[Axis, int]:
-        """The degree of each grid axis, from the options that declare an axis."""
-        return {f.metadata["axis"]: getattr(self, f.name) for f in fields(self)
-                if f.metadata.get("axis") is not None}
-
-    def degree_options(self) -> dict[str, int]:
-        """The grid as option name -> degree (``{"G_inter": 2, "G_data": 2}``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.metadata.get("axis") is not None}
-
-    def describe_grid(self) -> str:
-        return " x ".join(f"{name}={n}" for name, n in self.degree_options().items())
 
     def axis_order(self) -> list[Axis]:
         """--grid-order as axes, each axis of the grid once."""
@@ -204,10 +208,12 @@ class RunOptions(Options):
 
     @property
     def last_step(self) -> int:
+        """The step this run ends after: --stop-after, else --steps."""
         return self.stop_after or self.steps
 
     @property
     def metrics_path(self) -> Path:
+        """--metrics, else <out-dir>/metrics.jsonl."""
         return Path(self.metrics or Path(self.out_dir) / "metrics.jsonl")
 
     def checkpoint_due(self, step: int) -> bool:
