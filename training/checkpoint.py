@@ -80,13 +80,48 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     root = Path(root)
-    ptr = root / "latest"
-    if ptr.exists():
-        cand = root / ptr.read_text().strip()
-        if (cand / "manifest.json").exists():
-            return cand
+    pointer = root / "latest"
+    if pointer.exists():
+        named = root / pointer.read_text().strip()
+        if (named / "manifest.json").exists():
+            return named
     done = complete_checkpoints(root)
     return done[-1] if done else None
+
+
+def save_shard(directory: Path, stage: int, state: dict) -> dict:
+    """Write one stage's shard into `directory`; returns its manifest entry (stage, file,
+    bytes, sha256)."""
+    nbytes, sha256 = atomic_save(state, directory / shard_name(stage))
+    return {"stage": stage, "file": shard_name(stage), "bytes": nbytes, "sha256": sha256}
+
+
+def build_manifest(*, step: int, grid: dict[str, int], partition: list[tuple[int, int]],
+                   model: dict, optimizer: str, train_config: dict, shards: list[dict]) -> dict:
+    """The manifest of a checkpoint: `grid` maps the degree options to their values
+    (``{"G_inter": 2, "G_data": 2}``), `partition` gives each stage's unit range, and
+    `shards` holds one ``save_shard`` entry per stage."""
+    return {"format": FORMAT, "step": step, "grid": dict(grid),
+            "partition": [list(r) for r in partition], "model": model,
+            "optimizer": optimizer, "train_config": train_config,
+            "shards": sorted(shards, key=lambda s: s["stage"])}
+
+
+def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
+                    partition: list[tuple[int, int]], model: dict, optimizer: str) -> None:
+    """CheckpointError unless `manifest` was written by a run with the same pipeline
+    (stages, partition), model and optimizer as this one; the data-parallel degree may
+    differ."""
+    want = {"G_inter": n_stages, "partition": [list(r) for r in partition], "model": model,
+            "optimizer": optimizer}
+    have = {"G_inter": manifest["grid"]["G_inter"], "partition": manifest["partition"],
+            "model": manifest["model"], "optimizer": manifest["optimizer"]}
+    for key, wanted in want.items():
+        if wanted != have[key]:
+            raise CheckpointError(
+                f"checkpoint {directory} was written with {key}={have[key]}, this run has "
+                f"{key}={wanted}; resume with the same model, --G-inter, --layers-per-stage "
+                "and --offload-optimizer (--G-data may change)")
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:

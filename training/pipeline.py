@@ -88,21 +88,25 @@ class Event:
 
 
 class PipelineEngine:
-    def __init__(self, stage: GPTStage, *, rank: int, size: int, group, p2p_backend: str,
-                 micro_batch: int, pipeline_limit: int | None = None,
+    """Runs the microbatches of one step through `model_stage`, stage `stage_index` of
+    `n_stages`; `group` is the pipeline's group, in which a stage's rank is its index."""
+
+    def __init__(self, model_stage: GPTStage, *, stage_index: int, n_stages: int, group,
+                 p2p_backend: str, micro_batch: int, pipeline_limit: int | None = None,
                  timers: PhaseTimers | None = None, timeout: float | None = None,
                  compute_delay: float = 0.0, record: bool = False):
-        self.stage, self.rank, self.size, self.group = stage, rank, size, group
+        self.model_stage, self.group = model_stage, group
+        self.stage_index, self.n_stages = stage_index, n_stages
         self.backend = p2p_backend
-        self.first, self.last = rank == 0, rank == size - 1
+        self.first, self.last = stage_index == 0, stage_index == n_stages - 1
         self.micro_batch = micro_batch
-        self.limit = pipeline_limit or 2 * size
+        self.limit = pipeline_limit or 2 * n_stages
         if self.limit < 1:
             raise ValueError(f"pipeline_limit {pipeline_limit}; expected >= 1")
-        cfg = stage.cfg
+        cfg = model_stage.cfg
         self.act_shape = (micro_batch, cfg.block_size, cfg.n_embd)
-        self.act_dtype = next(stage.parameters()).dtype
-        self.device = next(stage.parameters()).device
+        self.act_dtype = next(model_stage.parameters()).dtype
+        self.device = next(model_stage.parameters()).device
         self.timers = timers or NullTimers()
         self.timeout = timeout if timeout is not None else float(
             os.environ.get("MCRDL_TIMEOUT", 300))
@@ -114,14 +118,14 @@ class PipelineEngine:
     # --- messages ------------------------------------------------------------------------
     def _post_recv(self, queue: deque, mb: int, direction: int) -> None:
         buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-        peer = self.rank - 1 if direction == FWD else self.rank + 1
+        peer = self.stage_index - 1 if direction == FWD else self.stage_index + 1
         with self.timers("p2p"):
             w = mcrdl.recv(self.backend, buf, src=peer, tag=2 * mb + direction,
                            group=self.group, async_op=True)
         queue.append((mb, buf, w))
 
     def _send(self, t: torch.Tensor, mb: int, direction: int) -> None:
-        peer = self.rank + 1 if direction == FWD else self.rank - 1
+        peer = self.stage_index + 1 if direction == FWD else self.stage_index - 1
         t = t.detach().contiguous()
         with self.timers("p2p"):
             w = mcrdl.send(self.backend, t, dst=peer, tag=2 * mb + direction, group=self.group,
@@ -143,11 +147,11 @@ class PipelineEngine:
                     self.timers.add("bubble", now - t0)
                     return kind, mb, buf, now
             if time.perf_counter() - t0 > self.timeout:
-                want = [f"activation of microbatch {q[0][0]} from stage {self.rank - 1}"
+                want = [f"activation of microbatch {q[0][0]} from stage {self.stage_index - 1}"
                         for q in (fwd_q,) if q] + \
-                       [f"gradient of microbatch {q[0][0]} from stage {self.rank + 1}"
+                       [f"gradient of microbatch {q[0][0]} from stage {self.stage_index + 1}"
                         for q in (bwd_q,) if q]
-                raise PipelineError(f"pipeline stage {self.rank}: no message within "
+                raise PipelineError(f"pipeline stage {self.stage_index}: no message within "
                                     f"{self.timeout:.0f} s; waiting for {', '.join(want)}")
             time.sleep(delay)
             delay = min(2 * delay, 2e-4)
@@ -159,7 +163,7 @@ class PipelineEngine:
                 time.sleep(self.compute_delay)
             if not self.first:
                 x.requires_grad_(True)
-            out = self.stage(x)
+            out = self.model_stage(x)
             if not self.last:
                 return out, None
             loss = lm_loss(out, target) / self.n_micro
@@ -171,9 +175,10 @@ class PipelineEngine:
         the stage's parameters). ``microbatches``: the (inputs, targets) pairs of this
         data-parallel rank; only the first stage uses the inputs and only the last the
         targets. Returns the sum over microbatches of loss/M on the last stage, else 0."""
-        M = self.n_micro = len(microbatches)
-        if not 1 <= M <= MAX_MICROBATCHES:
-            raise ValueError(f"{M} microbatches per step; expected 1..{MAX_MICROBATCHES}")
+        n_micro = self.n_micro = len(microbatches)
+        if not 1 <= n_micro <= MAX_MICROBATCHES:
+            raise ValueError(f"{n_micro} microbatches per step; expected "
+                             f"1..{MAX_MICROBATCHES}")
         self._sends = deque()
         self.events = []
         fwd_q, bwd_q = deque(), deque()
@@ -181,7 +186,7 @@ class PipelineEngine:
         loss_sum = torch.zeros((), dtype=torch.float32)
         posted_fwd = injected = done = 0
         if not self.first:
-            while posted_fwd < min(self.limit, M):
+            while posted_fwd < min(self.limit, n_micro):
                 self._post_recv(fwd_q, posted_fwd, FWD)
                 posted_fwd += 1
 
@@ -202,18 +207,18 @@ class PipelineEngine:
                 stored[mb] = (None if self.first else x, out)
                 self._post_recv(bwd_q, mb, BWD)
 
-        while done < M:
+        while done < n_micro:
             if self.first:  # keep pipeline_limit microbatches in flight
-                while injected < M and injected - done < self.limit:
+                while injected < n_micro and injected - done < self.limit:
                     now = time.perf_counter()
                     forward(injected, microbatches[injected][0], "I", now)
                     injected += 1
-                if done == M:
+                if done == n_micro:
                     break
             kind, mb, buf, ready = self._next_message(fwd_q, bwd_q)
             if kind == "F":
                 forward(mb, buf, "F", ready)
-                if posted_fwd < M:
+                if posted_fwd < n_micro:
                     self._post_recv(fwd_q, posted_fwd, FWD)
                     posted_fwd += 1
             else:
@@ -232,7 +237,7 @@ class PipelineEngine:
                 w, _ = self._sends.popleft()
                 w.wait()
         if stored or fwd_q or bwd_q:
-            raise PipelineError(f"pipeline stage {self.rank}: step ended with "
+            raise PipelineError(f"pipeline stage {self.stage_index}: step ended with "
                                 f"{len(stored)} stored activations, {len(fwd_q)} + "
                                 f"{len(bwd_q)} posted receives (internal error)")
         return float(loss_sum)

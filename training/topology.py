@@ -1,11 +1,15 @@
 """Process grids: named parallel axes mapped onto ranks, one mcrdl group per grid line.
 
-    grid = ProcessGrid({"data": 2, "pipe": 4})          # 8 ranks
-    grid.coord("pipe"), grid.size("pipe"), grid.group("data")
+    grid = ProcessGrid({Axis.DATA: 2, Axis.PIPE: 4})          # 8 ranks
+    grid.coord(Axis.PIPE), grid.size(Axis.PIPE), grid.group(Axis.DATA)
+
+Axes are the members of ``Axis``; their values ("pipe", "data") are accepted wherever an
+axis is, so a grid order read from the command line names them. The options that set
+an axis's degree (``--G-inter`` for PIPE) declare it in ``training/config.py``.
 
 ``order`` lists the axes from the fastest-varying (consecutive ranks, e.g. the
 ranks of one node) to the slowest; by default the order of ``sizes``. With
-``{"data": 2, "pipe": 4}`` ranks 0 and 1 form a data-parallel pair and ranks 0, 2, 4, 6
+``{DATA: 2, PIPE: 4}`` ranks 0 and 1 form a data-parallel pair and ranks 0, 2, 4, 6
 a pipeline. Groups are created collectively on every rank in one fixed order, so the
 grid must be built by every rank of the world with the same arguments.
 """
@@ -14,26 +18,54 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from enum import Enum
 
 import mcrdl
+
+
+class Axis(str, Enum):
+    """A parallel dimension of the process grid; its value is its name in options."""
+
+    PIPE = "pipe"    # pipeline stages (inter-layer parallelism)
+    DATA = "data"    # data-parallel replicas
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class GridError(ValueError):
     """A process grid that does not fit the world."""
 
 
+def to_axis(name: Axis | str) -> Axis:
+    """`name` as an Axis; GridError naming the known axes for anything else."""
+    try:
+        return Axis(name)
+    except ValueError:
+        raise GridError(f"unknown axis {name!r}; expected one of "
+                        f"{', '.join(a.value for a in Axis)}") from None
+
+
+def _names(axes) -> str:
+    return "[" + ", ".join(str(a) for a in axes) + "]"
+
+
 class ProcessGrid:
-    def __init__(self, sizes: Mapping[str, int], order: Sequence[str] | None = None, *,
+    """Ranks laid out on named axes (see the module docstring); `sizes` maps each axis
+    to its degree, whose product must be the world size."""
+
+    def __init__(self, sizes: Mapping[Axis | str, int],
+                 order: Sequence[Axis | str] | None = None, *,
                  world_size: int | None = None, rank: int | None = None):
-        sizes = dict(sizes)
+        sizes = {to_axis(a): n for a, n in sizes.items()}
         for axis, n in sizes.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise GridError(f"process grid: axis '{axis}' has degree {n!r}; "
                                 "expected a positive integer")
-        order = list(sizes) if order is None else list(order)
+        order = list(sizes) if order is None else [to_axis(a) for a in order]
         if sorted(order) != sorted(sizes):
-            raise GridError(f"process grid: order {order} must list each axis of "
-                            f"{list(sizes)} exactly once")
+            raise GridError(f"process grid: order {_names(order)} must list each axis of "
+                            f"{_names(sizes)} exactly once")
         self.world_size = mcrdl.get_size() if world_size is None else world_size
         self.rank = mcrdl.get_rank() if rank is None else rank
         total = math.prod(sizes.values())
@@ -49,39 +81,48 @@ class ProcessGrid:
         for a in order:
             self._stride[a] = s
             s *= sizes[a]
-        self._groups: dict[str, mcrdl.Group | None] = {}
+        self._groups: dict[Axis, mcrdl.Group | None] = {}
         self._made_groups = False
 
     # --- coordinates -------------------------------------------------------------------
-    def coords_of(self, rank: int) -> dict[str, int]:
+    def coords_of(self, rank: int) -> dict[Axis, int]:
         return {a: (rank // self._stride[a]) % self.sizes[a] for a in self.sizes}
 
     def rank_of(self, **coords: int) -> int:
+        """The rank at `coords` (one keyword per axis value: ``pipe=1, data=0``)."""
+        coords = {to_axis(a): c for a, c in coords.items()}
         if sorted(coords) != sorted(self.sizes):
-            raise GridError(f"rank_of: give a coordinate for each axis of {list(self.sizes)}")
+            raise GridError(f"rank_of: give a coordinate for each axis of {_names(self.sizes)}")
         for a, c in coords.items():
             if not 0 <= c < self.sizes[a]:
                 raise GridError(f"rank_of: {a}={c} outside 0..{self.sizes[a] - 1}")
+        return self._rank_at(coords)
+
+    def _rank_at(self, coords: Mapping[Axis, int]) -> int:
         return sum(c * self._stride[a] for a, c in coords.items())
 
-    def coord(self, axis: str) -> int:
+    def coord(self, axis: Axis | str) -> int:
+        """This rank's coordinate along `axis`."""
         return self.coords_of(self.rank)[self._axis(axis)]
 
-    def size(self, axis: str) -> int:
+    def size(self, axis: Axis | str) -> int:
+        """The degree of `axis`."""
         return self.sizes[self._axis(axis)]
 
-    def line(self, axis: str, rank: int | None = None) -> list[int]:
+    def line(self, axis: Axis | str, rank: int | None = None) -> list[int]:
         """Ranks that differ from `rank` (default: this one) only along `axis`, in axis order."""
+        axis = self._axis(axis)
         c = self.coords_of(self.rank if rank is None else rank)
         out = []
         for i in range(self.size(axis)):
             c[axis] = i
-            out.append(self.rank_of(**c))
+            out.append(self._rank_at(c))
         return out
 
-    def _axis(self, axis: str) -> str:
+    def _axis(self, axis: Axis | str) -> Axis:
+        axis = to_axis(axis)
         if axis not in self.sizes:
-            raise GridError(f"unknown axis {axis!r}; this grid has {list(self.sizes)}")
+            raise GridError(f"axis '{axis}' is not in this grid; it has {_names(self.sizes)}")
         return axis
 
     # --- groups ------------------------------------------------------------------------
@@ -101,12 +142,13 @@ class ProcessGrid:
                     self._groups[axis] = g
         self._made_groups = True
 
-    def group(self, axis: str) -> mcrdl.Group | None:
+    def group(self, axis: Axis | str) -> mcrdl.Group | None:
         """This rank's group along `axis` (None when the axis has degree 1)."""
-        self._axis(axis)
+        axis = self._axis(axis)
         self.make_groups()
         return self._groups[axis]
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{a}={self.sizes[a]}" for a in self.order)
-        return f"ProcessGrid({axes}; rank {self.rank} at {self.coords_of(self.rank)})"
+        at = ", ".join(f"{a}={c}" for a, c in self.coords_of(self.rank).items())
+        return f"ProcessGrid({axes}; rank {self.rank} at {at})"

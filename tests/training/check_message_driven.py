@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
-from training.train_gpt import TrainConfig, run  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
+from training.train_gpt import run  # noqa: E402
 
 DELAY = 0.25
 CASES = [  # name, slow stage, pipeline_limit, expected order at stage 1

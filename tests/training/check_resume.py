@@ -22,9 +22,10 @@ import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
 from training import checkpoint as ckpt  # noqa: E402
+from training.config import TrainConfig  # noqa: E402
 from training.data import Batches, ByteCorpus  # noqa: E402
 from training.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from training.train_gpt import TrainConfig, run  # noqa: E402
+from training.train_gpt import run  # noqa: E402
 
 
 def digests(d: Path) -> dict:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from training.config import TrainConfig
 from training.data import Batches, ByteCorpus
 from training.models.gpt import GPT, get_config, lm_loss
 from training.optim import param_groups
-from training.train_gpt import TrainConfig
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:

@@ -1,0 +1,363 @@
+"""Training options: config sections as dataclasses, their validation, the command line
+built from them, and ``--config FILE`` (TOML or JSON).
+
+A run's config is one flat dataclass composed of sections (``ModelOptions``,
+``DataOptions``, ``PipelineOptions``, ``OptimizerOptions``, ``RunOptions``), so every
+option is one attribute (``cfg.G_inter``) and one flag. Each field is declared with
+``option()``: the field name is the option (``G_inter`` is ``--G-inter`` on the command
+line and ``G_inter`` or ``G-inter`` in a config file) and its metadata holds the help
+text, the allowed values and, for a grid degree, the ``Axis`` it sets. An engine adds
+options by adding a section and composing its own config class; ``parse_args`` builds
+the command line of any such class, one argument group per section.
+
+Values come from the field defaults, then ``--config FILE`` (option names as keys, at
+the top level or in a table named after their section: ``[parallel]``), then the
+command line; ``validate()`` then checks types, ranges and the rules between options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import typing
+from collections.abc import Sequence
+from dataclasses import Field, dataclass, field, fields
+from pathlib import Path
+from types import NoneType, UnionType
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from .optim import OptimConfig
+from .topology import Axis, to_axis
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def option(default: Any, help: str, *, minimum: float | None = None,
+           choices: Sequence[str] | None = None, axis: Axis | None = None,
+           const: Any = None) -> Any:
+    """A config field. `minimum` and `choices` are checked by ``validate()``; `axis`
+    marks a grid degree; `const` is the value of the flag given without a value."""
+    metadata = {"help": help, "minimum": minimum, "choices": choices, "axis": axis,
+                "const": const}
+    return field(default=default, metadata=metadata)
+
+
+def flag(name: str) -> str:
+    """The command-line flag of option `name`: ``G_inter`` -> ``--G-inter``."""
+    return "--" + name.replace("_", "-")
+
+
+class Options:
+    """Base of the config sections. A section class sets ``section`` (its name in
+    ``--help`` and in config files) and may define ``check(self)`` for the rules between
+    its options; ``validate()`` checks every field, then runs each section's ``check``.
+    The grid is read from the options declared with an ``axis``, whatever their section."""
+
+    section: ClassVar[str]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option (``--flag``) that is wrong and why."""
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            _check_value(f, getattr(self, f.name), hints[f.name])
+        for section in sections(type(self)):
+            if "check" in vars(section):
+                section.check(self)
+
+    def degrees(self) -> dict[Axis, int]:
+        """The degree of each grid axis, from the options that declare an axis."""
+        return {f.metadata["axis"]: getattr(self, f.name) for f in self._degree_fields()}
+
+    def degree_options(self) -> dict[str, int]:
+        """The grid as option name -> degree (``{"G_inter": 2, "G_data": 2}``)."""
+        return {f.name: getattr(self, f.name) for f in self._degree_fields()}
+
+    def describe_grid(self) -> str:
+        """The grid as options: ``G_inter=2 x G_data=2``."""
+        return " x ".join(f"{name}={n}" for name, n in self.degree_options().items())
+
+    def _degree_fields(self) -> list[Field]:
+        return [f for f in fields(self) if f.metadata.get("axis") is not None]
+
+
+def sections(config_class: type) -> list[type]:
+    """The sections `config_class` is composed of, in the order of their fields."""
+    return [c for c in reversed(config_class.__mro__) if "section" in vars(c)]
+
+
+def _section_fields(section: type) -> list[str]:
+    """The options `section` itself declares (not those of its bases)."""
+    return list(inspect.get_annotations(section))
+
+
+@dataclass
+class ModelOptions(Options):
+    section = "model"
+    model: str = option("tiny", "model size (training/models/gpt.py CONFIGS)")
+    n_layer: int | None = option(None, "transformer blocks (overrides --model)", minimum=1)
+    n_head: int | None = option(None, "attention heads (overrides --model)", minimum=1)
+    n_embd: int | None = option(None, "embedding width (overrides --model)", minimum=1)
+    block_size: int | None = option(None, "context length in tokens (overrides --model)",
+                                    minimum=1)
+    activation_checkpointing: bool = option(False, "store activations every ~sqrt(N) blocks")
+
+
+@dataclass
+class DataOptions(Options):
+    section = "data"
+    data: str = option("stdlib", "'stdlib' (bytes of Python's sources) or a directory of "
+                       "nanoGPT train.bin/val.bin")
+    vocab_size: int | None = option(None, "vocabulary of --data DIR's tokens", minimum=1)
+    micro_batch_size: int = option(2, "sequences per microbatch", minimum=1)
+    global_batch_size: int = option(8, "sequences per step, over all data-parallel ranks",
+                                    minimum=1)
+
+
+@dataclass
+class PipelineOptions(Options):
+    """AxoNN's grid: pipelines of G_inter stages, G_data of them side by side."""
+
+    section = "parallel"
+    G_inter: int = option(1, "pipeline stages", minimum=1, axis=Axis.PIPE)
+    G_data: int = option(1, "data-parallel replicas of each stage", minimum=1, axis=Axis.DATA)
+    grid_order: str = option("pipe,data", "grid axes from the fastest-varying rank to the "
+                             "slowest")
+    layers_per_stage: str | None = option(None, "transformer blocks per stage, e.g. 2,1,1 "
+                                          "(default: as even as possible)")
+    pipeline_limit: int | None = option(None, "microbatches in flight at stage 0 (default "
+                                        "2 x G_inter)", minimum=1)
+    p2p_backend: str | None = option(None, "mcrdl backend of the pipeline's messages "
+                                     "(default nccl on GPUs, else mpi, else gloo)")
+
+    def axis_order(self) -> list[Axis]:
+        """--grid-order as axes, each axis of the grid once."""
+        try:
+            order = [to_axis(a.strip()) for a in self.grid_order.split(",")]
+        except ValueError as e:
+            raise ValueError(f"--grid-order {self.grid_order!r}: {e}") from None
+        if sorted(order) != sorted(self.degrees()):
+            raise ValueError(f"--grid-order {self.grid_order!r}: expected each of "
+                             f"{', '.join(a.value for a in self.degrees())} once")
+        return order
+
+    def blocks_per_stage(self) -> list[int] | None:
+        """--layers-per-stage as integers (None: spread evenly)."""
+        if self.layers_per_stage is None:
+            return None
+        try:
+            return [int(x) for x in self.layers_per_stage.split(",")]
+        except ValueError:
+            raise ValueError(f"--layers-per-stage {self.layers_per_stage!r}: expected "
+                             "comma-separated block counts, one per stage (2,1,1)") from None
+
+    def check(self) -> None:
+        self.axis_order()
+        self.blocks_per_stage()
+
+
+@dataclass
+class OptimizerOptions(Options):
+    section = "optimizer"
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = option(5, "steps of linear warm-up", minimum=0)
+    decay_steps: int | None = option(None, "step where the decay reaches --min-lr "
+                                     "(default --steps)", minimum=1)
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings")
+    grad_clip: float = option(1.0, "global gradient norm bound (0: no clipping)", minimum=0)
+    offload_optimizer: bool = option(False, "fp32 master weights and Adam states in host "
+                                     "memory (always on for bf16/fp16)")
+    bucket_mib: float = option(4.0, "offloaded optimizer's bucket size in MiB")
+    coarsening: int = option(2, "buckets per all-reduce chunk", minimum=1)
+
+    def optimizer_config(self, total_steps: int) -> OptimConfig:
+        """The optimizers' settings for a run of `total_steps` steps."""
+        return OptimConfig(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps,
+                           decay_steps=self.decay_steps or total_steps,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                           bucket_mib=self.bucket_mib, coarsening=self.coarsening)
+
+
+@dataclass
+class RunOptions(Options):
+    section = "run"
+    steps: int = option(20, "training steps", minimum=1)
+    dtype: str = option("fp32", "training precision", choices=tuple(DTYPES))
+    device: str = option("auto", "torch device ('auto': this rank's GPU if any, else cpu)")
+    seed: int = option(1234, "seed of the weights and of the batches")
+    backends: str | None = option(None, "mcrdl backends to initialize, comma-separated "
+                                  "(default mpi or gloo, plus nccl on GPUs)")
+    timeout: float | None = option(None, "seconds before a missing message or rank is an "
+                                   "error (default mcrdl's)")
+    metrics: str | None = option(None, "JSON-lines metrics file (default "
+                                 "<out-dir>/metrics.jsonl)")
+    out_dir: str = option("runs/gpt", "directory of the metrics and the loss plot")
+    checkpoint_dir: str | None = option(None, "directory of the checkpoints")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)",
+                                   minimum=0)
+    stop_after: int | None = option(None, "stop (with a checkpoint) after this step")
+    resume: str | None = option(None, "resume from --checkpoint-dir's latest checkpoint, or "
+                                "from a path", const="latest")
+    log_interval: int = option(1, "steps between log lines", minimum=1)
+    plot: bool = option(True, "save the loss curve as <out-dir>/loss.png")
+    progress: bool = option(True, "progress bar on a terminal")
+    quiet: bool = option(False, "no start line, step lines or breakdown (benchmarks)")
+
+    @property
+    def last_step(self) -> int:
+        """The step this run ends after: --stop-after, else --steps."""
+        return self.stop_after or self.steps
+
+    @property
+    def metrics_path(self) -> Path:
+        """--metrics, else <out-dir>/metrics.jsonl."""
+        return Path(self.metrics or Path(self.out_dir) / "metrics.jsonl")
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is written after `step` (1-based)."""
+        if not self.checkpoint_dir:
+            return False
+        every = self.checkpoint_every and step % self.checkpoint_every == 0
+        return bool(every) or step == self.last_step
+
+    def check(self) -> None:
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"--stop-after {self.stop_after}: expected 1..--steps ({self.steps})")
+        if (self.checkpoint_every or self.stop_after) and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every/--stop-after need --checkpoint-dir")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise ValueError("--resume without a path needs --checkpoint-dir")
+
+
+@dataclass
+class TrainConfig(RunOptions, OptimizerOptions, PipelineOptions, DataOptions, ModelOptions):
+    """The options of ``python -m training.train_gpt`` (the last base's fields come
+    first: model, data, parallel, optimizer, run)."""
+
+    def optim(self) -> OptimConfig:
+        """The optimizers' settings for this run (decay over --steps by default)."""
+        return self.optimizer_config(self.steps)
+
+
+# -- types of values --------------------------------------------------------------------
+
+def _value_types(hint: Any) -> tuple[type, ...]:
+    """The types a field annotated `hint` holds (``int | None`` -> (int, NoneType))."""
+    if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _scalar_type(hint: Any) -> type:
+    return next(t for t in _value_types(hint) if t is not NoneType)
+
+
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_value(f: Field, value: Any, hint: Any) -> None:
+    types = _value_types(hint)
+    if value is None:
+        if NoneType not in types:
+            raise ValueError(f"{flag(f.name)} has no value; expected {_EXPECTED[types[0]]}")
+        return
+    kind = _scalar_type(hint)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ValueError(f"{flag(f.name)} is {value!r}; expected {_EXPECTED[kind]}")
+    choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{flag(f.name)} {value!r}: expected one of {', '.join(choices)}")
+    if minimum is not None and value < minimum:
+        wanted = "a positive integer" if (kind is int and minimum == 1) else f">= {minimum}"
+        raise ValueError(f"{flag(f.name)} is {value!r}; expected {wanted}")
+
+
+# -- command line and config files ------------------------------------------------------
+
+ConfigT = TypeVar("ConfigT", bound=Options)
+
+
+def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *,
+               prog: str | None = None, description: str | None = None) -> ConfigT:
+    """A validated `config_class` from the defaults, ``--config FILE`` and `argv` (in
+    that order of precedence, the last winning). Raises ValueError naming a bad option,
+    FileNotFoundError for a missing config file."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="TOML or JSON file of options (see above)")
+    defaults = config_class()
+    hints = typing.get_type_hints(config_class)
+    by_name = {f.name: f for f in fields(config_class)}
+    for section in sections(config_class):
+        group = parser.add_argument_group(f"{section.section} options")
+        for name in _section_fields(section):
+            _add_flag(group, by_name[name], hints[name], getattr(defaults, name))
+    args = parser.parse_args(argv)
+    values = read_config_file(args.config, config_class) if args.config else {}
+    values.update({name: getattr(args, name) for name in by_name
+                   if getattr(args, name) is not None})
+    config = config_class(**values)
+    config.validate()
+    return config
+
+
+def _add_flag(group, f: Field, hint: Any, default: Any) -> None:
+    choices = f.metadata.get("choices")
+    help_text = f.metadata["help"] + (f": {', '.join(choices)}" if choices else "")
+    if default is not None:
+        help_text += f" (default {default})"
+    kind = _scalar_type(hint)
+    if f.metadata.get("const") is not None:
+        group.add_argument(flag(f.name), nargs="?", const=f.metadata["const"], default=None,
+                           type=kind, help=help_text)
+    elif kind is bool:
+        group.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=None,
+                           help=help_text)
+    else:
+        group.add_argument(flag(f.name), type=kind, default=None, help=help_text)
+
+
+def read_config_file(path: str, config_class: type[Options]) -> dict[str, Any]:
+    """Option values from a TOML (``.toml``) or JSON file: option names (with ``_`` or
+    ``-``) as keys, at the top level or in a table named after their section."""
+    file = Path(path)
+    if not file.exists():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    try:
+        if file.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError as e:  # Python 3.10
+                raise ValueError("TOML needs Python >= 3.11; use JSON") from e
+            raw = tomllib.loads(file.read_text())
+        else:
+            raw = json.loads(file.read_text())
+    except ValueError as e:  # including the TOML and JSON decoders' errors
+        raise ValueError(f"--config {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a table of options, got "
+                         f"{type(raw).__name__}")
+    known = {f.name for f in fields(config_class)}
+    section_fields = {s.section: _section_fields(s) for s in sections(config_class)}
+    values = {}
+    for key, value in raw.items():
+        if key in section_fields and isinstance(value, dict):
+            entries = [(key, k, v) for k, v in value.items()]
+        else:
+            entries = [(None, key, value)]
+        for table, option_key, option_value in entries:
+            name = option_key.replace("-", "_")
+            if name not in known:
+                raise ValueError(f"--config {path}: unknown option {option_key!r}")
+            if table is not None and name not in section_fields[table]:
+                home = next(t for t, names in section_fields.items() if name in names)
+                raise ValueError(f"--config {path}: option {option_key!r} is in [{table}]; "
+                                 f"it belongs in [{home}] (or at the top level)")
+            values[name] = option_value
+    return values

@@ -1,0 +1,213 @@
+"""One rank's share of a pipeline x data parallel GPT run: the process grid, this
+stage's part of the model, its batches, optimizer and pipeline engine, one training
+step, and sharded checkpoints saved and loaded collectively."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+import mcrdl
+
+from . import checkpoint as ckpt
+from .config import DTYPES, TrainConfig
+from .data import Batches, load_dataset
+from .models.gpt import GPTStage, get_config
+from .optim import DataParallelAdamW, OffloadedAdamW
+from .pipeline import PipelineEngine, partition
+from .timers import PhaseTimers
+from .topology import Axis, ProcessGrid
+
+
+def pick_device(cfg: TrainConfig) -> torch.device:
+    """--device, or for "auto" this rank's GPU (by local rank) if there is one, else cpu."""
+    if cfg.device != "auto":
+        return torch.device(cfg.device)
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", 0)))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_comm(cfg: TrainConfig, device: torch.device) -> str:
+    """Initialize mcrdl (unless the caller did) and return the pipeline's p2p backend."""
+    if not mcrdl.is_initialized():
+        usable = mcrdl.available_backends()
+        if cfg.backends:
+            names = cfg.backends.split(",")
+        else:
+            names = [n for n in ("mpi",) if n in usable] or ["gloo"]
+            if device.type == "cuda" and "nccl" in usable:
+                names.append("nccl")
+        init_options = {"timeout": cfg.timeout} if cfg.timeout else {}
+        mcrdl.init(names, **init_options)
+    if cfg.p2p_backend:
+        return cfg.p2p_backend
+    have = mcrdl.get_backends()
+    if device.type == "cuda" and "nccl" in have:
+        return "nccl"
+    return "mpi" if "mpi" in have else "gloo"
+
+
+def raise_together(error: Exception | None, context: str) -> None:
+    """Collective over the world: when any rank has an `error`, every rank raises
+    CheckpointError with the message of the lowest failing rank, so that no rank is left
+    waiting for the others. Errors other than CheckpointError are prefixed with
+    `context` and their type."""
+    message = None
+    if error is not None:
+        message = (str(error) if isinstance(error, ckpt.CheckpointError)
+                   else f"{context}: {type(error).__name__}: {error}")
+    messages = mcrdl.all_gather_object(message)
+    failed = [rank for rank, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
+    text = messages[failed[0]]
+    raise ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
+
+
+class Trainer:
+    """One configured training run on this rank (stage of the model, data, optimizer,
+    pipeline engine). Every rank of the world builds it with the same config.
+    `compute_delay` (seconds per forward or backward, by stage index) and `record`
+    (keep the pipeline's events) are for tests."""
+
+    def __init__(self, cfg: TrainConfig, *, compute_delay: dict[int, float] | None = None,
+                 record: bool = False):
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        self.p2p_backend = init_comm(cfg, self.device)
+        self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
+        self.grid = ProcessGrid(cfg.degrees(), order=cfg.axis_order())
+        self.pipe_group, self.data_group = self.grid.group(Axis.PIPE), self.grid.group(Axis.DATA)
+        self.stage_index, self.n_stages = self.grid.coord(Axis.PIPE), self.grid.size(Axis.PIPE)
+        self.data_rank, self.n_replicas = self.grid.coord(Axis.DATA), self.grid.size(Axis.DATA)
+        torch.manual_seed(cfg.seed)
+        self.dataset = load_dataset(cfg.data, cfg.vocab_size)
+        self.model_cfg = get_config(cfg.model, vocab_size=self.dataset.vocab_size,
+                                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                    block_size=cfg.block_size)
+        self.partition = partition(self.model_cfg.n_layer, self.n_stages, cfg.blocks_per_stage())
+        first_unit, last_unit = self.partition[self.stage_index]
+        dtype = DTYPES[cfg.dtype]
+        self.model_stage = GPTStage(self.model_cfg, first_unit, last_unit, seed=cfg.seed,
+                                    activation_checkpointing=cfg.activation_checkpointing)
+        self.model_stage.to(device=self.device, dtype=dtype)
+        self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
+                               cfg.micro_batch_size, self.data_rank, self.n_replicas,
+                               seed=cfg.seed)
+        self.timers = PhaseTimers()
+        comm = dict(data_group=self.data_group, pipe_group=self.pipe_group,
+                    world_reduce=self.world_size > 1, timers=self.timers)
+        if cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
+            self.optimizer = OffloadedAdamW(self.model_stage.parameters(), cfg.optim(),
+                                            loss_scaling=dtype == torch.float16, **comm)
+        else:
+            self.optimizer = DataParallelAdamW(self.model_stage.parameters(), cfg.optim(),
+                                               **comm)
+        stage_delay = (compute_delay or {}).get(self.stage_index, 0.0)
+        self.engine = PipelineEngine(self.model_stage, stage_index=self.stage_index,
+                                     n_stages=self.n_stages, group=self.pipe_group,
+                                     p2p_backend=self.p2p_backend,
+                                     micro_batch=cfg.micro_batch_size,
+                                     pipeline_limit=cfg.pipeline_limit, timers=self.timers,
+                                     timeout=cfg.timeout, compute_delay=stage_delay,
+                                     record=record)
+        self.step = 0  # steps completed
+
+    def describe(self) -> str:
+        """The run's start line: model, grid, partition, batches, backend, data."""
+        cfg = self.cfg
+        return (f"training {cfg.model} ({self.model_cfg.n_params() / 1e6:.2f} M params, "
+                f"{cfg.dtype}) on {self.world_size} ranks: {cfg.describe_grid()}, stages "
+                f"{self.partition}, {self.batches.n_micro} microbatches of "
+                f"{cfg.micro_batch_size} per step, p2p '{self.p2p_backend}', data: "
+                f"{self.dataset.describe()}")
+
+    def _sum_over_world(self, value: float) -> float:
+        total = torch.tensor([value], dtype=torch.float64)
+        if self.world_size > 1:
+            mcrdl.all_reduce("auto", total, op=mcrdl.ReduceOp.SUM)
+        return float(total)
+
+    def train_step(self) -> tuple[float, bool]:
+        """One step on every rank: (the global batch's mean loss, whether the optimizer
+        applied the update; False when fp16 loss scaling skipped it)."""
+        self.engine.loss_scale = self.optimizer.scaler.scale
+        local_loss = self.engine.run(self.batches.microbatches(self.step))
+        applied = self.optimizer.step()
+        self.step += 1
+        on_last_stage = self.stage_index == self.n_stages - 1
+        loss_sum = self._sum_over_world(local_loss if on_last_stage else 0.0)
+        return loss_sum / self.n_replicas, applied
+
+    def metrics_record(self, loss: float, step_time: float, tokens: int,
+                       applied: bool) -> dict:
+        """The metrics file's record of the step just taken (`step_time` in seconds,
+        `tokens` per step)."""
+        record = {"step": self.step, "loss": loss, "lr": self.cfg.optim().lr_at(self.step - 1),
+                  "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
+                  "tokens_per_s": tokens / step_time}
+        if self.optimizer.scaler.enabled:
+            record.update(loss_scale=self.optimizer.scaler.scale, applied=applied)
+        return record
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Collective: the first data-parallel replica of each stage writes its shard,
+        world rank 0 the manifest; returns the step directory once the manifest is on
+        disk. A failed write raises CheckpointError on every rank."""
+        directory = ckpt.step_dir(self.cfg.checkpoint_dir, self.step)
+        shard, error = None, None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if self.data_rank == 0:
+                state = {"model": {k: v.detach().clone()
+                                   for k, v in self.model_stage.state_dict().items()},
+                         "optimizer": self.optimizer.state_dict(), "stage": self.stage_index,
+                         "units": self.partition[self.stage_index], "step": self.step}
+                shard = ckpt.save_shard(directory, self.stage_index, state)
+        except (OSError, RuntimeError) as e:
+            error = e
+        raise_together(error, f"cannot save checkpoint {directory}")
+        shards = [s for s in mcrdl.all_gather_object(shard) if s is not None]
+        if self.world_rank == 0:
+            try:
+                ckpt.write_manifest(directory, ckpt.build_manifest(
+                    step=self.step, grid=self.cfg.degree_options(), partition=self.partition,
+                    model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
+                    train_config=dataclasses.asdict(self.cfg), shards=shards))
+            except OSError as e:
+                error = e
+        raise_together(error, f"cannot save checkpoint {directory}")  # after the manifest
+        return directory
+
+    def load_checkpoint(self, spec: str) -> int:
+        """Collective: load `spec` ("latest" or a path) on every rank and return its step;
+        a missing, damaged or mismatched checkpoint raises CheckpointError on every rank
+        before any state changes."""
+        error: Exception | None = None
+        path = None
+        try:
+            if spec == "latest":
+                path = ckpt.latest_checkpoint(self.cfg.checkpoint_dir)
+                if path is None:
+                    raise ckpt.CheckpointError(
+                        f"--resume: no complete checkpoint in {self.cfg.checkpoint_dir}")
+            else:
+                path = Path(spec)
+            manifest = ckpt.read_manifest(path)
+            ckpt.check_resumable(manifest, path, n_stages=self.n_stages,
+                                 partition=self.partition, model=self.model_cfg.as_dict(),
+                                 optimizer=type(self.optimizer).__name__)
+            shard = ckpt.load_shard(path, manifest, self.stage_index)
+        except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
+            error = e
+        raise_together(error, f"cannot load checkpoint {path}")
+        self.model_stage.load_state_dict(shard["model"])
+        self.optimizer.load_state_dict(shard["optimizer"])
+        self.step = manifest["step"]
+        return self.step
