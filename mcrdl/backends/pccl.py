@@ -22,7 +22,7 @@ the intra-node one is "mpi" (the vendor library's role on CPU) unless
 ``MCRDL_PCCL_INTRA=ring|rd``. Both can be changed at run time with
 :func:`use_algorithms`.
 
-Every dtype of API.md: bool reduces as uint8 0/1 (SUM/MAX = or, PRODUCT/MIN = and),
+Every dtype of docs/api.md: bool reduces as uint8 0/1 (SUM/MAX = or, PRODUCT/MIN = and),
 float16/bfloat16 reduce in float32 and round once, AVG is SUM then a division. Other
 operations raise UnsupportedOperationError naming the backends that have them. CPU
 tensors only (MPI point-to-point on GPU memory needs a CUDA-aware MPI, not assumed).

@@ -48,8 +48,7 @@ import numpy as np
 import torch
 
 from ..errors import DesyncError, MCRDLError
-from ..ops import ReduceOp
-from ..ops import OPS, OpSpec
+from ..ops import OPS, OpSpec, ReduceOp
 from ..validate import validate
 from ..work import Work
 from .config import CompressionConfig

@@ -23,8 +23,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from ..bootstrap import mpi_module
+from ..errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from ..groups import Group, bad_group_error
 from ..ops import DTYPES, OPS, Agreement, Call, Kind, OpSpec, ReduceOp
 from ..validate import validate
