@@ -48,8 +48,9 @@ import torch
 from .. import _C
 from ..errors import DesyncError
 from ..ops import OPS, OpSpec, ReduceOp
+from ..ordering import IssueQueue, Task
 from .config import FusionConfig
-from .ordered import IssueQueue, OrderedLayer, Task
+from .ordered import OrderedLayer
 
 _totals_lock = threading.Lock()
 _totals = {"flushes": 0, "short_flushes": 0, "calls": 0}
