@@ -230,11 +230,7 @@ class FusionBuffer(IssueQueue):
     # -- hooks of the C++ queue -------------------------------------------------------
     def _wake(self, seq: int) -> None:
         """B bytes are buffered: flush up to call `seq` soon."""
-        with self._cv:
-            if seq > self._want:
-                self._want = seq
-            self._ensure_worker()
-            self._cv.notify()
+        self.request(seq)
 
     def _on_timer(self) -> None:
         """The queue's T-timer fired (its own thread, see csrc/fusion.cpp): the oldest
