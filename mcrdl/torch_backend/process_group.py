@@ -170,22 +170,22 @@ class McrdlWork(dist.Work):
         self._done = True
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
-        if self._done:
-            if self._error is not None:
-                raise self._error
-            return True
-        seconds = self._timeout if timeout is None else (_seconds(timeout) or self._timeout)
-        if not self._lock.acquire(timeout=-1 if seconds is None else seconds):
-            raise CommTimeoutError(
-                f"torch.distributed {self._what} on mcrdl did not complete within "
-                f"wait(timeout={seconds}) s; it is still pending")
-        try:
-            if not self._done:
-                for w in self._works:
-                    w.wait(seconds)
-                self._complete()
-        finally:
-            self._lock.release()
+        if not self._done:
+            seconds = self._timeout if timeout is None else (_seconds(timeout) or self._timeout)
+            lock = self._lock
+            if seconds is None:  # mcrdl's timeout bounds the waits, hence this one
+                lock.acquire()
+            elif not lock.acquire(timeout=seconds):
+                raise CommTimeoutError(
+                    f"torch.distributed {self._what} on mcrdl did not complete within "
+                    f"wait(timeout={seconds}) s; it is still pending")
+            try:
+                if not self._done:
+                    for w in self._works:
+                        w.wait(seconds)
+                    self._complete()
+            finally:
+                lock.release()
         if self._error is not None:
             raise self._error
         return True
@@ -327,16 +327,17 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             raise _not_one(tensors, ALLREDUCE)
         op = opts.reduceOp
         op = _SUM if op == _TORCH_SUM else _reduce_op(op, ALLREDUCE)
+        async_op = opts.asyncOp
         backend = self._routes[ALLREDUCE]
         try:
-            if not opts.asyncOp and self._timeout is None:
+            if not async_op and self._timeout is None:
                 self._api.all_reduce(backend, tensors[0], op, self._group, False)
                 return None
             work = McrdlWork.of((self._api.all_reduce(backend, tensors[0], op, self._group, True),),
                                 tensors, self._timeout, None, ALLREDUCE)
         except MCRDLError as exc:
             raise _c10d_error(exc, ALLREDUCE, backend) from None
-        if opts.asyncOp:
+        if async_op:
             return work
         work.wait()
         return None

@@ -34,8 +34,8 @@ ROUTES_ENV = "MCRDL_TORCH_ROUTES"
 DEFAULT_BACKEND = "auto"
 EVERY_OTHER = "*"
 
-# The route keys: c10d operation families, each declared once (process_group.py uses
-# these names; the family's ProcessGroup methods are listed in its docstring there).
+# The route keys: c10d operation families, each declared once (process_group.py names
+# the ProcessGroup methods of each family in its section headings).
 ALLREDUCE = "allreduce"
 BROADCAST = "broadcast"
 REDUCE = "reduce"
@@ -154,7 +154,7 @@ def check_initialized(routes: Mapping[str, str], initialized: list[str], where: 
 
 def describe(routes: Mapping[str, str]) -> str:
     """One line for the log: the pinned families, then the rest."""
-    pinned = [f"{k}->{v}" for k, v in routes.items() if v != DEFAULT_BACKEND]
-    rest = "every other op" if pinned else "every op"
-    return ", ".join([*pinned, f"{rest}->{DEFAULT_BACKEND}"]) if len(pinned) < len(KEYS) \
-        else ", ".join(pinned)
+    parts = [f"{k}->{v}" for k, v in routes.items() if v != DEFAULT_BACKEND]
+    if len(parts) < len(KEYS):
+        parts.append(f"{'every other op' if parts else 'every op'}->{DEFAULT_BACKEND}")
+    return ", ".join(parts)

@@ -3,7 +3,7 @@ every rank of ``mpiexec -n N`` or ``torchrun --nproc-per-node N`` (N = 2 or 4).
 
 The same functions run twice in one process, the backend name being the only
 difference: ``init_process_group("gloo")``, train, ``destroy_process_group()``, then
-the same with "mcrdl" (under mpiexec both rendezvous on mcrdl's store: no MASTER_ADDR).
+the same with "mcrdl" (no MASTER_ADDR under mpiexec: mcrdl's rendezvous).
 
 - DDP, 10 steps, small buckets (several per step), ``find_unused_parameters=True`` (a
   branch unused on odd steps), ``no_sync()`` accumulation (every other step):
@@ -164,7 +164,9 @@ def checkpoint_round_trip() -> int:
 
 
 def run(backend: str) -> dict:
-    dist.init_process_group(backend)
+    # Gloo rendezvouses on mcrdl's store by name ("mcrdl://"), "mcrdl" by torch's
+    # default env:// (mcrdl's store again under mpiexec, torchrun's under torchrun).
+    dist.init_process_group(backend, init_method="mcrdl://" if backend == "gloo" else None)
     out = {"ddp": ddp(False), "ddp fp16 hook": ddp(True), "fsdp2": fsdp2()}
     if dist.get_world_size() == 4:
         out["dtensor tp"] = tensor_parallel()
