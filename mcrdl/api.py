@@ -123,6 +123,15 @@ def get_backends() -> list[str]:
     return list(_runtime.backends) if _runtime is not None else []
 
 
+def current_runtime() -> Runtime | None:
+    """This process's :class:`~mcrdl.runtime.Runtime` (None before init and after
+    finalize), for integrations below the front that need its launch information, its
+    timeout or its bootstrap store (mcrdl.torch_backend gets the front injected and
+    rendezvouses torch.distributed on that store under mpiexec). ``init([])`` makes one
+    with no backend: the bootstrap alone."""
+    return _runtime
+
+
 def _initialized() -> Runtime:
     if _runtime is None or not _runtime.backends:
         _unavailable("auto")
