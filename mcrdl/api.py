@@ -72,9 +72,9 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
     the table "auto" routes by; without one the table shipped for this system, if any.
     """
     global _runtime, _dispatch, _sessions
-    if timeout is None:
-        timeout = float(os.environ.get(
-            "MCRDL_TIMEOUT", _runtime.timeout if _runtime is not None else DEFAULT_TIMEOUT))
+    if timeout is None:  # a later init keeps the timeout in force
+        timeout = (_runtime.timeout if _runtime is not None
+                   else float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT)))
     timeout = check_timeout(timeout, "init")
     launch = _launch()
     avail = registry.availability(launch)

@@ -43,6 +43,10 @@ from .work import ChainedWork, Work
 #: Errors raised before anything was posted: a task failing with one of these leaves
 #: the ranks in step, so the queue stays usable.
 LOCAL_ERRORS = (InvalidArgumentError, UnsupportedOperationError)
+#: How much longer than the timeout a default wait on a deferred call waits for it to be
+#: posted: a task whose own step timed out (debug mode's exchange, a fusion round) says
+#: precisely what did not arrive, and that error should win over "not posted".
+_GRACE_S = 2.0
 
 
 class Task:
@@ -89,6 +93,8 @@ class DeferredWork(Work):
         if self._completed:
             return True
         deadline = self._queue.deadline(timeout)
+        if timeout is None:  # a task's own timeout error, precise, comes first
+            deadline += _GRACE_S
         self._queue.wait_posted(self._task, deadline, inline=timeout is None)
         with self._lock:
             if self._error is not None:
