@@ -47,7 +47,7 @@ import torch
 
 from .. import _C
 from ..errors import DesyncError
-from ..ops import OPS, OpSpec, ReduceOp
+from ..ops import FUSABLE_OPS, OPS, OpSpec, ReduceOp
 from ..ordering import IssueQueue, Task
 from .config import FusionConfig
 from .ordered import OrderedLayer
@@ -202,14 +202,19 @@ def _post_reduce_scatter(inner, chunk, group, gsize, grank, async_op):
     return work, lambda: chunk.unpack(fused_out)
 
 
-# By _C.FusedCall.kind
+# By _C.FusedCall.kind (the C++ fast path posts all_reduce as kind 0)
 _ALL_REDUCE, _BCAST, _ALL_GATHER, _REDUCE_SCATTER = range(4)
 _POST = (_post_all_reduce, _post_bcast, _post_all_gather, _post_reduce_scatter)
+KIND_NAMES = tuple(f.__name__.removeprefix("_post_") for f in _POST)
+if set(KIND_NAMES) != FUSABLE_OPS or KIND_NAMES[0] != "all_reduce":
+    raise ImportError(f"fusion kinds {KIND_NAMES} do not match mcrdl.ops ({FUSABLE_OPS})")
 
 
 class FusionBuffer(IssueQueue):
     """The fusion buffer of one (backend, group): an ordered queue whose items are
     buffered calls and deferred unfusable calls; see the module docstring."""
+
+    kind_names = KIND_NAMES  # FusedCall reprs name their kind from here
 
     def __init__(self, name: str, rt, inner, group, gsize: int, backend: str,
                  config: FusionConfig):
