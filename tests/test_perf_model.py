@@ -95,14 +95,27 @@ def test_latency_term_uses_mcrdl_coefficients():
     assert net.seconds(ag, g) == pytest.approx(10 * 7)     # p - 1 ring steps
 
 
-def test_network_from_tuning_table_takes_the_smallest_alpha():
+def test_op_rate_scales_the_bandwidth_term_of_one_op():
+    g = Grid4D(1, 1, 2, 1)
+    ag = Collective("all_gather", "z", 100, 1, 1, "forward", "t")
+    rs = Collective("reduce_scatter", "z", 100, 1, 1, "backward", "t")
+    net = Network(ranks_per_node=8, intra_node_bandwidth=1.0, latency=0.0,
+                  op_rate={"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": 0.5})
+    assert net.seconds(ag, g) == 50 and net.seconds(rs, g) == 100
+    assert UNIT.op_rate == {"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+
+
+def test_network_from_tuning_table_takes_the_best_backend():
     table = TuningTable()
-    for backend, alpha in (("slow", 1e-3), ("fast", 1e-5)):
+    for backend, alpha, beta in (("slow", 1e-3, 2e-9), ("fast", 1e-5, 4e-9)):
         for n in (8, 1 << 10, 1 << 20):
-            table.add("all_reduce", 4, backend, n, alpha * 4 + n * 1e-9 * 1.5)
-    net = Network.from_tuning_table(table, ranks_per_node=4)
-    assert net.latency["all_reduce"] == pytest.approx(1e-5, rel=1e-3)
-    assert net.latency["all_gather"] == 5e-6  # not in the table: the default
+            table.add("all_reduce", 4, backend, n, alpha * 4 + n * beta * 1.5)
+            table.add("reduce_scatter", 4, backend, n, alpha * 3 + n * 2 * beta * 0.75)
+    net = Network.from_tuning_table(table, ranks_per_node=4, intra_node_bandwidth=7.0)
+    assert net.latency["all_reduce"] == pytest.approx(1e-5, rel=1e-3)  # smallest alpha
+    assert net.op_rate["reduce_scatter"] == pytest.approx(0.5, rel=1e-3)  # best 1/beta ratio
+    assert net.latency["all_gather"] == 5e-6 and net.op_rate["all_gather"] == 1.0  # absent
+    assert net.intra_node_bandwidth == 7.0
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -111,6 +124,7 @@ def test_network_from_tuning_table_takes_the_smallest_alpha():
     ({"ranks_per_node": 4, "latency": {"all_reduce": 1e-6}}, "latency"),
     ({"ranks_per_node": 4, "latency": -1.0}, "latency"),
     ({"ranks_per_node": 4, "intra_node_table": {(0, 2): 1.0}}, "intra_node_table"),
+    ({"ranks_per_node": 4, "op_rate": 0}, "op_rate"),
 ])
 def test_network_rejects_bad_values(kwargs, words):
     with pytest.raises(ValueError, match=words):

@@ -83,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--regather-weights", action="store_true",
                    help="gather each Linear weight again in the backward (not kept)")
     p.add_argument("--table", metavar="T.json", default=None,
-                   help="tuning table whose alpha-beta fits give the latency per op")
+                   help="tuning table whose alpha-beta fits give the latency and the relative "
+                        "bandwidth of each op")
     p.add_argument("--latency", type=_non_negative_float, default=None, metavar="US",
                    help="latency per step of every op in microseconds (overrides --table; "
                         "default 5)")
@@ -135,6 +136,7 @@ def print_ranking(ranking: Ranking, args: argparse.Namespace, step: TrainingStep
     out = sys.stdout if file is None else file
     m = step.model
     lat = ", ".join(f"{op} {a * 1e6:.3g}" for op, a in network.latency.items())
+    rates = ", ".join(f"{op} {r:.2f}" for op, r in network.op_rate.items())
     print(f"# predicted communication per step (a model, not a measurement): {args.model} "
           f"(n_layer {m.n_layer}, n_embd {m.n_embd}, n_head {m.n_head}, vocab {m.vocab_size}, "
           f"sequence {m.block_size}), batch {step.batch} x {step.micro_batches} micro-batch(es), "
@@ -143,7 +145,7 @@ def print_ranking(ranking: Ranking, args: argparse.Namespace, step: TrainingStep
     print(f"# {args.ranks} ranks, {network.ranks_per_node} per node; bandwidth GB/s: "
           f"intra-node {network.intra_node_bandwidth / 1e9:g}, inter-node "
           f"{network.inter_node_bandwidth / 1e9:g} per node (Eq. 5.7); latency us per step "
-          f"({latency_from}): {lat}", file=out)
+          f"({latency_from}): {lat}; op rates (relative bandwidth): {rates}", file=out)
     shown = ranking.ranked if args.top is None else ranking.ranked[:args.top]
     times = [r.by_op_axis() for r in shown]
     cols = [(key, head) for key, head in COLUMNS if any(key in t for t in times)]
