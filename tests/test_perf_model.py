@@ -269,6 +269,15 @@ def test_ranking_skips_infeasible_grids_with_reasons():
     assert times == sorted(times)
 
 
+def test_minimum_model_parallel_degree_skips_small_shardings():
+    r = rank_grids(TrainingStep(MINI, 8), 8, Network(ranks_per_node=4), min_model_parallel=4)
+    assert all(p.grid.x * p.grid.y * p.grid.z >= 4 for p in r.ranked)
+    reasons = {s.grid: [c for c, _ in s.violations] for s in r.skipped}
+    assert reasons[Grid4D(1, 1, 1, 8)] == ["model parallel"]
+    assert reasons[Grid4D(8, 1, 1, 1)] == ["heads"]
+    assert len(r.ranked) == len([g for g in grids(8) if g.x * g.y * g.z >= 4]) - 1
+
+
 def test_ties_break_by_calls_then_grid():
     def pred(grid, seconds, calls):
         e = Collective("all_reduce", "x", 1, 4, calls, "forward", "t")
@@ -317,9 +326,12 @@ def test_cli_ranks_gpt_20b_on_32_ranks():
 
 def test_cli_is_fast_for_thousands_of_ranks():
     out, seconds = _cli("--model", "gpt-320b", "--ranks", "8192", "--ranks-per-node", "8",
-                        "--top", "10", "--show-skipped", "--dtype", "bfloat16")
-    assert len(_rows(out)) == 10 and seconds < 30
-    assert "#   (" in out  # the skipped grids listed with their reasons
+                        "--top", "10", "--show-skipped", "--dtype", "bfloat16",
+                        "--min-model-parallel", "64")
+    rows = _rows(out)
+    assert len(rows) == 10 and seconds < 30
+    assert all(int(r[1]) * int(r[2]) * int(r[3]) >= 64 for r in rows)
+    assert "#   (" in out and "'model parallel'" in out  # skipped grids with reasons
 
 
 @pytest.mark.parametrize("args, option", [
@@ -331,6 +343,7 @@ def test_cli_is_fast_for_thousands_of_ranks():
     (["--model", "mini", "--ranks", "8", "--batch", "6", "--micro-batches", "4"],
      "--micro-batches"),
     (["--ranks", "8"], "--model"),
+    (["--model", "mini", "--ranks", "8", "--min-model-parallel", "0"], "--min-model-parallel"),
 ])
 def test_cli_bad_arguments_name_the_option(args, option, capsys):
     with pytest.raises(SystemExit) as e:

@@ -3,7 +3,7 @@
     python -m training.perf_model --model gpt-20b --ranks 32 --ranks-per-node 4
         [--batch B] [--micro-batches M] [--dtype bfloat16] [--regather-weights]
         [--table T.json] [--latency US] [--intra-node-bandwidth GB/s]
-        [--inter-node-bandwidth GB/s] [--top N] [--show-skipped]
+        [--inter-node-bandwidth GB/s] [--min-model-parallel N] [--top N] [--show-skipped]
 
 Prints each grid (G_x, G_y, G_z, G_data) that fits the model, fastest first, with the
 predicted seconds of each (op, axis); then how many grids were skipped and why. A
@@ -94,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-bandwidth", type=_positive_float, metavar="GB/s",
                    default=DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
                    help="bandwidth out of one node, GB/s (default %(default)g)")
+    p.add_argument("--min-model-parallel", type=_positive_int, default=1, metavar="N",
+                   help="skip grids with G_x*G_y*G_z < N, e.g. when the model's states do "
+                        "not fit in fewer ranks' memory (default 1)")
     p.add_argument("--top", type=_positive_int, default=None, metavar="N",
                    help="print only the N fastest grids")
     p.add_argument("--show-skipped", action="store_true",
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         network = Network(args.ranks_per_node, **bandwidths)
         latency_from = "default"
-    ranking = rank_grids(step, args.ranks, network)
+    ranking = rank_grids(step, args.ranks, network, min_model_parallel=args.min_model_parallel)
     print_ranking(ranking, args, step, network, latency_from)
     return 0
 

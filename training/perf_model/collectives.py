@@ -164,7 +164,9 @@ def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
 
 def call_counts(step: TrainingStep, grid: Grid4D) -> dict[tuple[str, str], tuple[int, int]]:
     """``{(op, axis): (calls, bytes)}`` per step per rank: what mcrdl's log shows for the
-    groups of each axis (``"world"``: the world group)."""
+    groups of each axis (``"world"``: the world group). The log's summary rows are keyed
+    by group size, not axis: compare its sums with these summed by ``grid.degree(axis)``,
+    or map the trace's group ids to axes."""
     totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for e in collectives(step, grid):
         row = totals[e.op, e.axis]

@@ -63,12 +63,20 @@ def predict(step: TrainingStep, grid: Grid4D, network: Network) -> Prediction:
     return Prediction(grid, sum(s for _, s in entries), entries)
 
 
-def rank_grids(step: TrainingStep, ranks: int, network: Network) -> Ranking:
+def rank_grids(step: TrainingStep, ranks: int, network: Network, *,
+               min_model_parallel: int = 1) -> Ranking:
     """Every grid of ``ranks`` ranks: those that fit ranked by predicted time (ties as in
-    the module docstring), the others with their reasons."""
+    the module docstring), the others with their reasons. ``min_model_parallel``: skip
+    grids that shard the model over fewer than this many ranks (G_x G_y G_z), AxoNN's way
+    of keeping out grids whose parameters cannot fit in a rank's memory (the model
+    prices communication only)."""
     ranked, skipped = [], []
     for grid in grids(ranks):
         violations = constraint_violations(step, grid)
+        shards = grid.x * grid.y * grid.z
+        if shards < min_model_parallel:
+            violations.append(("model parallel", f"G_x*G_y*G_z={shards} is below the minimum "
+                                                 f"model-parallel degree {min_model_parallel}"))
         if violations:
             skipped.append(Skipped(grid, tuple(violations)))
         else:

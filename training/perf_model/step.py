@@ -124,7 +124,12 @@ def weight_blocks(model: GPTConfig, grid: Grid4D) -> dict[str, int]:
 
 def constraint_violations(step: TrainingStep, grid: Grid4D) -> list[tuple[str, str]]:
     """Every ``(constraint, message)`` the grid breaks for this step; empty when it fits.
-    Constraints: ``"heads"``, ``"width"``, ``"vocab"``, ``"weight shard"``, ``"batch"``."""
+    Constraints: ``"heads"``, ``"width"``, ``"vocab"``, ``"weight shard"``, ``"batch"``.
+
+    Only X splits heads (c_attn's out-features, attn.c_proj's in-features); Y splits the
+    hidden dimension (c_attn's in-features, attn.c_proj's out-features), never a head,
+    so it needs n_embd, not n_head, to divide. Whole sequences go to each (z, data)
+    shard because attention mixes the tokens of a sequence."""
     m = step.model
     out = []
     if m.n_head % grid.x:
