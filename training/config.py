@@ -33,6 +33,7 @@ from .optim import OptimConfig
 from .topology import Axis, to_axis
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TENSOR_AXES = (Axis.X, Axis.Y, Axis.Z)
 
 
 def option(default: Any, help: str, *, minimum: float | None = None,
@@ -76,8 +77,13 @@ class Options:
         return {f.name: getattr(self, f.name) for f in self._degree_fields()}
 
     def describe_grid(self) -> str:
-        """The grid as options: ``G_inter=2 x G_data=2``."""
-        return " x ".join(f"{name}={n}" for name, n in self.degree_options().items())
+        """The grid as options: ``G_inter=2 x G_data=2``; the 4D tensor axes (x, y, z)
+        only when one of them has degree > 1."""
+        opts = self.degree_options()
+        tensor = {f.name for f in self._degree_fields() if f.metadata["axis"] in _TENSOR_AXES}
+        if all(opts[name] == 1 for name in tensor):
+            opts = {k: v for k, v in opts.items() if k not in tensor}
+        return " x ".join(f"{name}={n}" for name, n in opts.items())
 
     def _degree_fields(self) -> list[Field]:
         return [f for f in fields(self) if f.metadata.get("axis") is not None]
@@ -123,8 +129,8 @@ class PipelineOptions(Options):
     section = "parallel"
     G_inter: int = option(1, "pipeline stages", minimum=1, axis=Axis.PIPE)
     G_data: int = option(1, "data-parallel replicas of each stage", minimum=1, axis=Axis.DATA)
-    grid_order: str = option("pipe,data", "grid axes from the fastest-varying rank to the "
-                             "slowest")
+    grid_order: str = option("x,y,z,pipe,data", "grid axes from the fastest-varying rank "
+                             "to the slowest (axes of degree 1 may be left out)")
     layers_per_stage: str | None = option(None, "transformer blocks per stage, e.g. 2,1,1 "
                                           "(default: as even as possible)")
     pipeline_limit: int | None = option(None, "microbatches in flight at stage 0 (default "
@@ -133,14 +139,18 @@ class PipelineOptions(Options):
                                      "(default nccl on GPUs, else mpi, else gloo)")
 
     def axis_order(self) -> list[Axis]:
-        """--grid-order as axes, each axis of the grid once."""
+        """--grid-order as axes, each axis of the grid once; axes of degree 1 that it
+        leaves out go last (where they are does not change any rank's place)."""
         try:
             order = [to_axis(a.strip()) for a in self.grid_order.split(",")]
         except ValueError as e:
             raise ValueError(f"--grid-order {self.grid_order!r}: {e}") from None
-        if sorted(order) != sorted(self.degrees()):
+        degrees = self.degrees()
+        order += [a for a in degrees if a not in order and degrees[a] == 1]
+        if sorted(order) != sorted(degrees):
             raise ValueError(f"--grid-order {self.grid_order!r}: expected each of "
-                             f"{', '.join(a.value for a in self.degrees())} once")
+                             f"{', '.join(a.value for a in degrees)} once (those of "
+                             "degree 1 may be left out)")
         return order
 
     def blocks_per_stage(self) -> list[int] | None:
@@ -156,6 +166,76 @@ class PipelineOptions(Options):
     def check(self) -> None:
         self.axis_order()
         self.blocks_per_stage()
+
+
+@dataclass
+class TensorOptions(Options):
+    """AxoNN's 4D grid (training/parallel4d): every Linear layer parallelized over
+    (G_x, G_y, G_z), replicated over --G-data."""
+
+    section = "tensor"
+    G_x: int = option(1, "4D: ranks splitting a Linear's out-features (attention heads)",
+                      minimum=1, axis=Axis.X)
+    G_y: int = option(1, "4D: ranks splitting a Linear's in-features (the hidden dimension)",
+                      minimum=1, axis=Axis.Y)
+    G_z: int = option(1, "4D: ranks sharding every weight and the batch (FSDP-like)",
+                      minimum=1, axis=Axis.Z)
+    engine: str = option("auto", "training engine ('auto': 4d when G_x, G_y or G_z > 1, "
+                         "else pipeline)", choices=("auto", "pipeline", "4d"))
+    overlap: str = option("none", "4D: collectives overlapped with compute",
+                          choices=("none", "oar", "oar+ors", "all"))
+    tune_matmul: bool = option(False, "4D: time NN/NT/TN matmul layouts in step 1, keep the "
+                               "fastest")
+    axis_backends: str | None = option(None, "4D: mcrdl backend per axis, e.g. "
+                                       "z=pccl,data=auto (default auto everywhere)")
+    regather_weights: bool = option(False, "4D: gather each weight again in the backward "
+                                    "instead of keeping it from the forward")
+
+    def tensor_degrees(self) -> dict[str, int]:
+        return {"x": self.G_x, "y": self.G_y, "z": self.G_z}
+
+    def uses_4d(self) -> bool:
+        """Whether the run uses the 4D engine."""
+        if self.engine == "auto":
+            return any(n > 1 for n in self.tensor_degrees().values())
+        return self.engine == "4d"
+
+    def backend_of_axis(self) -> dict[str, str]:
+        """--axis-backends as {axis: backend}, "auto" for the axes it leaves out."""
+        out = dict.fromkeys(("x", "y", "z", "data"), "auto")
+        if not self.axis_backends:
+            return out
+        for item in self.axis_backends.split(","):
+            axis, sep, backend = (s.strip() for s in item.partition("="))
+            if not sep or axis not in out or not backend:
+                raise ValueError(f"--axis-backends {self.axis_backends!r}: expected "
+                                 "comma-separated AXIS=BACKEND with AXIS one of x, y, z, data "
+                                 "(e.g. z=pccl,data=auto)")
+            out[axis] = backend
+        return out
+
+    def check(self) -> None:
+        self.backend_of_axis()
+        tensor = {f"--G-{a}": n for a, n in self.tensor_degrees().items() if n > 1}
+        if tensor and self.engine == "pipeline":
+            raise ValueError(f"--engine pipeline has no tensor parallelism; drop "
+                             f"{', '.join(f'{k} {v}' for k, v in tensor.items())} or use "
+                             "--engine 4d")
+        if self.uses_4d():
+            if self.G_inter > 1:
+                shown = ", ".join(f"{k} {v}" for k, v in tensor.items()) or "--engine 4d"
+                raise ValueError(f"--G-inter {self.G_inter} (pipeline stages) with {shown} is "
+                                 "not supported: the 4D engine runs one pipeline stage; use "
+                                 "--G-inter 1, or G_x = G_y = G_z = 1 for the pipeline")
+            if self.activation_checkpointing:
+                raise ValueError("--activation-checkpointing is not supported by the 4D "
+                                 "engine yet")
+            shards = self.G_z * self.G_data
+            if self.global_batch_size % shards:
+                raise ValueError(f"--global-batch-size {self.global_batch_size} is not "
+                                 f"divisible by G_z*G_data={self.G_z}*{self.G_data}={shards}: "
+                                 "every (z, data) rank takes whole sequences; choose a "
+                                 f"multiple of {shards}")
 
 
 @dataclass
@@ -233,9 +313,10 @@ class RunOptions(Options):
 
 
 @dataclass
-class TrainConfig(RunOptions, OptimizerOptions, PipelineOptions, DataOptions, ModelOptions):
+class TrainConfig(RunOptions, OptimizerOptions, TensorOptions, PipelineOptions, DataOptions,
+                  ModelOptions):
     """The options of ``python -m training.train_gpt`` (the last base's fields come
-    first: model, data, parallel, optimizer, run)."""
+    first: model, data, parallel, tensor, optimizer, run)."""
 
     def optim(self) -> OptimConfig:
         """The optimizers' settings for this run (decay over --steps by default)."""

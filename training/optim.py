@@ -18,6 +18,11 @@ none on biases and LayerNorm, as nanoGPT):
   updates run after the last one.
 
 Both give the same result to rounding (the parity tests compare them with a serial run).
+
+An engine that reduces the gradients itself (the 4D engine: Z reduce-scatters, data
+all-reduces, each shard counted once in the norm) passes no data group and gives
+``step(sumsq=...)`` the squared global gradient norm; the optimizers then only clip and
+update.
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ class OptimConfig:
 
 
 def decays(p: torch.Tensor) -> bool:
-    return p.dim() >= 2
+    """Whether AdamW decays `p`: matrices and embeddings do, vectors do not. A piece of
+    a parameter split over ranks (training.parallel4d: a flattened Z shard, a bias slice)
+    carries ``logical_shape``, the shape of the whole parameter, which decides."""
+    return len(getattr(p, "logical_shape", p.shape)) >= 2
 
 
 def param_groups(params, weight_decay: float) -> list[dict]:
@@ -143,7 +151,9 @@ class DataParallelAdamW(_GradientComm):
         self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")
 
-    def step(self) -> bool:
+    def step(self, sumsq: float | None = None) -> bool:
+        """One AdamW step. `sumsq`: the squared global gradient norm, when the caller
+        has reduced the gradients and computed it (module docstring)."""
         lr = self.cfg.lr_at(self.step_count)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         if self.data_group is not None:
@@ -153,11 +163,12 @@ class DataParallelAdamW(_GradientComm):
                 for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads),
                                 strict=True):
                     g.copy_(r)
-        with self.timers("optimizer"):
-            local = torch.zeros(1, dtype=torch.float64)
-            for g in grads:
-                local += g.double().pow(2).sum()
-        sumsq = self.global_sumsq(local) if self.cfg.grad_clip > 0 else 0.0
+        if sumsq is None:
+            with self.timers("optimizer"):
+                local = torch.zeros(1, dtype=torch.float64)
+                for g in grads:
+                    local += g.double().pow(2).sum()
+            sumsq = self.global_sumsq(local) if self.cfg.grad_clip > 0 else 0.0
         self.last_grad_norm = math.sqrt(sumsq)
         with self.timers("optimizer"):
             coef = self.clip_coef(sumsq)
@@ -256,8 +267,10 @@ class OffloadedAdamW(_GradientComm):
                 dst.copy_(p.grad.reshape(-1))
                 p.grad = None
 
-    def step(self) -> bool:
-        """One AdamW step; False when skipped (fp16 overflow)."""
+    def step(self, sumsq: float | None = None) -> bool:
+        """One AdamW step; False when skipped (fp16 overflow). `sumsq`: the squared
+        global norm of the (scaled) gradients, when the caller computed it (module
+        docstring)."""
         with self.timers("optimizer"):
             self._gather_grads()
         chunks = self.chunks()
@@ -267,7 +280,7 @@ class OffloadedAdamW(_GradientComm):
             with self.timers("collective"):
                 works = [self._all_reduce(self.flat_grad[a:b], mcrdl.ReduceOp.AVG,
                                           self.data_group, async_op=True) for a, b in spans]
-        needs_whole = self.cfg.grad_clip > 0 or self.scaler.enabled
+        needs_whole = self.cfg.grad_clip > 0 or self.scaler.enabled or sumsq is not None
         lr = self.cfg.lr_at(self.step_count)
         if not needs_whole:
             for i, chunk in enumerate(chunks):
@@ -285,10 +298,11 @@ class OffloadedAdamW(_GradientComm):
             if works:
                 with self.timers("collective"):
                     works[i].wait()
-            with self.timers("optimizer"):
-                local += self.flat_grad[a:b].double().pow(2).sum()
+            if sumsq is None:
+                with self.timers("optimizer"):
+                    local += self.flat_grad[a:b].double().pow(2).sum()
         inv = 1.0 / self.scaler.scale
-        sumsq = self.global_sumsq(local) * inv * inv
+        sumsq = (self.global_sumsq(local) if sumsq is None else sumsq) * inv * inv
         found_inf = not math.isfinite(sumsq)
         if self.scaler.enabled:
             found_inf = self.any_world(found_inf)

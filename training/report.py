@@ -171,3 +171,14 @@ def plot_loss(metrics: Path, png: Path, title: str) -> None:
     fig.savefig(png, dpi=120)
     plt.close(fig)
     print(f"loss curve: {png}; metrics: {metrics}")
+
+
+def print_breakdown_4d(result: TrainResult, steps: int) -> None:
+    """The 4D engine's per-step phase table (forward/backward with its collectives,
+    optimizer, the step's scalar all_reduce) and the throughput."""
+    p = result.phases.get(0, {})
+    print(f"\nper-step time by phase (ms, mean over ranks; {steps} steps after warm-up):")
+    shown = [k for k in p if k != "wall" and p[k] > 0]
+    print("".join(f"{k:>14}" for k in shown) + f"{'step':>14}")
+    print("".join(f"{p[k] * 1e3:14.2f}" for k in shown) + f"{p['wall'] * 1e3:14.2f}")
+    print(f"throughput: {result.tokens_per_s:,.0f} tokens/s", flush=True)

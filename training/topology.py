@@ -26,6 +26,9 @@ import mcrdl
 class Axis(str, Enum):
     """A parallel dimension of the process grid; its value is its name in options."""
 
+    X = "x"          # 4D tensor parallelism: a Linear's out-features (in-features in a T-layer)
+    Y = "y"          # 4D tensor parallelism: a Linear's in-features (out-features in a T-layer)
+    Z = "z"          # 4D tensor parallelism: weight shards and token shards (FSDP-like)
     PIPE = "pipe"    # pipeline stages (inter-layer parallelism)
     DATA = "data"    # data-parallel replicas
 

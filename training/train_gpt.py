@@ -1,6 +1,8 @@
-"""Train a GPT with AxoNN's pipeline x data parallelism on mcrdl.
+"""Train a GPT with AxoNN's pipeline x data parallelism, or its 4D (X x Y x Z x data)
+parallelism, on mcrdl.
 
     mpiexec -n 4 python -m training.train_gpt --model tiny --steps 50 --G-inter 2 --G-data 2
+    mpiexec -n 8 python -m training.train_gpt --G-x 2 --G-y 2 --G-z 2 --overlap all
     torchrun --nproc-per-node 4 -m training.train_gpt --G-inter 4
     srun -n 8 python -m training.train_gpt --config my_run.toml --steps 1000
 
@@ -27,6 +29,7 @@ from . import config, report
 from .checkpoint import CheckpointError
 from .config import TrainConfig
 from .report import MetricsFile, ProgressLog, TrainResult
+from .topology import GridError
 from .trainer import Trainer
 
 
@@ -41,7 +44,11 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     phase breakdown). Every rank of the world must call it with the same config;
     `trainer_options` go to Trainer."""
     cfg.validate()
-    trainer = Trainer(cfg, **trainer_options)
+    if cfg.uses_4d():
+        from .parallel4d.trainer import Trainer4D
+        trainer = Trainer4D(cfg, **trainer_options)
+    else:
+        trainer = Trainer(cfg, **trainer_options)
     result = TrainResult(grid=cfg.describe_grid())
     if cfg.resume:
         result.start_step = trainer.load_checkpoint(cfg.resume)
@@ -84,7 +91,11 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     result.stage, result.events = trainer.stage_index, trainer.engine.events
     result.phases = report.gather_phase_times(trainer.timers, wall, steps_timed,
                                               key=trainer.stage_index)
-    if result.phases:
+    if result.phases and cfg.uses_4d():
+        result.tokens_per_s = tokens_per_step * steps_timed / wall
+        if not cfg.quiet:
+            report.print_breakdown_4d(result, steps_timed)
+    elif result.phases:
         n_micro = trainer.batches.n_micro
         result.bubble_measured, result.bubble_model = report.pipeline_bubble(
             result.phases, trainer.n_stages, n_micro)
@@ -105,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         run(cfg)
+    except GridError as e:  # the same on every rank: a grid that does not fit the run
+        if not mcrdl.is_initialized() or mcrdl.get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     except CheckpointError as e:
         print(f"error (rank {mcrdl.get_rank() if mcrdl.is_initialized() else '?'}): {e}",
               file=sys.stderr, flush=True)

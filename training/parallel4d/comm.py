@@ -1,0 +1,207 @@
+"""The communication a tensor-parallel layer needs, passed to it as arguments.
+
+``AxisComm`` is one axis of the grid as a layer sees it: this rank's mcrdl group along
+the axis (None when the axis has degree 1: then every collective is a no-op or a copy
+and nothing is sent), the backend its collectives go to ("auto" unless pinned, e.g.
+``z=pccl``), and the recorder of issue/wait events. ``TensorComms`` bundles the three
+axes of the 3D matrix multiplication (x, y, z), the data axis, the overlap settings,
+the matmul kernel chooser and the weight-gather schedule; a layer gets one and never
+reads globals, so that X alone (Megatron tensor parallelism), Z alone (FSDP/ZeRO-3)
+or any mix is a matter of which groups are passed.
+
+Every collective here is a SUM. ``Pending`` is an issued collective: ``wait()`` returns
+its result; with async off (or degree 1) the result is already there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import mcrdl
+
+#: --overlap levels: what each turns on (each includes the ones before it).
+OVERLAP_LEVELS = ("none", "oar", "oar+ors", "all")
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Which collectives overlap computation. ``oar``: the backward all_reduce of a
+    Linear's input gradient runs while its weight gradient is computed. ``ors``: the Z
+    reduce_scatters of the weight gradients are waited only before the data all_reduce.
+    ``oag``: the Z all_gather of the next layer's weight is issued before this layer
+    computes (the order of the gathers is recorded in the first forward)."""
+
+    oar: bool = False
+    ors: bool = False
+    oag: bool = False
+
+    @classmethod
+    def from_level(cls, level: str) -> Overlap:
+        if level not in OVERLAP_LEVELS:
+            raise ValueError(f"--overlap {level!r}: expected one of {', '.join(OVERLAP_LEVELS)}")
+        i = OVERLAP_LEVELS.index(level)
+        return cls(oar=i >= 1, ors=i >= 2, oag=i >= 3)
+
+
+class Recorder:
+    """Issue and wait events of the collectives, in program order, when enabled:
+    ``(event, op, axis, tag)`` with event "issue" or "wait" (a blocking call records
+    both at once). The proof that overlap happens in the intended order."""
+
+    def __init__(self, enabled: bool = False):
+        self.enabled = enabled
+        self.events: list[tuple[str, str, str, str]] = []
+
+    def add(self, event: str, op: str, axis: str, tag: str) -> None:
+        if self.enabled:
+            self.events.append((event, op, axis, tag))
+
+    def mark(self, tag: str) -> None:
+        """A non-communication event (e.g. "compute dW c_attn") in the same stream."""
+        if self.enabled:
+            self.events.append(("mark", "", "", tag))
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+class Pending:
+    """An issued collective and the tensor holding its result once waited."""
+
+    __slots__ = ("work", "value", "recorder", "what")
+
+    def __init__(self, work, value: torch.Tensor, recorder: Recorder | None = None,
+                 what: tuple[str, str, str] | None = None):
+        self.work, self.value, self.recorder, self.what = work, value, recorder, what
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.recorder is not None:
+                self.recorder.add("wait", *self.what)
+        return self.value
+
+
+class AxisComm:
+    """One axis of the grid: its group (None: degree 1), backend and recorder."""
+
+    def __init__(self, name: str, group: mcrdl.Group | None, backend: str = "auto",
+                 recorder: Recorder | None = None):
+        self.name, self.group, self.backend = name, group, backend
+        self.recorder = recorder or Recorder()
+        self.size = 1 if group is None else group.size
+        self.rank = 0 if group is None else group.rank
+
+    def __repr__(self) -> str:
+        return f"AxisComm({self.name}, size {self.size}, rank {self.rank}, {self.backend!r})"
+
+    def _issue(self, op: str, tag: str, fn, value: torch.Tensor, async_op: bool) -> Pending:
+        self.recorder.add("issue", op, self.name, tag)
+        work = fn(async_op)
+        if not async_op:
+            self.recorder.add("wait", op, self.name, tag)
+            return Pending(None, value)
+        return Pending(work, value, self.recorder, (op, self.name, tag))
+
+    def all_reduce(self, t: torch.Tensor, *, async_op: bool = False, tag: str = "") -> Pending:
+        """Sum `t` (contiguous) in place over the axis."""
+        if self.group is None:
+            return Pending(None, t)
+        return self._issue("all_reduce", tag, lambda a: mcrdl.all_reduce(
+            self.backend, t, op=mcrdl.ReduceOp.SUM, group=self.group, async_op=a), t, async_op)
+
+    def all_gather(self, t: torch.Tensor, *, async_op: bool = False, tag: str = "") -> Pending:
+        """The axis's `t`s (equal shapes) stacked in group-rank order along a new dim 0."""
+        if self.group is None:
+            return Pending(None, t.unsqueeze(0))
+        t = t.contiguous()
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        return self._issue("all_gather", tag, lambda a: mcrdl.all_gather(
+            self.backend, out, t, group=self.group, async_op=a), out, async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, *, async_op: bool = False,
+                       tag: str = "") -> Pending:
+        """Block `rank` of the sum over the axis of `t` (1-D, size divisible by the degree)."""
+        if self.group is None:
+            return Pending(None, t)
+        t = t.contiguous()
+        out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
+        return self._issue("reduce_scatter", tag, lambda a: mcrdl.reduce_scatter(
+            self.backend, out, t, op=mcrdl.ReduceOp.SUM, group=self.group, async_op=a),
+            out, async_op)
+
+
+class GatherSchedule:
+    """The order of the Z all_gathers of weights in one forward pass, and the OAG
+    prefetch built on it. The first forward records the order; later forwards, with
+    prefetch on, issue the gather of entry i+1 as soon as entry i's weight is in hand
+    (before entry i computes), so that it travels while entry i computes. Never across
+    forward passes: the optimizer changes the shards between steps."""
+
+    def __init__(self, prefetch: bool = False):
+        self.prefetch = prefetch
+        self.order: list = []
+        self.recorded = False
+        self.cursor = 0
+        self.pending: dict[int, Pending] = {}
+
+    def begin_forward(self) -> None:
+        self.cursor = 0
+        self.pending.clear()
+
+    def end_forward(self) -> None:
+        if self.order:
+            self.recorded = True
+        for p in self.pending.values():  # not consumed (a forward that stopped early)
+            p.wait()
+        self.pending.clear()
+
+    def weight(self, layer) -> torch.Tensor:
+        """`layer`'s gathered weight: the prefetched one, else gathered now."""
+        i = self.cursor
+        self.cursor += 1
+        if not self.recorded:
+            self.order.append(layer)
+            return layer.gather_weight().wait()
+        if i >= len(self.order) or self.order[i] is not layer:
+            raise RuntimeError(f"weight gathers out of the recorded order at position {i}: "
+                               "the forward pass must call the layers in the same order "
+                               "every time")
+        pending = self.pending.pop(i, None)
+        w = pending.wait() if pending is not None else layer.gather_weight().wait()
+        if self.prefetch and i + 1 < len(self.order):
+            self.pending[i + 1] = self.order[i + 1].gather_weight(async_op=True)
+        return w
+
+
+@dataclass
+class TensorComms:
+    """What a tensor-parallel layer communicates over (module docstring). `kernels`
+    chooses the matmul operand layouts (None: torch's natural ones)."""
+
+    x: AxisComm
+    y: AxisComm
+    z: AxisComm
+    data: AxisComm
+    overlap: Overlap = field(default_factory=Overlap)
+    keep_weights: bool = True
+    kernels: object | None = None
+    recorder: Recorder = field(default_factory=Recorder)
+    gathers: GatherSchedule = field(default_factory=GatherSchedule)
+
+    @classmethod
+    def single(cls) -> TensorComms:
+        """Every axis of degree 1 (a serial model built from the parallel layers)."""
+        return cls(*(AxisComm(a, None) for a in ("x", "y", "z", "data")))
+
+    def axis(self, name: str) -> AxisComm:
+        return getattr(self, name)
+
+    def coords(self) -> dict[str, int]:
+        return {a: self.axis(a).rank for a in ("x", "y", "z", "data")}
+
+    def sizes(self) -> dict[str, int]:
+        return {a: self.axis(a).size for a in ("x", "y", "z", "data")}

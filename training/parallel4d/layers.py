@@ -1,0 +1,447 @@
+"""Layers of AxoNN's 4D algorithm: a 3D parallel matrix multiplication (X, Y, Z)
+replicated over data-parallel groups, as torch modules over ``TensorComms``.
+
+Linear layer (I is [t, k] per rank, torch's weight [n, k], i.e. the paper's k x n W):
+
+- **N-layer** (``transposed=False``): out-features split over X, in-features over Y.
+  The local [n/G_x, k/G_y] block is flattened and rank z keeps contiguous chunk z of it
+  (the shard, the only copy of the weight between steps). Its input [t, k/G_y] is
+  replicated over X, its output [t, n/G_x] over Y.
+  forward: all_gather the block over Z; O = I W^T; all_reduce over Y (O's partial sums
+  over the in-features). The gathered block is kept for the backward (``keep_weights``).
+  backward: dI = dO W, all_reduce over X; dW = dO^T I, reduce_scatter over Z into the
+  shard's gradient; after the whole backward the shard gradients are all_reduced over
+  data (``GPT4D.reduce_gradients``).
+- **T-layer** (``transposed=True``): X and Y swapped. An N-layer's output layout is a
+  T-layer's input layout and vice versa, so N, T, N, T... needs no redistribution; with
+  only X of degree > 1 that is Megatron-LM's column-parallel (N) and row-parallel (T)
+  pair.
+
+Shard gradients do not go through autograd: the reduce_scatter writes them into the
+shard's ``.grad`` (with ORS, when ``finish_gradients`` waits for it), so a Z shard never
+holds a full-size gradient. Every other parameter (biases, LayerNorm) is replicated
+over the axis it is not split on and gets its gradient from autograd; those gradients
+are partial over Z and data and are all_reduced there after the backward.
+
+Where a parameter lives is a ``Split``: which axis splits its rows and its columns,
+whether Z shards the flattened block, and a row permutation applied first (attention's
+c_attn, so that rank x holds q, k and v of its heads). ``Split.local`` cuts a rank's
+piece out of the serial tensor, ``Split.assemble`` puts the pieces back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import Pending, TensorComms
+
+AXES = ("x", "y", "z", "data")
+
+
+# -- where a parameter lives --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Split:
+    """How a serial parameter of shape `shape` ([rows] or [rows, cols]) is distributed:
+    rows split into contiguous blocks over axis `rows` (None: whole), columns over
+    `cols`, then, with `z`, the block flattened and cut into G_z contiguous chunks.
+    `perm`: a row permutation applied to the serial tensor before splitting."""
+
+    shape: tuple[int, ...]
+    rows: str | None = None
+    cols: str | None = None
+    z: bool = False
+    perm: tuple[int, ...] | None = None
+
+    @property
+    def split_axes(self) -> set[str]:
+        return {a for a in (self.rows, self.cols) if a} | ({"z"} if self.z else set())
+
+    def block_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        r = self.shape[0] // (sizes[self.rows] if self.rows else 1)
+        if len(self.shape) == 1:
+            return (r,)
+        return (r, self.shape[1] // (sizes[self.cols] if self.cols else 1))
+
+    def local(self, full: torch.Tensor, coords: dict[str, int],
+              sizes: dict[str, int]) -> torch.Tensor:
+        """This rank's piece of the serial tensor `full` (a new contiguous tensor)."""
+        t = full if self.perm is None else full[list(self.perm)]
+        bs = self.block_shape(sizes)
+        if self.rows:
+            i = coords[self.rows]
+            t = t[i * bs[0]:(i + 1) * bs[0]]
+        if self.cols:
+            j = coords[self.cols]
+            t = t[:, j * bs[1]:(j + 1) * bs[1]]
+        if self.z:
+            flat = t.reshape(-1)
+            n = flat.numel() // sizes["z"]
+            t = flat[coords["z"] * n:(coords["z"] + 1) * n]
+        return t.detach().clone().contiguous()
+
+    def assemble(self, pieces: dict[tuple[int, int, int], torch.Tensor],
+                 sizes: dict[str, int]) -> torch.Tensor:
+        """The serial tensor from `pieces` keyed by (x, y, z) coordinates (ranks that
+        hold the same piece may be missing but one of them must be there)."""
+        bs = self.block_shape(sizes)
+        ref = next(iter(pieces.values()))
+        full = torch.empty(self.shape, dtype=ref.dtype)
+
+        def piece(x, y, z):
+            want = {"x": x, "y": y, "z": z}
+            for (px, py, pz), t in pieces.items():
+                have = {"x": px, "y": py, "z": pz}
+                if all(have[a] == want[a] for a in self.split_axes if a != "data"):
+                    return t
+            raise KeyError(f"no piece at {want}")
+
+        for x in range(sizes["x"] if "x" in self.split_axes else 1):
+            for y in range(sizes["y"] if "y" in self.split_axes else 1):
+                if self.z:
+                    block = torch.cat([piece(x, y, z).reshape(-1) for z in range(sizes["z"])])
+                else:
+                    block = piece(x, y, 0)
+                block = block.reshape(bs)
+                c = {"x": x, "y": y}
+                r0 = c[self.rows] * bs[0] if self.rows else 0
+                if len(self.shape) == 1:
+                    full[r0:r0 + bs[0]] = block
+                else:
+                    c0 = c[self.cols] * bs[1] if self.cols else 0
+                    full[r0:r0 + bs[0], c0:c0 + bs[1]] = block
+        if self.perm is not None:
+            out = torch.empty_like(full)
+            out[list(self.perm)] = full
+            full = out
+        return full
+
+
+def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms) -> nn.Parameter:
+    """A parameter holding this rank's piece of `full`, tagged with its split and its
+    logical (serial) shape: weight decay and checkpoints go by those, not by the piece."""
+    p = nn.Parameter(split.local(full, comms.coords(), comms.sizes()))
+    p.split = split
+    p.logical_shape = tuple(split.shape)
+    return p
+
+
+def owns(p: nn.Parameter, comms: TensorComms) -> bool:
+    """Whether this rank is the one that counts `p` in global sums (the gradient norm):
+    coordinate 0 on every axis `p` is replicated over. Each piece is counted once."""
+    split = getattr(p, "split", None)
+    split_axes = split.split_axes if split is not None else set()
+    return all(comms.axis(a).rank == 0 for a in AXES if a not in split_axes)
+
+
+# -- matmuls ----------------------------------------------------------------------------
+
+def mm_forward(comms: TensorComms, inp: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """O = I W^T (I [t, k], W [n, k])."""
+    if comms.kernels is not None:
+        return comms.kernels.forward(inp, w)
+    return inp @ w.t()
+
+
+def mm_input_grad(comms: TensorComms, dout: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dI = dO W."""
+    if comms.kernels is not None:
+        return comms.kernels.input_grad(dout, w)
+    return dout @ w
+
+
+def mm_weight_grad(comms: TensorComms, dout: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+    """dW = dO^T I."""
+    if comms.kernels is not None:
+        return comms.kernels.weight_grad(dout, inp)
+    return dout.t() @ inp
+
+
+# -- Z-sharded weights -----------------------------------------------------------------------
+
+class ShardedWeight(nn.Module):
+    """Base of the layers whose weight is a Z shard: the all_gather of the block and the
+    reduce_scatter of its gradient back into ``weight.grad``."""
+
+    weight: nn.Parameter
+    comms: TensorComms
+    name: str
+
+    def gather_weight(self, async_op: bool = False) -> Pending:
+        """The block [rows, cols] gathered over Z (a Pending)."""
+        shape = self.weight.split.block_shape(self.comms.sizes())
+        z = self.comms.z
+        if z.size == 1:
+            return Pending(None, self.weight.detach().view(shape))
+        p = z.all_gather(self.weight.detach(), async_op=async_op, tag=self.name)
+        p.value = p.value.view(shape)  # the gathered chunks, in z order, are the block
+        return p
+
+    def weight_for_forward(self) -> torch.Tensor:
+        return self.comms.gathers.weight(self)
+
+    def add_weight_grad(self, dw: torch.Tensor) -> None:
+        """Reduce-scatter the block gradient `dw` over Z into ``weight.grad`` (async
+        with ORS: then ``finish_gradients`` adds it)."""
+        c = self.comms
+        pending = c.z.reduce_scatter(dw.reshape(-1), async_op=c.overlap.ors and c.z.size > 1,
+                                     tag=self.name)
+        if pending.work is None:
+            _accumulate(self.weight, pending.value)
+        else:
+            self._pending_grads.append(pending)
+
+    def finish_gradients(self) -> None:
+        """Wait for the Z reduce_scatters still in flight; their results into ``.grad``."""
+        for pending in self._pending_grads:
+            _accumulate(self.weight, pending.wait())
+        self._pending_grads.clear()
+
+    def _init_shard(self, full: torch.Tensor, split: Split, comms: TensorComms,
+                    name: str) -> None:
+        self.comms, self.name = comms, name
+        self.weight = shard_parameter(full, split, comms)
+        self._pending_grads: list[Pending] = []
+
+
+def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
+    g = g.view_as(p)
+    if p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.add_(g)
+
+
+class _LinearFn(torch.autograd.Function):
+    """The N- or T-layer's matmul and collectives (module docstring); the bias is added
+    outside, by autograd."""
+
+    @staticmethod
+    def forward(ctx, inp, shard, layer):
+        w = layer.weight_for_forward()
+        shape = inp.shape
+        x2 = inp.reshape(-1, shape[-1])
+        out = mm_forward(layer.comms, x2, w)
+        layer.in_comm.all_reduce(out, tag=f"{layer.name} output")
+        ctx.layer, ctx.shape = layer, shape
+        ctx.w = w if layer.comms.keep_weights else None
+        ctx.save_for_backward(x2)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        layer = ctx.layer
+        c = layer.comms
+        (x2,) = ctx.saved_tensors
+        w = ctx.w if ctx.w is not None else layer.gather_weight().wait()
+        ctx.w = None
+        d2 = dout.reshape(-1, dout.shape[-1])
+        dinp = mm_input_grad(c, d2, w).contiguous()
+        pending = layer.out_comm.all_reduce(dinp, async_op=c.overlap.oar and
+                                            layer.out_comm.size > 1,
+                                            tag=f"{layer.name} input grad")
+        c.recorder.mark(f"compute dW {layer.name}")
+        dw = mm_weight_grad(c, d2, x2)
+        dinp = pending.wait()
+        layer.add_weight_grad(dw)
+        return dinp.view(ctx.shape), None, None
+
+
+class ParallelLinear(ShardedWeight):
+    """A Linear of `in_features` -> `out_features` as an N-layer (``transposed=False``)
+    or a T-layer, built from the serial `weight` [out, in] and `bias` [out] (None: no
+    bias). `row_perm` permutes the out-features first (attention's q/k/v by head
+    group). `name` tags its collectives in the recorder and the log."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comms: TensorComms, *,
+                 transposed: bool = False, row_perm: tuple[int, ...] | None = None,
+                 name: str = "linear"):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.transposed = transposed
+        out_axis, in_axis = ("y", "x") if transposed else ("x", "y")
+        self.out_comm, self.in_comm = comms.axis(out_axis), comms.axis(in_axis)
+        for what, n, axis in (("out", self.out_features, out_axis),
+                              ("in", self.in_features, in_axis)):
+            if n % comms.axis(axis).size:
+                raise ValueError(f"{name}: {what}-features {n} are not divisible by "
+                                 f"G_{axis}={comms.axis(axis).size}")
+        self._init_shard(weight, Split(tuple(weight.shape), out_axis, in_axis, True, row_perm),
+                         comms, name)
+        if bias is None:
+            self.bias = None
+        else:
+            self.bias = shard_parameter(bias, Split(tuple(bias.shape), out_axis, None, False,
+                                                    row_perm), comms)
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        out = _LinearFn.apply(inp, self.weight, self)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"{'T' if self.transposed else 'N'}-layer {self.in_features} -> "
+                f"{self.out_features}, bias={self.bias is not None}")
+
+
+class _EmbeddingFn(torch.autograd.Function):
+    """Lookup in the Z-gathered [rows, cols/G_y] block; the backward scatters the rows'
+    gradients into a dense block gradient and reduce-scatters it over Z."""
+
+    @staticmethod
+    def forward(ctx, idx, shard, layer):
+        w = layer.weight_for_forward()
+        ctx.layer, ctx.block = layer, w.shape
+        ctx.save_for_backward(idx)
+        return F.embedding(idx, w)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (idx,) = ctx.saved_tensors
+        dw = torch.zeros(ctx.block, dtype=dout.dtype, device=dout.device)
+        dw.index_add_(0, idx.reshape(-1), dout.reshape(-1, ctx.block[1]))
+        ctx.layer.add_weight_grad(dw)
+        return None, None, None
+
+
+class ParallelEmbedding(ShardedWeight):
+    """An embedding table [rows, dim]: columns split over Y, replicated over X, the
+    block sharded over Z like a Linear weight. Output [..., dim/G_y]."""
+
+    def __init__(self, weight: torch.Tensor, comms: TensorComms, name: str = "embedding"):
+        super().__init__()
+        if weight.shape[1] % comms.y.size:
+            raise ValueError(f"{name}: width {weight.shape[1]} is not divisible by "
+                             f"G_y={comms.y.size}")
+        self._init_shard(weight, Split(tuple(weight.shape), None, "y", True), comms, name)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingFn.apply(idx, self.weight, self)
+
+
+class _SumOverAxis(torch.autograd.Function):
+    """All-reduce (SUM) whose result every rank uses differently: the backward sums the
+    gradients over the axis too (the LayerNorm statistics)."""
+
+    @staticmethod
+    def forward(ctx, t, comm, tag):
+        ctx.comm, ctx.tag = comm, tag
+        t = t.contiguous().clone()
+        comm.all_reduce(t, tag=f"{tag} statistics")
+        return t
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        ctx.comm.all_reduce(g, tag=f"{ctx.tag} statistics grad")
+        return g, None, None
+
+
+class ParallelLayerNorm(nn.Module):
+    """LayerNorm over a hidden dimension split over Y: the per-token (sum x, sum x^2) of
+    the local columns all_reduced over Y (one call of 2 values per token) give the mean
+    and variance; their gradients are all_reduced the same way in the backward. With
+    G_y = 1, torch's layer_norm."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comms: TensorComms,
+                 eps: float = 1e-5, name: str = "ln"):
+        super().__init__()
+        self.comms, self.eps, self.name = comms, eps, name
+        self.dim = weight.shape[0]
+        if self.dim % comms.y.size:
+            raise ValueError(f"{name}: width {self.dim} is not divisible by G_y={comms.y.size}")
+        self.weight = shard_parameter(weight, Split(tuple(weight.shape), "y"), comms)
+        self.bias = (None if bias is None
+                     else shard_parameter(bias, Split(tuple(bias.shape), "y"), comms))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comms.y
+        if y.size == 1:
+            return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
+        stats = _SumOverAxis.apply(torch.stack([x.sum(-1), (x * x).sum(-1)]), y, self.name)
+        mean = stats[0] / self.dim
+        var = stats[1] / self.dim - mean * mean
+        out = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
+        out = out * self.weight
+        return out if self.bias is None else out + self.bias
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather over an axis along the last dimension; every rank of the axis then
+    computes the same thing from it, so the backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, t, comm, tag):
+        ctx.comm = comm
+        g = comm.all_gather(t, tag=tag).wait()           # [G, ..., n]
+        ctx.n = t.shape[-1]
+        return torch.movedim(g, 0, -2).reshape(*t.shape[:-1], comm.size * t.shape[-1])
+
+    @staticmethod
+    def backward(ctx, g):
+        r, n = ctx.comm.rank, ctx.n
+        return g[..., r * n:(r + 1) * n], None, None
+
+
+def gather_last_dim(t: torch.Tensor, comm, tag: str = "gather") -> torch.Tensor:
+    """`t` [..., n] of every rank of `comm`'s axis concatenated: [..., G n]."""
+    if comm.size == 1:
+        return t
+    return _GatherLastDim.apply(t, comm, tag)
+
+
+def qkv_head_permutation(n_embd: int, n_head: int, g_x: int) -> tuple[int, ...]:
+    """The rows of c_attn ([q; k; v], each n_embd rows, head h at rows h*d..(h+1)*d)
+    reordered so that X block x is [q, k, v] of heads x*H/G_x .. (x+1)*H/G_x - 1."""
+    per = n_embd // g_x  # rows of q (or k, v) of one X rank's heads
+    rows = []
+    for x in range(g_x):
+        for part in range(3):
+            start = part * n_embd + x * per
+            rows.extend(range(start, start + per))
+    return tuple(rows)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Causal self-attention with its heads split over X: c_attn an N-layer (rows
+    permuted, see qkv_head_permutation), the attention of this rank's heads local,
+    c_proj a T-layer whose in-features (split over X) are those heads."""
+
+    def __init__(self, serial: nn.Module, n_head: int, comms: TensorComms, name: str):
+        super().__init__()
+        c = serial.c_attn.in_features
+        if n_head % comms.x.size:
+            raise ValueError(f"{name}: n_head={n_head} is not divisible by G_x={comms.x.size}")
+        self.local_heads = n_head // comms.x.size
+        self.head_dim = c // n_head
+        perm = qkv_head_permutation(c, n_head, comms.x.size)
+        sa = serial.c_attn
+        self.c_attn = ParallelLinear(sa.weight.data, _data(sa.bias), comms, row_perm=perm,
+                                     name=f"{name}.c_attn")
+        sp = serial.c_proj
+        self.c_proj = ParallelLinear(sp.weight.data, _data(sp.bias), comms, transposed=True,
+                                     name=f"{name}.c_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, d = self.local_heads, self.head_dim
+        q, k, v = self.c_attn(x).split(h * d, dim=2)
+        q, k, v = (t.view(B, T, h, d).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, h * d))
+
+
+def _data(p):
+    return None if p is None else p.data
+
+
+def sharded_weights(module: nn.Module) -> list[ShardedWeight]:
+    return [m for m in module.modules() if isinstance(m, ShardedWeight)]
+
+
+__all__ = ["ParallelEmbedding", "ParallelLayerNorm", "ParallelLinear", "ParallelSelfAttention",
+           "ShardedWeight", "Split", "gather_last_dim", "owns", "qkv_head_permutation",
+           "shard_parameter", "sharded_weights"]

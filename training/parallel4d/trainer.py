@@ -1,0 +1,156 @@
+"""One rank's share of a 4D (X x Y x Z x data) GPT run: the grid and its groups, this
+rank's pieces of the model, its batches, the optimizer, one training step.
+
+Ranks: ``r = x + G_x*(y + G_y*(z + G_z*d))`` by default (--grid-order). Samples (whole
+sequences) are sharded over G_z * G_data: rank (x, y, z, d) trains on shard ``d*G_z + z``
+of the global batch (``Batches`` with dp_rank ``d*G_z + z`` of ``G_z*G_data``), so the X
+and Y ranks of one (z, d) see the same samples.
+
+A step: for each micro-batch, forward, cross-entropy, backward of ``loss / (G_z *
+G_data * micro-batches)``; then ``GPT4D.reduce_gradients`` (SUM over Z and data); then
+one all_reduce over the world of two float32, the loss (counted by the ranks at x = y =
+0) and the squared gradient norm (each piece counted once); then the optimizer of
+training/optim.py clips with that norm and updates this rank's pieces.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import mcrdl
+
+from ..config import DTYPES, TrainConfig
+from ..data import Batches, load_dataset
+from ..models.gpt import get_config
+from ..optim import DataParallelAdamW, OffloadedAdamW
+from ..perf_model.step import Grid4D, TrainingStep, check_grid
+from ..timers import PhaseTimers
+from ..topology import Axis, GridError, ProcessGrid
+from ..trainer import init_comm, pick_device
+from .comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
+from .model import GPT4D
+
+GRID_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.DATA)
+
+
+def build_comms(grid: ProcessGrid, backends: dict[str, str], overlap: Overlap, *,
+                keep_weights: bool = True, record: bool = False) -> TensorComms:
+    """The TensorComms of this rank of `grid` (axes x, y, z, data; those not in the
+    grid have degree 1)."""
+    recorder = Recorder(record)
+    axes = {}
+    for axis in GRID_AXES:
+        group = grid.group(axis) if axis in grid.sizes else None
+        axes[axis.value] = AxisComm(axis.value, group, backends.get(axis.value, "auto"),
+                                    recorder)
+    return TensorComms(**axes, overlap=overlap, keep_weights=keep_weights, recorder=recorder,
+                       gathers=GatherSchedule(prefetch=overlap.oag))
+
+
+class _NoEvents:
+    events: list = []
+
+
+class Trainer4D:
+    """One configured 4D run on this rank (every rank of the world builds it with the same
+    config). Same interface as training.trainer.Trainer for train_gpt.run. `record`
+    keeps the issue/wait order of the collectives (``comms.recorder``); `kernels` is the
+    matmul layout chooser (training.parallel4d.tuning)."""
+
+    stage_index, n_stages = 0, 1
+
+    def __init__(self, cfg: TrainConfig, *, record: bool = False, kernels=None,
+                 compute_delay=None):
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        init_comm(cfg, self.device)
+        backends = cfg.backend_of_axis()
+        extra = sorted({b for b in backends.values() if b != "auto"} - set(mcrdl.get_backends()))
+        if extra:  # e.g. --axis-backends z=pccl: add the backend (collective)
+            mcrdl.init(extra)
+        self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
+        torch.manual_seed(cfg.seed)
+        self.dataset = load_dataset(cfg.data, cfg.vocab_size)
+        self.model_cfg = get_config(cfg.model, vocab_size=self.dataset.vocab_size,
+                                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                                    block_size=cfg.block_size)
+        g = Grid4D(cfg.G_x, cfg.G_y, cfg.G_z, cfg.G_data)
+        check_grid(TrainingStep(self.model_cfg, cfg.global_batch_size), g, self.world_size)
+        sizes = {Axis.X: g.x, Axis.Y: g.y, Axis.Z: g.z, Axis.DATA: g.data}
+        order = [a for a in cfg.axis_order() if a in sizes]
+        self.grid = ProcessGrid(sizes, order=order)
+        overlap = Overlap.from_level(cfg.overlap)
+        self.comms = build_comms(self.grid, backends, overlap,
+                                 keep_weights=not cfg.regather_weights, record=record)
+        if kernels is None and cfg.tune_matmul:
+            from .tuning import MatmulTuner
+            kernels = MatmulTuner(self.comms)
+        self.comms.kernels = kernels
+        dtype = DTYPES[cfg.dtype]
+        if dtype == torch.float16:
+            raise GridError("--dtype fp16 is not supported by the 4D engine (no loss "
+                            "scaling yet); use bf16 or fp32")
+        self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed)
+        self.model.to(device=self.device, dtype=dtype)
+        c = self.comms
+        self.shard, self.n_shards = c.data.rank * c.z.size + c.z.rank, c.z.size * c.data.size
+        self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
+                               cfg.micro_batch_size, self.shard, self.n_shards, seed=cfg.seed)
+        self.timers = PhaseTimers()
+        comm = dict(data_group=None, pipe_group=None, world_reduce=self.world_size > 1,
+                    timers=self.timers)
+        if cfg.offload_optimizer or dtype != torch.float32:
+            self.optimizer = OffloadedAdamW(self.model.parameters(), cfg.optim(), **comm)
+        else:
+            self.optimizer = DataParallelAdamW(self.model.parameters(), cfg.optim(), **comm)
+        self.engine = _NoEvents()
+        self.step = 0
+
+    def describe(self) -> str:
+        cfg, c = self.cfg, self.comms
+        backends = ", ".join(f"{a}={c.axis(a).backend}" for a in ("x", "y", "z", "data")
+                             if c.axis(a).size > 1) or "none"
+        return (f"training {cfg.model} ({self.model_cfg.n_params() / 1e6:.2f} M params, "
+                f"{cfg.dtype}) on {self.world_size} ranks with the 4D engine: "
+                f"{cfg.describe_grid()}, {self.batches.n_micro} microbatches of "
+                f"{cfg.micro_batch_size} per step per (z, data) shard, overlap {cfg.overlap}, "
+                f"collectives {backends}, data: {self.dataset.describe()}")
+
+    def train_step(self) -> tuple[float, bool]:
+        """One step on every rank: (the global batch's mean loss, whether applied)."""
+        c = self.comms
+        micro = self.batches.microbatches(self.step)
+        scale = 1.0 / (self.n_shards * len(micro))
+        loss_sum = 0.0
+        t0 = time.perf_counter()
+        for x, y in micro:
+            x, y = x.to(self.device), y.to(self.device)
+            loss = self.model.loss(x, y)
+            (loss * scale).backward()
+            loss_sum += loss.item()
+        self.model.reduce_gradients()
+        self.timers.add("compute", time.perf_counter() - t0)
+        counts_loss = c.x.rank == 0 and c.y.rank == 0
+        with self.timers("optimizer"):
+            sumsq = float(self.model.owned_grad_sumsq())
+        scalars = torch.tensor([loss_sum * scale if counts_loss else 0.0, sumsq],
+                               dtype=torch.float32)
+        if self.world_size > 1:
+            with self.timers("collective"):
+                mcrdl.all_reduce("auto", scalars, op=mcrdl.ReduceOp.SUM)
+        applied = self.optimizer.step(sumsq=float(scalars[1]))
+        self.step += 1
+        return float(scalars[0]), applied
+
+    def metrics_record(self, loss: float, step_time: float, tokens: int,
+                       applied: bool) -> dict:
+        return {"step": self.step, "loss": loss, "lr": self.cfg.optim().lr_at(self.step - 1),
+                "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
+                "tokens_per_s": tokens / step_time}
+
+    def serial_state_dict(self):
+        """Collective: the serial state_dict on world rank 0."""
+        from .model import serial_state_dict
+        return serial_state_dict(self.model)
