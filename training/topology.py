@@ -3,6 +3,11 @@
     grid = ProcessGrid({Axis.DATA: 2, Axis.PIPE: 4})          # 8 ranks
     grid.coord(Axis.PIPE), grid.size(Axis.PIPE), grid.group(Axis.DATA)
 
+``ranks`` lays the grid on a subset of the world (grid rank i is world rank
+``ranks[i]``), e.g. to run several small grids side by side in one launch; its groups
+are still created collectively by every rank of the world, and ``rank`` is -1 on the
+ranks outside it.
+
 Axes are the members of ``Axis``; their values ("pipe", "data") are accepted wherever an
 axis is, so a grid order read from the command line names them. The options that set
 an axis's degree (``--G-inter`` for PIPE) declare it in ``training/config.py``.
@@ -59,7 +64,8 @@ class ProcessGrid:
 
     def __init__(self, sizes: Mapping[Axis | str, int],
                  order: Sequence[Axis | str] | None = None, *,
-                 world_size: int | None = None, rank: int | None = None):
+                 world_size: int | None = None, rank: int | None = None,
+                 ranks: Sequence[int] | None = None):
         sizes = {to_axis(a): n for a, n in sizes.items()}
         for axis, n in sizes.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -69,8 +75,14 @@ class ProcessGrid:
         if sorted(order) != sorted(sizes):
             raise GridError(f"process grid: order {_names(order)} must list each axis of "
                             f"{_names(sizes)} exactly once")
-        self.world_size = mcrdl.get_size() if world_size is None else world_size
-        self.rank = mcrdl.get_rank() if rank is None else rank
+        self.world_ranks = None if ranks is None else [int(r) for r in ranks]
+        if self.world_ranks is not None:  # laid on a subset of the world (see `ranks`)
+            me = mcrdl.get_rank() if rank is None else rank
+            self.world_size = len(self.world_ranks)
+            self.rank = self.world_ranks.index(me) if me in self.world_ranks else -1
+        else:
+            self.world_size = mcrdl.get_size() if world_size is None else world_size
+            self.rank = mcrdl.get_rank() if rank is None else rank
         total = math.prod(sizes.values())
         if total != self.world_size:
             shown = " x ".join(f"{a}={n}" for a, n in sizes.items())
@@ -129,18 +141,29 @@ class ProcessGrid:
         return axis
 
     # --- groups ------------------------------------------------------------------------
+    @property
+    def is_member(self) -> bool:
+        """Whether this process is one of the grid's ranks."""
+        return self.rank >= 0
+
+    def world_rank(self, rank: int) -> int:
+        """The world rank of grid rank `rank`."""
+        return rank if self.world_ranks is None else self.world_ranks[rank]
+
     def make_groups(self) -> None:
-        """Create one mcrdl group per line of every axis of degree > 1 (collective)."""
+        """Create one mcrdl group per line of every axis of degree > 1 (collective over
+        the whole world, also for a grid laid on a subset of it: every rank of the world
+        calls it, in the same order, for every grid)."""
         if self._made_groups:
             return
         for axis in self.order:
+            self._groups[axis] = None
             if self.sizes[axis] == 1:
-                self._groups[axis] = None
                 continue
             lines = sorted({tuple(self.line(axis, r)) for r in range(self.world_size)})
-            mine = tuple(self.line(axis))
+            mine = tuple(self.line(axis)) if self.is_member else None
             for ln in lines:
-                g = mcrdl.new_group(list(ln))
+                g = mcrdl.new_group([self.world_rank(r) for r in ln])
                 if ln == mine:
                     self._groups[axis] = g
         self._made_groups = True

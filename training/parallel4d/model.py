@@ -161,28 +161,24 @@ class GPT4D(nn.Module):
         return lm_loss(self(idx), targets)
 
     # -- gradients -------------------------------------------------------------------------
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, bucket_elements: int | None = None) -> None:
         """After the last backward of a step: wait for the Z reduce_scatters still in
-        flight (ORS), all_reduce each shard gradient over data, and each replicated
-        parameter's gradient over Z, then over data (SUM: the loss was divided by
-        G_z * G_data). Every rank issues them in the same order (parameter order)."""
+        flight (ORS); all_reduce the replicated parameters' gradients (biases,
+        LayerNorm) over Z; then all_reduce every gradient (shards, then replicated) over
+        data. SUM: the loss was divided by G_z * G_data. Each reduction is fused: the
+        gradients are packed into one flat buffer, reduced in buckets of
+        `bucket_elements` (None: one call), and unpacked, so that a step pays one
+        latency per axis and bucket, not one per tensor."""
         c = self.comms
         for m in self.sharded:
             m.finish_gradients()
-        for m in self.sharded:
-            p = m.weight
+        for p in self.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            c.data.all_reduce(p.grad, tag=f"{m.name} grad")
-        for name, p in self._replicated_named():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            c.z.all_reduce(p.grad, tag=f"{name} grad")
-            c.data.all_reduce(p.grad, tag=f"{name} grad")
-
-    def _replicated_named(self):
-        ids = {id(p) for p in self.replicated}
-        return [(n, p) for n, p in self.named_parameters() if id(p) in ids]
+        replicated = [p.grad for p in self.replicated]
+        all_reduce_flat(c.z, replicated, bucket_elements, "replicated grads")
+        all_reduce_flat(c.data, [m.weight.grad for m in self.sharded] + replicated,
+                        bucket_elements, "grads")
 
     def owned_grad_sumsq(self) -> torch.Tensor:
         """Sum of squares (float64) of the gradients this rank owns: summed over the
@@ -201,6 +197,24 @@ class GPT4D(nn.Module):
         return {n: p.detach().cpu().clone() for n, p in self.named_parameters()}
 
 
+def all_reduce_flat(comm, tensors: list[torch.Tensor], bucket_elements: int | None,
+                    tag: str) -> None:
+    """Sum `tensors` in place over `comm`'s axis: packed into one flat buffer, reduced
+    in consecutive buckets of `bucket_elements` (all issued, then waited), unpacked."""
+    if comm.size == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    step = flat.numel() if not bucket_elements else bucket_elements
+    pending = [comm.all_reduce(flat[i:i + step], async_op=True, tag=tag)
+               for i in range(0, flat.numel(), step)]
+    for p in pending:
+        p.wait()
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def assemble_state_dict(cfg: GPTConfig, splits: dict[str, Split], sizes: dict[str, int],
                         pieces: list[tuple[dict[str, int], dict[str, torch.Tensor]]]
                         ) -> dict[str, torch.Tensor]:
@@ -213,15 +227,15 @@ def assemble_state_dict(cfg: GPTConfig, splits: dict[str, Split], sizes: dict[st
     return out
 
 
-def serial_state_dict(model: GPT4D) -> dict[str, torch.Tensor] | None:
-    """Collective over the world: the serial ``state_dict`` on world rank 0 (None on
-    the others), from data replica 0's pieces."""
+def serial_state_dict(model: GPT4D, group=None) -> dict[str, torch.Tensor] | None:
+    """Collective over `group` (the run's ranks; None: the world): the serial
+    ``state_dict`` on its rank 0 (None on the others), from data replica 0's pieces."""
     import mcrdl
 
     c = model.comms
     mine = (c.coords(), model.local_pieces()) if c.data.rank == 0 else None
-    gathered = mcrdl.all_gather_object(mine) if mcrdl.get_size() > 1 else [mine]
-    if mcrdl.get_rank() != 0:
+    gathered = mcrdl.all_gather_object(mine, group=group)
+    if mcrdl.get_rank(group=group) != 0:
         return None
     return assemble_state_dict(model.cfg, model.splits(), c.sizes(),
                                [g for g in gathered if g is not None])

@@ -62,7 +62,10 @@ class Trainer4D:
     stage_index, n_stages = 0, 1
 
     def __init__(self, cfg: TrainConfig, *, record: bool = False, kernels=None,
-                 compute_delay=None):
+                 grid: ProcessGrid | None = None, world: mcrdl.Group | None = None):
+        """`grid` (with `world`, the group of its ranks): run on a grid laid on a subset
+        of the world (ProcessGrid ``ranks``, groups already made by every rank); by
+        default a grid over the whole world from `cfg`."""
         self.cfg = cfg
         self.device = pick_device(cfg)
         init_comm(cfg, self.device)
@@ -70,7 +73,9 @@ class Trainer4D:
         extra = sorted({b for b in backends.values() if b != "auto"} - set(mcrdl.get_backends()))
         if extra:  # e.g. --axis-backends z=pccl: add the backend (collective)
             mcrdl.init(extra)
-        self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
+        self.world = world
+        self.world_rank = mcrdl.get_rank() if world is None else world.rank
+        self.world_size = mcrdl.get_size() if world is None else world.size
         torch.manual_seed(cfg.seed)
         self.dataset = load_dataset(cfg.data, cfg.vocab_size)
         self.model_cfg = get_config(cfg.model, vocab_size=self.dataset.vocab_size,
@@ -78,9 +83,11 @@ class Trainer4D:
                                     block_size=cfg.block_size)
         g = Grid4D(cfg.G_x, cfg.G_y, cfg.G_z, cfg.G_data)
         check_grid(TrainingStep(self.model_cfg, cfg.global_batch_size), g, self.world_size)
-        sizes = {Axis.X: g.x, Axis.Y: g.y, Axis.Z: g.z, Axis.DATA: g.data}
-        order = [a for a in cfg.axis_order() if a in sizes]
-        self.grid = ProcessGrid(sizes, order=order)
+        if grid is None:
+            sizes = {Axis.X: g.x, Axis.Y: g.y, Axis.Z: g.z, Axis.DATA: g.data}
+            order = [a for a in cfg.axis_order() if a in sizes]
+            grid = ProcessGrid(sizes, order=order)
+        self.grid = grid
         overlap = Overlap.from_level(cfg.overlap)
         self.comms = build_comms(self.grid, backends, overlap,
                                  keep_weights=not cfg.regather_weights, record=record)
@@ -106,6 +113,9 @@ class Trainer4D:
         else:
             self.optimizer = DataParallelAdamW(self.model.parameters(), cfg.optim(), **comm)
         self.engine = _NoEvents()
+        #: elements per fused gradient all_reduce (--bucket-mib)
+        element_bytes = torch.finfo(dtype).bits // 8
+        self.bucket_elements = max(1, int(cfg.bucket_mib * 2**20) // element_bytes)
         self.step = 0
 
     def describe(self) -> str:
@@ -130,7 +140,7 @@ class Trainer4D:
             loss = self.model.loss(x, y)
             (loss * scale).backward()
             loss_sum += loss.item()
-        self.model.reduce_gradients()
+        self.model.reduce_gradients(self.bucket_elements)
         self.timers.add("compute", time.perf_counter() - t0)
         counts_loss = c.x.rank == 0 and c.y.rank == 0
         with self.timers("optimizer"):
@@ -139,7 +149,7 @@ class Trainer4D:
                                dtype=torch.float32)
         if self.world_size > 1:
             with self.timers("collective"):
-                mcrdl.all_reduce("auto", scalars, op=mcrdl.ReduceOp.SUM)
+                mcrdl.all_reduce("auto", scalars, op=mcrdl.ReduceOp.SUM, group=self.world)
         applied = self.optimizer.step(sumsq=float(scalars[1]))
         self.step += 1
         return float(scalars[0]), applied
@@ -151,6 +161,6 @@ class Trainer4D:
                 "tokens_per_s": tokens / step_time}
 
     def serial_state_dict(self):
-        """Collective: the serial state_dict on world rank 0."""
+        """Collective: the serial state_dict on the run's rank 0."""
         from .model import serial_state_dict
-        return serial_state_dict(self.model)
+        return serial_state_dict(self.model, self.world)
