@@ -13,6 +13,7 @@ source files mod 96, so that G_x = 3 divides it). Rank 0 prints one line per run
 """
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from tests.training.reference import serial_losses  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.data import TokenFile  # noqa: E402
 from training.parallel4d.trainer import Trainer4D  # noqa: E402
+from training.perf_model import Grid4D, TrainingStep, call_counts  # noqa: E402
 from training.topology import ProcessGrid  # noqa: E402
 
 WORLD = 8
@@ -105,8 +107,58 @@ def train(cfg: TrainConfig, grid, group, **trainer_options) -> tuple[Trainer4D, 
     return trainer, [trainer.train_step()[0] for _ in range(cfg.steps)]
 
 
+def logged_counts(path: str, grid: ProcessGrid, group) -> dict:
+    """{(op, axis): [calls, bytes]} of this rank's logged calls (mcrdl.export_trace),
+    the group ids mapped to the grid's axes ("world": the run's group)."""
+    mcrdl.export_trace(path)
+    with open(path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    axis_of = {group.id: "world"}
+    for axis in ("x", "y", "z", "data"):
+        g = grid.group(axis)
+        if g is not None:
+            axis_of[g.id] = axis
+    counts: dict = {}
+    for e in events:
+        key = (e["name"], axis_of.get(e["args"]["group"], f"group {e['args']['group']}"))
+        row = counts.setdefault(key, [0, 0])
+        row[0] += 1
+        row[1] += e["args"]["bytes"]
+    return counts
+
+
+def model_counts(trainer: Trainer4D, steps: int) -> dict:
+    """training.perf_model's (op, axis) -> [calls, bytes] for `steps` steps of `trainer`."""
+    cfg = trainer.cfg
+    step = TrainingStep(trainer.model_cfg, cfg.global_batch_size, trainer.batches.n_micro,
+                        dtype_bytes=4, keep_weights=not cfg.regather_weights,
+                        bucket_bytes=trainer.bucket_elements * 4)
+    grid = Grid4D(cfg.G_x, cfg.G_y, cfg.G_z, cfg.G_data)
+    return {k: [c * steps, b * steps] for k, (c, b) in call_counts(step, grid).items()}
+
+
+def check_bytes(grid: tuple, got: dict, want: dict) -> str | None:
+    """None when the log equals the model, else what differs; plus Megatron's and
+    FSDP's shapes of the grids (G,1,1,1) and (1,1,G,1)."""
+    if got != want:
+        keys = sorted(set(got) | set(want))
+        return "; ".join(f"{k}: logged {got.get(k)} model {want.get(k)}" for k in keys
+                         if got.get(k) != want.get(k))
+    gx, gy, gz, gd = grid
+    ops = set(got)
+    if gx > 1 and (gy, gz, gd) == (1, 1, 1):  # Megatron: only X all_reduces, logits gather
+        if ops != {("all_reduce", "x"), ("all_gather", "x"), ("all_reduce", "world")}:
+            return f"Megatron grid sent {sorted(ops)}"
+    if gz > 1 and (gx, gy, gd) == (1, 1, 1):  # FSDP: no activation collectives
+        if not ops <= {("all_gather", "z"), ("reduce_scatter", "z"), ("all_reduce", "z"),
+                       ("all_reduce", "world")}:
+            return f"FSDP grid sent {sorted(ops)}"
+    return None
+
+
 def main():
     mcrdl.init(["mpi"])
+    mcrdl.configure(logging=True)
     n, rank = mcrdl.get_size(), mcrdl.get_rank()
     assert n == WORLD, f"run with mpiexec -n {WORLD}"
     torch.set_num_threads(1)
@@ -123,12 +175,18 @@ def main():
     t0 = time.perf_counter()
     for size, slots in rounds(cases):
         mine = place(size, slots)
+        mcrdl.reset_log()
         out = None
         if mine is not None:
             (grid, shape, options), layout, group = mine
-            _, losses = train(config(directory, shape, steps, grid, **options), layout, group)
+            trainer, losses = train(config(directory, shape, steps, grid, **options), layout,
+                                    group)
+            problem = check_bytes(grid, logged_counts(os.path.join(directory, "trace.json"),
+                                                      layout, group),
+                                  model_counts(trainer, steps))
+            problems = mcrdl.all_gather_object(problem, group=group)
             if layout.rank == 0:
-                out = ("run", (grid, shape, tuple(options.items())), losses)
+                out = ("run", (grid, shape, tuple(options.items())), (losses, problems))
         elif todo_refs:  # a rank no grid of this round uses: a serial reference
             idle = sorted(set(range(WORLD)) - {f + i for _, f in slots for i in range(size)})
             k = idle.index(rank)
@@ -146,7 +204,14 @@ def main():
         refs[shape] = serial_losses(config(directory, shape, steps), dataset)
     if rank == 0:
         worst_all = 0.0
-        for (grid, shape, options), got in results.items():
+        for (grid, _, _), (_, problems) in results.items():
+            bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+            if bad:
+                raise SystemExit(f"4d bytes FAILED on {grid}, rank {bad[0][0]}: {bad[0][1]}")
+        print(f"4d bytes OK: {len(results)} grids x {steps} steps, every rank's calls and bytes "
+              "per (op, axis) equal training.perf_model's; (G,1,1,1) sends only Megatron's "
+              "collectives, (1,1,G,1) no activation collectives", flush=True)
+        for (grid, shape, options), (got, _) in results.items():
             ref = refs[shape]
             rel = [abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)]
             worst = max(rel)
@@ -165,4 +230,11 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # fail fast: a rank left waiting would hold the launch to its timeout
+        import traceback
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

@@ -30,6 +30,8 @@ over Y. A **T-layer** swaps X and Y. The GPT: ``attn.c_attn`` N (k=C, n=3C),
             reduce_scatter z  k n / (G_x G_y) the weight gradient to the shard (Eq. 5.2)
 and per step, after the last backward:
   gradients all_reduce  data  k n / (G_x G_y G_z)   the shard gradient (Eq. 5.5)
+(``linear_collectives``, one layer as the paper models it). The engine fuses the step's
+gradient all_reduces (``collectives``, below): the same elements, fewer calls.
 
 Beyond the paper's equations (the rest of the GPT):
 
@@ -43,10 +45,15 @@ Beyond the paper's equations (the rest of the GPT):
   forward and one of the per-token sums of the backward (2 t elements each).
 - Logits: ``lm_head``'s output [t, V/G_x] is all-gathered over x (t V elements) before
   the cross-entropy, once per micro-batch; its backward slices locally (no collective).
-- Replicated parameters (every bias and LayerNorm weight and bias, each its own tensor):
-  their local slices (``attn.c_attn.bias`` 3C/G_x, ``mlp.c_fc.bias`` 4C/G_x, the
-  T-layers' biases C/G_y, LayerNorm C/G_y) are identical over X (or Y), different over Z
-  and data: per step one all_reduce over z, then one over data, per tensor.
+- Replicated parameters (every bias and LayerNorm weight and bias): their local slices
+  (``attn.c_attn.bias`` 3C/G_x, ``mlp.c_fc.bias`` 4C/G_x, the T-layers' biases C/G_y,
+  LayerNorm C/G_y) are identical over X (or Y), different over Z and data.
+- The step's gradient reductions are fused (training/parallel4d ``reduce_gradients``):
+  the replicated parameters' gradients packed into one buffer and all_reduced over z,
+  then every gradient (the weight shards of Eq. 5.5, embeddings included, then the
+  replicated ones) packed into one buffer and all_reduced over data; each buffer in
+  calls of ``bucket_bytes`` (the last one shorter). Same elements as one call per
+  tensor, one latency per bucket instead of one per tensor.
 - The step's scalars: one all_reduce over the world of 2 float32 (the loss sum and the
   squared gradient norm, each shard counted once) after the gradient reductions, also
   when clipping is off (the norm is reported). Always 4-byte elements.
@@ -136,27 +143,30 @@ def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
         return [Collective(ALL_REDUCE, "y", 2 * t, b, mb, "forward", f"{name} statistics"),
                 Collective(ALL_REDUCE, "y", 2 * t, b, mb, "backward", f"{name} statistics grad")]
 
+    def passes(entries: list[Collective]) -> list[Collective]:
+        """A layer's forward and backward entries (its gradient reduction is fused)."""
+        return [e for e in entries if e.phase != "gradients"]
+
     for name in ("wte.weight", "wpe.weight"):
         out += [Collective(ALL_GATHER, "z", blocks[name], b, mb, "forward", name),
-                Collective(REDUCE_SCATTER, "z", blocks[name], b, mb, "backward", f"{name} grad"),
-                Collective(ALL_REDUCE, "data", blocks[name] // grid.z, b, 1, "gradients",
-                           f"{name} grad")]
+                Collective(REDUCE_SCATTER, "z", blocks[name], b, mb, "backward", f"{name} grad")]
     linear = {"micro_batches": mb, "keep_weights": step.keep_weights, "dtype_bytes": b}
     out += per_block(layer_norm("ln_1"))
-    out += per_block(linear_collectives("attn.c_attn", c, 3 * c, m, grid, **linear))
-    out += per_block(linear_collectives("attn.c_proj", c, c, m, grid, transposed=True,
-                                        **linear))
+    out += per_block(passes(linear_collectives("attn.c_attn", c, 3 * c, m, grid, **linear)))
+    out += per_block(passes(linear_collectives("attn.c_proj", c, c, m, grid, transposed=True,
+                                               **linear)))
     out += per_block(layer_norm("ln_2"))
-    out += per_block(linear_collectives("mlp.c_fc", c, 4 * c, m, grid, **linear))
-    out += per_block(linear_collectives("mlp.c_proj", 4 * c, c, m, grid, transposed=True,
-                                        **linear))
+    out += per_block(passes(linear_collectives("mlp.c_fc", c, 4 * c, m, grid, **linear)))
+    out += per_block(passes(linear_collectives("mlp.c_proj", 4 * c, c, m, grid,
+                                               transposed=True, **linear)))
     out += layer_norm("ln_f")
-    out += linear_collectives("lm_head", c, v, m, grid, **linear)
+    out += passes(linear_collectives("lm_head", c, v, m, grid, **linear))
     out.append(Collective(ALL_GATHER, "x", t * v, b, mb, "forward", "logits"))
-    for name, elements, count in _replicated(step, grid):
-        for axis in ("z", "data"):
-            out.append(Collective(ALL_REDUCE, axis, elements, b, count, "gradients",
-                                  f"{name} grad"))
+    replicated = sum(elements * count for _, elements, count in _replicated(step, grid))
+    layers = {"wte.weight": 1, "wpe.weight": 1, "lm_head.weight": 1}
+    shards = sum(blocks[name] // grid.z * layers.get(name, L) for name in blocks)
+    out += _bucketed("z", replicated, step, "replicated parameters grad")
+    out += _bucketed("data", shards + replicated, step, "every gradient")
     out.append(Collective(ALL_REDUCE, WORLD, STEP_SCALARS, STEP_SCALAR_BYTES, 1, "step",
                           "loss sum, squared gradient norm"))
     return _issued(out, grid)
@@ -188,6 +198,19 @@ def _replicated(step: TrainingStep, grid: Grid4D) -> list[tuple[str, int, int]]:
                 ("mlp.c_fc.bias", 4 * c // grid.x, cfg.n_layer),
                 ("mlp.c_proj.bias", c // grid.y, cfg.n_layer)]
     out += [(f"ln_f.{p}", c // grid.y, 1) for p in norm_params]
+    return out
+
+
+def _bucketed(axis: str, elements: int, step: TrainingStep, tensor: str) -> list[Collective]:
+    """The fused all_reduce of `elements` over `axis`: full buckets, then the rest."""
+    b = step.dtype_bytes
+    per = elements if step.bucket_bytes is None else max(1, step.bucket_bytes // b)
+    full, rest = divmod(elements, per)
+    out = []
+    if full:
+        out.append(Collective(ALL_REDUCE, axis, per, b, full, "gradients", tensor))
+    if rest:
+        out.append(Collective(ALL_REDUCE, axis, rest, b, 1, "gradients", f"{tensor} (last)"))
     return out
 
 

@@ -76,13 +76,16 @@ class TrainingStep:
     ``micro_batches`` forward/backward passes, every tensor (parameters, gradients,
     activations, LayerNorm statistics) ``dtype_bytes`` wide. ``keep_weights``: the
     Z-gathered weight of a Linear layer stays from its forward to its backward; False
-    gathers it again in the backward (less memory, one more all_gather)."""
+    gathers it again in the backward (less memory, one more all_gather).
+    ``bucket_bytes``: the step's gradient all_reduces are fused into buckets of this
+    many bytes (the engine's --bucket-mib; None: one call per axis)."""
 
     model: GPTConfig
     batch: int
     micro_batches: int = 1
     dtype_bytes: int = 4
     keep_weights: bool = True
+    bucket_bytes: int | None = 4 << 20
 
     def __post_init__(self):
         if not isinstance(self.model, GPTConfig):
@@ -95,6 +98,10 @@ class TrainingStep:
         if self.dtype_bytes not in (1, 2, 4, 8):
             raise ValueError(f"TrainingStep: dtype_bytes={self.dtype_bytes!r}; expected 1, 2, "
                              "4 or 8 (bytes of one element: 4 for float32, 2 for bfloat16)")
+        if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int)
+                                              or self.bucket_bytes < self.dtype_bytes):
+            raise ValueError(f"TrainingStep: bucket_bytes={self.bucket_bytes!r}; expected "
+                             f"None or an integer >= dtype_bytes ({self.dtype_bytes})")
         if self.batch % self.micro_batches:
             raise ValueError(f"TrainingStep: batch={self.batch} sequences do not split into "
                              f"micro_batches={self.micro_batches} equal passes; choose a "

@@ -1,0 +1,130 @@
+"""The 4D engine (issue 18, training/parallel4d): parity with serial PyTorch and exact
+bytes per (op, axis) on every grid of the issue in one 8-rank launch; single-process
+checks of the pieces (splits, the model built from the serial one, options, errors)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ._launch import mpiexec_or_skip, run_launcher
+
+HERE = os.path.join(os.path.dirname(__file__), "training")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**kw):
+    return dict(os.environ, MCRDL_TIMEOUT="120", PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **kw)
+
+
+def test_4d_grids_in_one_launch():
+    """All 14 grids of the issue (both optimizers, micro-batching): every step's loss of
+    20 steps equals the serial run to 1e-5; the logged calls and bytes per (op, axis)
+    equal training.perf_model's on every rank."""
+    out = run_launcher([mpiexec_or_skip(), "-n", "8", sys.executable,
+                        os.path.join(HERE, "check_4d.py")], env=_env(), timeout=600)
+    m = re.search(r"4d parity OK: (\d+) grids x (\d+) steps, max rel diff (\S+)", out)
+    assert m, out
+    assert int(m.group(1)) == 14 and int(m.group(2)) == 20 and float(m.group(3)) <= 1e-5
+    assert "4d bytes OK: 14 grids" in out, out
+    for grid in ("(2, 1, 1, 1)", "(1, 1, 4, 1)", "(3, 1, 1, 1)", "(2, 2, 1, 2)"):
+        assert f"4d parity {grid}" in out, out
+
+
+# --- single process ----------------------------------------------------------------------
+
+def test_split_round_trip():
+    """Every rank's piece, reassembled, is the serial tensor (permuted rows too)."""
+    from training.parallel4d import Split
+    full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    sizes = {"x": 3, "y": 2, "z": 2, "data": 1}
+    for split in (Split((6, 8), "x", "y", True), Split((6, 8), None, "y", True),
+                  Split((6, 8), "y", "x", True, perm=(5, 4, 3, 2, 1, 0))):
+        sz = dict(sizes, x=2, y=3) if split.rows == "y" else sizes
+        pieces = {(x, y, z): split.local(full, {"x": x, "y": y, "z": z}, sz)
+                  for x in range(sz["x"]) for y in range(sz["y"]) for z in range(sz["z"])}
+        assert torch.equal(split.assemble(pieces, sz), full)
+    vec = torch.arange(6.0)
+    bias = Split((6,), "x")
+    assert torch.equal(bias.local(vec, {"x": 1, "y": 0, "z": 1}, sizes), torch.tensor([2.0, 3.0]))
+
+
+def test_qkv_permutation_puts_each_ranks_heads_together():
+    from training.parallel4d import layers
+    perm = layers.qkv_head_permutation(8, 4, 2)  # head dim 2; rank 0 has heads 0, 1
+    assert perm[:12] == (0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19)
+
+
+def test_gpt4d_on_one_rank_is_the_serial_model():
+    """Built from the serial init: same logits, same gradients (pieces = whole tensors),
+    and the serial state_dict back; weight decay goes by the logical shape."""
+    from training.models.gpt import GPT, GPTConfig, lm_loss
+    from training.optim import decays
+    from training.parallel4d import GPT4D, TensorComms, assemble_state_dict
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=96)
+    serial, par = GPT(cfg, seed=3), GPT4D(cfg, TensorComms.single(), seed=3)
+    x, y = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
+    lm_loss(serial(x), y).backward()
+    par.loss(x, y).backward()
+    par.reduce_gradients()
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    for name, p in par.named_parameters():
+        torch.testing.assert_close(p.grad.view(grads[name].shape), grads[name], rtol=1e-5,
+                                   atol=1e-7)
+        assert decays(p) == (grads[name].dim() >= 2), name  # shards are 1-D
+    sd = assemble_state_dict(cfg, par.splits(), par.comms.sizes(),
+                             [(par.comms.coords(), par.local_pieces())])
+    ref = serial.state_dict()
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+    again = GPT4D.from_state_dict(cfg, TensorComms.single(), ref)
+    assert torch.equal(again(x), par(x))
+
+
+def test_4d_options_and_errors():
+    from training.config import TrainConfig
+    from training.train_gpt import parse_args
+    cfg = parse_args(["--G-x", "2", "--G-z", "2", "--axis-backends", "z=pccl,data=auto"])
+    assert cfg.uses_4d() and cfg.backend_of_axis() == {"x": "auto", "y": "auto",
+                                                       "z": "pccl", "data": "auto"}
+    assert cfg.describe_grid() == "G_inter=1 x G_data=1 x G_x=2 x G_y=1 x G_z=2"
+    assert TrainConfig().describe_grid() == "G_inter=1 x G_data=1"
+    assert parse_args(["--G-data", "2", "--engine", "4d"]).uses_4d()
+    assert not parse_args(["--G-data", "2"]).uses_4d()
+    for argv, words in [
+        (["--G-inter", "2", "--G-x", "2"], "--G-inter 2 (pipeline stages) with --G-x 2"),
+        (["--G-z", "3"], "--global-batch-size 8 is not divisible by G_z*G_data=3*1=3"),
+        (["--G-y", "2", "--engine", "pipeline"], "--engine pipeline has no tensor"),
+        (["--axis-backends", "w=mpi"], "AXIS one of x, y, z, data"),
+        (["--overlap", "most"], "--overlap 'most'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            parse_args(argv)
+
+
+def test_4d_grid_errors_name_the_constraint(tmp_path):
+    """One process asked for G_x=3 with 4 heads: the error names the world size, the
+    heads and the vocabulary, exit status 2."""
+    r = subprocess.run([sys.executable, "-m", "training.train_gpt", "--G-x", "3", "--n-head",
+                        "4", "--steps", "1", "--global-batch-size", "6",
+                        "--out-dir", str(tmp_path), "--no-plot", "--backends", "gloo"],
+                       capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert r.returncode == 2, r.stderr
+    for words in ("needs G_x*G_y*G_z*G_data=3 ranks but the world has 1",
+                  "n_head=4 is not divisible by G_x=3", "vocab_size=256 is not divisible by G_x=3"):
+        assert words in r.stderr, r.stderr
+
+
+def test_fused_gradient_buckets_in_the_model():
+    """The step's gradient all_reduces are fused: full buckets plus the rest, the same
+    elements as one call per tensor."""
+    from training.models.gpt import CONFIGS
+    from training.perf_model import Grid4D, TrainingStep, call_counts, collectives
+    cfg, grid = CONFIGS["mini"], Grid4D(1, 1, 2, 2)
+    one = collectives(TrainingStep(cfg, 8, bucket_bytes=None), grid)
+    total = sum(e.elements * e.count for e in one if e.axis == "data")
+    assert [e.count for e in one if e.axis == "data"] == [1]
+    small = call_counts(TrainingStep(cfg, 8, bucket_bytes=4000), grid)
+    assert small["all_reduce", "data"] == (-(-total // 1000), total * 4)
