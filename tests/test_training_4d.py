@@ -23,7 +23,8 @@ def _env(**kw):
 def test_4d_grids_in_one_launch():
     """All 14 grids of the issue (both optimizers, micro-batching): every step's loss of
     20 steps equals the serial run to 1e-5; the logged calls and bytes per (op, axis)
-    equal training.perf_model's on every rank."""
+    equal training.perf_model's on every rank; checkpoints, overlap and matmul tuning
+    (tests/training/check_4d.py says how each is checked)."""
     out = run_launcher([mpiexec_or_skip(), "-n", "8", sys.executable,
                         os.path.join(HERE, "check_4d.py")], env=_env(), timeout=600)
     m = re.search(r"4d parity OK: (\d+) grids x (\d+) steps, max rel diff (\S+)", out)
@@ -32,6 +33,12 @@ def test_4d_grids_in_one_launch():
     assert "4d bytes OK: 14 grids" in out, out
     for grid in ("(2, 1, 1, 1)", "(1, 1, 4, 1)", "(3, 1, 1, 1)", "(2, 2, 1, 2)"):
         assert f"4d parity {grid}" in out, out
+    # resume after step 10 reproduces 11-20 exactly; consolidate gives the serial weights
+    assert out.count("resumed steps 11-20 equal the uninterrupted run exactly") == 2, out
+    # --overlap levels bitwise equal, the recorded issue/wait order proves each overlap
+    assert "4d overlap OK: (2, 1, 2, 2)" in out, out
+    # --tune-matmul with NN made 8x slower: never chosen, all ranks agree, parity holds
+    assert "4d tuning OK" in out and "NN (8x slower) never chosen" in out, out
 
 
 # --- single process ----------------------------------------------------------------------
@@ -128,3 +135,31 @@ def test_fused_gradient_buckets_in_the_model():
     assert [e.count for e in one if e.axis == "data"] == [1]
     small = call_counts(TrainingStep(cfg, 8, bucket_bytes=4000), grid)
     assert small["all_reduce", "data"] == (-(-total // 1000), total * 4)
+
+
+def test_matmul_tuner_takes_the_fastest_agreed_mode(monkeypatch):
+    """The injected timer decides: a mode made 8x slower is never chosen, a mode made
+    8x faster always is; results of every mode agree to 1e-6; decisions come from the
+    sum of every rank's timings (here two fake ranks, one of which prefers NT)."""
+    from training.parallel4d import tuning
+    a, b = torch.randn(24, 16), torch.randn(16, 40)
+    for mode in tuning.MODES:
+        torch.testing.assert_close(tuning.matmul(a, b, mode), a @ b, rtol=1e-6, atol=1e-6)
+
+    def timer_favouring(best):
+        return lambda phase, mode, fn: (fn(), 1.0 if mode == best else 8.0)[1]
+
+    tuner = tuning.MatmulTuner(timer=timer_favouring("TN"))
+    w, x, dout = torch.randn(40, 16), torch.randn(24, 16), torch.randn(24, 40)
+    out = tuner.forward(x, w)
+    tuner.input_grad(dout, w)
+    tuner.weight_grad(dout, x)
+    torch.testing.assert_close(out, x @ w.t())
+    assert tuner.pending and tuner.max_mode_diff <= 1e-6
+    other = {k: {m: (0.5 if m == "NT" else 9.0) for m in tuning.MODES} for k in tuner.timings}
+    monkeypatch.setattr(tuning.mcrdl, "all_gather_object",
+                        lambda obj, group=None: [obj, other])
+    decided = tuner.agree()
+    # sums: TN 1 + 9 = 10, NT 8 + 0.5 = 8.5, NN 8 + 9 = 17: NT on every rank
+    assert set(decided.values()) == {"NT"} and len(decided) == 3 and not tuner.pending
+    torch.testing.assert_close(tuner.forward(x, w), out, rtol=1e-6, atol=1e-6)

@@ -45,8 +45,8 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:06d}"
 
 
-def shard_name(stage: int) -> str:
-    return f"stage_{stage:02d}.pt"
+def shard_name(stage: int, prefix: str = "stage") -> str:
+    return f"{prefix}_{stage:02d}.pt"
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -89,19 +89,23 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return done[-1] if done else None
 
 
-def save_shard(directory: Path, stage: int, state: dict) -> dict:
-    """Write one stage's shard into `directory`; returns its manifest entry (stage, file,
-    bytes, sha256)."""
-    nbytes, sha256 = atomic_save(state, directory / shard_name(stage))
-    return {"stage": stage, "file": shard_name(stage), "bytes": nbytes, "sha256": sha256}
+def save_shard(directory: Path, stage: int, state: dict, prefix: str = "stage") -> dict:
+    """Write one stage's shard (the 4D engine: one tensor rank's, prefix "tensor") into
+    `directory`; returns its manifest entry (stage = the shard's index, file, bytes,
+    sha256)."""
+    name = shard_name(stage, prefix)
+    nbytes, sha256 = atomic_save(state, directory / name)
+    return {"stage": stage, "file": name, "bytes": nbytes, "sha256": sha256}
 
 
 def build_manifest(*, step: int, grid: dict[str, int], partition: list[tuple[int, int]],
-                   model: dict, optimizer: str, train_config: dict, shards: list[dict]) -> dict:
+                   model: dict, optimizer: str, train_config: dict, shards: list[dict],
+                   engine: str = "pipeline") -> dict:
     """The manifest of a checkpoint: `grid` maps the degree options to their values
     (``{"G_inter": 2, "G_data": 2}``), `partition` gives each stage's unit range, and
-    `shards` holds one ``save_shard`` entry per stage."""
-    return {"format": FORMAT, "step": step, "grid": dict(grid),
+    `shards` holds one ``save_shard`` entry per stage; `engine` "4d": one shard per
+    tensor rank (x + G_x*(y + G_y*z)) of data replica 0."""
+    return {"format": FORMAT, "engine": engine, "step": step, "grid": dict(grid),
             "partition": [list(r) for r in partition], "model": model,
             "optimizer": optimizer, "train_config": train_config,
             "shards": sorted(shards, key=lambda s: s["stage"])}
@@ -178,6 +182,8 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
 def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
     """(state_dict of the whole model, model config dict) from a checkpoint's shards."""
     manifest = read_manifest(directory)
+    if manifest.get("engine") == "4d":
+        return _consolidate_4d(directory, manifest), manifest["model"]
     state: dict[str, torch.Tensor] = {}
     for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
         shard = load_shard(directory, manifest, entry["stage"])
@@ -193,6 +199,27 @@ def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
         raise CheckpointError(f"{directory}: no shard holds units {missing}")
     order = sorted(state, key=lambda k: (int(k.split(".")[1]), k))
     return {k: state[k] for k in order}, manifest["model"]
+
+
+def _consolidate_4d(directory, manifest: dict) -> dict:
+    """The serial state_dict from a 4D checkpoint: every tensor rank's pieces put back
+    where their splits say (undoing the Z flattening and c_attn's head permutation)."""
+    from .parallel4d.layers import Split
+
+    grid = manifest["grid"]
+    sizes = {"x": grid.get("G_x", 1), "y": grid.get("G_y", 1), "z": grid.get("G_z", 1),
+             "data": 1}
+    n = sizes["x"] * sizes["y"] * sizes["z"]
+    shards = [load_shard(directory, manifest, i) for i in range(n)]
+    splits = {name: Split(**{k: tuple(v) if isinstance(v, list) else v
+                             for k, v in spec.items()})
+              for name, spec in shards[0]["splits"].items()}
+    state = {}
+    for name, split in splits.items():
+        pieces = {(s["coords"]["x"], s["coords"]["y"], s["coords"]["z"]): s["model"][name]
+                  for s in shards}
+        state[name] = split.assemble(pieces, sizes)
+    return state
 
 
 def main(argv=None) -> int:

@@ -121,8 +121,9 @@ def gather_phase_times(timers: PhaseTimers, wall: float, steps: int,
     by_key: dict[int, list[dict[str, float]]] = {}
     for rank_key, rank_times in gathered:
         by_key.setdefault(rank_key, []).append(rank_times)
-    return {k: {phase: sum(t[phase] for t in rows) / len(rows) / steps
-                for phase in PHASES + ("wall",)}
+    phases = list(PHASES) + sorted({p for _, t in gathered for p in t} - set(PHASES))
+    return {k: {phase: sum(t.get(phase, 0.0) for t in rows) / len(rows) / steps
+                for phase in phases}
             for k, rows in sorted(by_key.items())}
 
 
@@ -174,11 +175,15 @@ def plot_loss(metrics: Path, png: Path, title: str) -> None:
 
 
 def print_breakdown_4d(result: TrainResult, steps: int) -> None:
-    """The 4D engine's per-step phase table (forward/backward with its collectives,
-    optimizer, the step's scalar all_reduce) and the throughput."""
+    """The 4D engine's per-step time: compute (forward and backward, less the time
+    blocked on collectives), the exposed communication of each axis (time blocked on
+    its collectives, what overlap did not hide), the optimizer, the rest; and the
+    throughput."""
     p = result.phases.get(0, {})
-    print(f"\nper-step time by phase (ms, mean over ranks; {steps} steps after warm-up):")
-    shown = [k for k in p if k != "wall" and p[k] > 0]
+    print(f"\nper-step time (ms, mean over ranks; {steps} steps after warm-up); exposed = "
+          "blocked on that axis's collectives:")
+    shown = ["compute"] + sorted(k for k in p if k.startswith("exposed")) + ["optimizer",
+                                                                            "other"]
     print("".join(f"{k:>14}" for k in shown) + f"{'step':>14}")
-    print("".join(f"{p[k] * 1e3:14.2f}" for k in shown) + f"{p['wall'] * 1e3:14.2f}")
+    print("".join(f"{p.get(k, 0.0) * 1e3:14.2f}" for k in shown) + f"{p['wall'] * 1e3:14.2f}")
     print(f"throughput: {result.tokens_per_s:,.0f} tokens/s", flush=True)

@@ -13,7 +13,8 @@ class PhaseTimers:
         self.totals = dict.fromkeys(PHASES, 0.0)
 
     def add(self, phase: str, seconds: float) -> None:
-        self.totals[phase] += seconds
+        """Add to `phase` (PHASES, or an engine's own, e.g. the 4D engine's "exposed x")."""
+        self.totals[phase] = self.totals.get(phase, 0.0) + seconds
 
     @contextmanager
     def __call__(self, phase: str):
@@ -21,7 +22,7 @@ class PhaseTimers:
         try:
             yield
         finally:
-            self.totals[phase] += time.perf_counter() - t0
+            self.add(phase, time.perf_counter() - t0)
 
     def reset(self) -> None:
         for k in self.totals:

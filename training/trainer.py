@@ -52,8 +52,8 @@ def init_comm(cfg: TrainConfig, device: torch.device) -> str:
     return "mpi" if "mpi" in have else "gloo"
 
 
-def raise_together(error: Exception | None, context: str) -> None:
-    """Collective over the world: when any rank has an `error`, every rank raises
+def raise_together(error: Exception | None, context: str, group=None) -> None:
+    """Collective over `group` (None: the world): when any rank has an `error`, every rank raises
     CheckpointError with the message of the lowest failing rank, so that no rank is left
     waiting for the others. Errors other than CheckpointError are prefixed with
     `context` and their type."""
@@ -61,7 +61,7 @@ def raise_together(error: Exception | None, context: str) -> None:
     if error is not None:
         message = (str(error) if isinstance(error, ckpt.CheckpointError)
                    else f"{context}: {type(error).__name__}: {error}")
-    messages = mcrdl.all_gather_object(message)
+    messages = mcrdl.all_gather_object(message, group=group)
     failed = [rank for rank, m in enumerate(messages) if m is not None]
     if not failed:
         return

@@ -29,6 +29,7 @@ import mcrdl  # noqa: E402
 from tests.training.reference import serial_losses  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.data import TokenFile  # noqa: E402
+from training.models.gpt import lm_loss  # noqa: E402
 from training.parallel4d.trainer import Trainer4D  # noqa: E402
 from training.perf_model import Grid4D, TrainingStep, call_counts  # noqa: E402
 from training.topology import ProcessGrid  # noqa: E402
@@ -156,6 +157,162 @@ def check_bytes(grid: tuple, got: dict, want: dict) -> str | None:
     return None
 
 
+OVERLAP_GRID = (2, 1, 2, 2)  # OAR over X, ORS and OAG over Z, a data all_reduce
+OVERLAP_STEPS = 6
+
+
+def slow_nn_timer(phase, mode, fn):
+    """The wall-clock timer with mode NN made 8x slower: it must never be chosen."""
+    from training.parallel4d.tuning import wall_timer
+    return wall_timer(phase, mode, fn) * (8.0 if mode == "NN" else 1.0)
+
+
+def overlap_order(events) -> dict[str, bool]:
+    """Whether the recorded issue/wait order of one step shows each overlap:
+    OAG: the gather of the next weight is issued before this layer computes and waited
+    after; OAR: each async input-gradient all_reduce is issued before its layer's weight
+    gradient is computed and waited after; ORS: every Z reduce_scatter is waited after
+    the last weight gradient is computed and before the first data all_reduce."""
+    pos = {}
+    for i, e in enumerate(events):
+        pos.setdefault(e, i)
+    issues = [e for e in events if e[0] == "issue"]
+    gathers = [e[3] for e in issues if e[1:3] == ("all_gather", "z")]
+    oag = len(gathers) > 1 and all(
+        pos[("issue", "all_gather", "z", b)] < pos[("mark", "", "", f"compute {a}")]
+        < pos[("wait", "all_gather", "z", b)] for a, b in zip(gathers, gathers[1:], strict=False))
+    grads = [e[3] for e in issues if e[1] == "all_reduce" and e[3].endswith("input grad")]
+    oar = bool(grads) and all(
+        pos[("issue", "all_reduce", "x", g)] < pos[("mark", "", "", "compute dW "
+                                                     + g[:-len(" input grad")])]
+        < pos[("wait", "all_reduce", "x", g)] for g in grads)
+    last_dw = max(i for i, e in enumerate(events) if e[3].startswith("compute dW"))
+    first_data = min(i for i, e in enumerate(events) if e[:3] == ("issue", "all_reduce",
+                                                                   "data"))
+    rs_waits = [i for i, e in enumerate(events) if e[:3] == ("wait", "reduce_scatter", "z")]
+    ors = bool(rs_waits) and all(last_dw < i < first_data for i in rs_waits)
+    return {"OAG": oag, "OAR": oar, "ORS": ors}
+
+
+def overlap_and_tuning(directory: str, ref: list[float]) -> None:
+    """Collective over the 8 ranks, on OVERLAP_GRID: --overlap none, oar, oar+ors, all
+    give bitwise identical losses; the recorded order of step 2 shows each overlap
+    exactly when it is on; then overlap all with --tune-matmul (NN made 8x slower by
+    the injected timer) trains 20 steps within 1e-5 of the serial run, NN never chosen,
+    every rank deciding the same."""
+    from training.parallel4d.tuning import MatmulTuner
+    rank = mcrdl.get_rank()
+    mine = place(8, [((OVERLAP_GRID, "h4", {}), 0)])
+    _, layout, group = mine
+    losses, shown, exposed = {}, {}, {}
+    for level in ("none", "oar", "oar+ors", "all"):
+        cfg = config(directory, "h4", OVERLAP_STEPS, OVERLAP_GRID, overlap=level)
+        trainer = Trainer4D(cfg, grid=layout, world=group, record=True)
+        rec = trainer.comms.recorder
+        got = [trainer.train_step()[0]]
+        rec.clear()  # step 1 recorded the gather order (no prefetch yet)
+        got.append(trainer.train_step()[0])
+        shown[level] = overlap_order(list(rec.events))
+        rec.enabled = False
+        got += [trainer.train_step()[0] for _ in range(OVERLAP_STEPS - 2)]
+        losses[level] = got
+        exposed[level] = {k: round(v * 1e3 / OVERLAP_STEPS, 1)
+                          for k, v in trainer.timers.snapshot().items() if k.startswith("exp")}
+    everyone = mcrdl.all_gather_object((losses, shown))
+    cfg = config(directory, "h4", 20, OVERLAP_GRID, overlap="all", tune_matmul=True)
+    tuner = MatmulTuner(timer=slow_nn_timer, group=group)
+    _, tuned = train(cfg, layout, group, kernels=tuner)
+    decisions = mcrdl.all_gather_object((tuner.decided, tuner.max_mode_diff))
+    if rank != 0:
+        return
+    for r, (got, s) in enumerate(everyone):
+        assert all(got[lv] == got["none"] for lv in got), f"rank {r}: losses differ {got}"
+        want = {"none": (False, False, False), "oar": (False, True, False),
+                "oar+ors": (False, True, True), "all": (True, True, True)}
+        for level, flags in want.items():
+            assert tuple(s[level][k] for k in ("OAG", "OAR", "ORS")) == flags, \
+                f"rank {r} --overlap {level}: recorded order shows {s[level]}"
+    print(f"4d overlap OK: {OVERLAP_GRID}, --overlap none/oar/oar+ors/all losses bitwise "
+          f"identical over {OVERLAP_STEPS} steps ({losses['none'][-1]!r}); recorded order "
+          "of step 2 shows OAR, ORS, OAG exactly when on, on all 8 ranks; rank 0 exposed ms "
+          f"per step: {exposed}", flush=True)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(tuned, ref, strict=True))
+    assert worst <= TOL, f"tuned run differs from serial by {worst:.2e}"
+    first = decisions[0][0]
+    assert all(d == first for d, _ in decisions), "ranks decided differently"
+    assert first and "NN" not in first.values(), first
+    diff = max(m for _, m in decisions)
+    assert diff <= 1e-6, diff
+    modes = sorted({f"{k[0]} {v}" for k, v in first.items()})
+    print(f"4d tuning OK: overlap all + --tune-matmul, 20 steps, max rel diff {worst:.2e} vs "
+          f"serial; {len(first)} shapes decided alike on all 8 ranks, NN (8x slower) never "
+          f"chosen; modes agree to {diff:.1e}; chosen {modes}", flush=True)
+
+
+CHECKPOINT_CASES = [((2, 1, 2, 1), "h4", {"offload_optimizer": True}),
+                    ((1, 1, 2, 2), "h4", {"micro_batch_size": 1})]
+
+
+def checkpoints(directory: str, dataset, results: dict) -> None:
+    """Collective over the 8 ranks: two 4-rank grids side by side train 10 steps and
+    save a checkpoint; a new trainer resumes from it and its steps 11-20 equal the
+    uninterrupted parity run's exactly; the consolidated step-10 checkpoint equals the
+    serial model after 10 steps within 1e-6 (ranks 0 and 4 check their grid's)."""
+    from tests.training.reference import serial_run
+    from training import checkpoint as ckpt
+    rank = mcrdl.get_rank()
+    common = mcrdl.broadcast_object(tempfile.mkdtemp(prefix="mcrdl-4d-ck-") if rank == 0
+                                    else None)  # one directory for all ranks
+    (grid, shape, options), layout, group = place(4, [(c, 4 * i) for i, c in
+                                                      enumerate(CHECKPOINT_CASES)])
+    ck = os.path.join(common, "-".join(map(str, grid)))
+    cfg = config(directory, shape, 20, grid, checkpoint_dir=ck, **options)
+    first = Trainer4D(cfg, grid=layout, world=group)
+    for _ in range(10):
+        first.train_step()
+    saved = first.save_checkpoint()
+    resumed = Trainer4D(cfg, grid=layout, world=group)
+    start = resumed.load_checkpoint("latest")
+    after = [resumed.train_step()[0] for _ in range(10)]
+    live = first.serial_state_dict()  # the pieces in memory, gathered (collective)
+    out = None
+    if layout.rank == 0:
+        full = results[(grid, shape, tuple(options.items()))][0]
+        assert start == 10 and after == full[10:], (grid, after, full[10:])
+        state, mcfg = ckpt.consolidate(saved)
+        assert list(state) == list(live) and all(torch.equal(state[k], live[k]) for k in live)
+        _, model = serial_run(config(directory, shape, 20), dataset, steps=10)
+        ref = model.state_dict()
+        assert list(state) == list(ref), (list(state)[:4], list(ref)[:4])
+        # vs the weights of 10 serial steps, within 1e-6, except the key part of
+        # c_attn.bias: attention is invariant to it (it adds q.b_k to every score of a
+        # query), so its exact gradient is 0 and AdamW's m / sqrt(v) turns the ~1e-10
+        # rounding noise of each run into full-size steps: it is not determined
+        c = mcfg["n_embd"]
+        diff = 0.0
+        for k in ref:
+            d = (state[k] - ref[k]).abs()
+            if k.endswith("attn.c_attn.bias"):
+                d[c:2 * c] = 0
+            diff = max(diff, d.max().item())
+        assert diff <= 1e-6, (grid, diff)
+        model.load_state_dict(state)
+        x, y = first.batches.global_batch_at(10)
+        with torch.no_grad():
+            loss = lm_loss(model(x), y).item()
+        assert abs(loss - after[0]) / loss <= 1e-6, (grid, loss, after[0])
+        out = (grid, diff, abs(loss - after[0]) / loss)
+    gathered = [g for g in mcrdl.all_gather_object(out) if g is not None]
+    if rank == 0:
+        import shutil
+        shutil.rmtree(common, ignore_errors=True)
+        print("4d checkpoints OK: " + "; ".join(
+            f"{g}: resumed steps 11-20 equal the uninterrupted run exactly; consolidated "
+            f"step 10 = the live pieces reassembled bitwise, serial GPT loads it and gives "
+            f"step 11's loss to {d:.1e} rel; vs 10 serial steps: max abs diff {r:.1e} "
+            "(key bias excluded)" for g, r, d in gathered), flush=True)
+
+
 def main():
     mcrdl.init(["mpi"])
     mcrdl.configure(logging=True)
@@ -202,6 +359,13 @@ def main():
                 todo_refs.remove(item[1])
     for shape in todo_refs:  # no round left a rank idle
         refs[shape] = serial_losses(config(directory, shape, steps), dataset)
+    if os.environ.get("CHECKPOINT_4D", "1") == "1" and all(
+            (c[0], c[1], tuple(c[2].items())) in results for c in CHECKPOINT_CASES):
+        checkpoints(directory, dataset, results)
+    if os.environ.get("OVERLAP_4D", "1") == "1":
+        if "h4" not in refs:
+            refs["h4"] = serial_losses(config(directory, "h4", 20), dataset)
+        overlap_and_tuning(directory, refs["h4"][:20])
     if rank == 0:
         worst_all = 0.0
         for (grid, _, _), (_, problems) in results.items():

@@ -12,6 +12,11 @@ from training.optim import param_groups
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
+    return serial_run(cfg, dataset)[0]
+
+
+def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None):
+    """(losses, model) after `steps` (default cfg.steps) steps of the serial run."""
     dataset = dataset or ByteCorpus()
     mcfg = get_config(cfg.model, vocab_size=dataset.vocab_size, n_layer=cfg.n_layer,
                       n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
@@ -23,7 +28,7 @@ def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
     losses = []
-    for step in range(cfg.steps):
+    for step in range(cfg.steps if steps is None else steps):
         x, y = data.global_batch_at(step)
         loss = lm_loss(model(x), y)
         loss.backward()
@@ -34,4 +39,4 @@ def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses
+    return losses, model

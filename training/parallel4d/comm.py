@@ -15,6 +15,7 @@ its result; with async off (or degree 1) the result is already there.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -70,23 +71,26 @@ class Recorder:
 class Pending:
     """An issued collective and the tensor holding its result once waited."""
 
-    __slots__ = ("work", "value", "recorder", "what")
+    __slots__ = ("work", "value", "comm", "what")
 
-    def __init__(self, work, value: torch.Tensor, recorder: Recorder | None = None,
+    def __init__(self, work, value: torch.Tensor, comm: AxisComm | None = None,
                  what: tuple[str, str, str] | None = None):
-        self.work, self.value, self.recorder, self.what = work, value, recorder, what
+        self.work, self.value, self.comm, self.what = work, value, comm, what
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
+            t0 = time.perf_counter()
             self.work.wait()
             self.work = None
-            if self.recorder is not None:
-                self.recorder.add("wait", *self.what)
+            self.comm.exposed += time.perf_counter() - t0
+            self.comm.recorder.add("wait", *self.what)
         return self.value
 
 
 class AxisComm:
-    """One axis of the grid: its group (None: degree 1), backend and recorder."""
+    """One axis of the grid: its group (None: degree 1), backend and recorder.
+    ``exposed``: seconds this rank spent blocked on the axis's collectives (blocking
+    calls and waits), the communication that computation did not hide."""
 
     def __init__(self, name: str, group: mcrdl.Group | None, backend: str = "auto",
                  recorder: Recorder | None = None):
@@ -94,17 +98,20 @@ class AxisComm:
         self.recorder = recorder or Recorder()
         self.size = 1 if group is None else group.size
         self.rank = 0 if group is None else group.rank
+        self.exposed = 0.0
 
     def __repr__(self) -> str:
         return f"AxisComm({self.name}, size {self.size}, rank {self.rank}, {self.backend!r})"
 
     def _issue(self, op: str, tag: str, fn, value: torch.Tensor, async_op: bool) -> Pending:
         self.recorder.add("issue", op, self.name, tag)
-        work = fn(async_op)
-        if not async_op:
-            self.recorder.add("wait", op, self.name, tag)
-            return Pending(None, value)
-        return Pending(work, value, self.recorder, (op, self.name, tag))
+        if async_op:
+            return Pending(fn(True), value, self, (op, self.name, tag))
+        t0 = time.perf_counter()
+        fn(False)
+        self.exposed += time.perf_counter() - t0
+        self.recorder.add("wait", op, self.name, tag)
+        return Pending(None, value)
 
     def all_reduce(self, t: torch.Tensor, *, async_op: bool = False, tag: str = "") -> Pending:
         """Sum `t` (contiguous) in place over the axis."""

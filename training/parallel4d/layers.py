@@ -225,6 +225,7 @@ class _LinearFn(torch.autograd.Function):
         w = layer.weight_for_forward()
         shape = inp.shape
         x2 = inp.reshape(-1, shape[-1])
+        layer.comms.recorder.mark(f"compute {layer.name}")
         out = mm_forward(layer.comms, x2, w)
         layer.in_comm.all_reduce(out, tag=f"{layer.name} output")
         ctx.layer, ctx.shape = layer, shape
@@ -294,6 +295,7 @@ class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, idx, shard, layer):
         w = layer.weight_for_forward()
+        layer.comms.recorder.mark(f"compute {layer.name}")
         ctx.layer, ctx.block = layer, w.shape
         ctx.save_for_backward(idx)
         return F.embedding(idx, w)
