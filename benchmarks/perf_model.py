@@ -46,7 +46,8 @@ import torch
 
 import mcrdl
 from mcrdl.tuning.model import fit
-from mcrdl.tuning.table import TuningTable, current_provenance, find_shipped_table
+from mcrdl.tuning.provenance import current_provenance, find_shipped_table
+from mcrdl.tuning.table import TuningTable
 from training.models.gpt import CONFIGS, get_config
 from training.perf_model import (
     AXES,
@@ -280,6 +281,11 @@ def main() -> int:
     p.add_argument("--backends", nargs="+", default=["mpi", "gloo"],
                    help="backends 'auto' chooses from (default mpi gloo)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the figure here")
+    p.add_argument("--engine", action="store_true",
+                   help="also train each grid with the 4D engine (training/parallel4d) on "
+                        "the byte corpus and time its steps (compute + communication)")
+    p.add_argument("--overlap", default="none", choices=("none", "oar", "oar+ors", "all"),
+                   help="the engine's --overlap (default none)")
     args = p.parse_args()
 
     mcrdl.init(args.backends, tuning_table=args.table)
@@ -313,12 +319,15 @@ def main() -> int:
                   file=sys.stderr, flush=True)
     replay_s = time.perf_counter() - t0
 
+    engine_times = measure_engine(args, model, feasible) if args.engine else None
     if rank == 0:
         measured = [statistics.median(t for r in times[g] for t in r) for g in feasible]
         predicted = {name: [predict(step, g, net).seconds for g in feasible]
                      for name, net in networks.items()}
         report(args, step, world, feasible, times, measured, predicted, networks,
                table_path, calibration_s, replay_s)
+        if engine_times is not None:
+            report_engine(args, step, feasible, engine_times, measured, predicted)
         if args.plot:
             title = (f"{args.model} {model.n_layer}x{model.n_embd} (heads {model.n_head}, "
                      f"vocab {model.vocab_size}, seq {model.block_size}), batch {args.batch}, "
@@ -327,6 +336,41 @@ def main() -> int:
             print(f"# plot: {args.plot}")
     mcrdl.finalize()
     return 0
+
+
+def measure_engine(args, model, feasible: list[Grid4D]) -> dict[Grid4D, list[float]]:
+    """Seconds per step of the 4D engine on each grid (``measure_step_time``: the
+    maximum over ranks of each timed step), training on the byte corpus."""
+    from training.config import TrainConfig
+    from training.parallel4d.trainer import Trainer4D
+    out = {}
+    for g in feasible:
+        micro = args.batch // (g.z * g.data * args.micro_batches)
+        cfg = TrainConfig(model=args.model, n_layer=model.n_layer, n_head=model.n_head,
+                          n_embd=model.n_embd, block_size=model.block_size, G_x=g.x, G_y=g.y,
+                          G_z=g.z, G_data=g.data, engine="4d", global_batch_size=args.batch,
+                          micro_batch_size=max(1, micro), overlap=args.overlap, quiet=True,
+                          plot=False, progress=False)
+        trainer = Trainer4D(cfg)
+        out[g] = measure_step_time(trainer.train_step, args.steps, args.warmup)
+    return out
+
+
+def report_engine(args, step, feasible, engine_times, replayed, predicted) -> None:
+    """The engine's measured step time per grid beside the replay and the models."""
+    tokens = step.batch * step.model.block_size
+    measured = [statistics.median(engine_times[g]) for g in feasible]
+    print(f"# the 4D engine, --overlap {args.overlap}: median step time over {args.steps} "
+          "steps (max over ranks)")
+    print(f"{'grid':>12} {'step(ms)':>10} {'tokens/s':>10} {'replay(ms)':>11}")
+    for i in np.argsort(measured, kind="stable"):
+        print(f"{str(feasible[i]):>12} {measured[i] * 1e3:>10.1f} {tokens / measured[i]:>10.0f} "
+              f"{replayed[i] * 1e3:>11.2f}")
+    print(f"# engine step time vs replayed communication: Spearman "
+          f"{spearman(replayed, measured):+.3f}")
+    for name, pred in predicted.items():
+        print(f"# engine step time vs the {name} model: Spearman {spearman(pred, measured):+.3f};"
+              f" model's top 3 in the engine's top 3: {top_overlap(pred, measured)}")
 
 
 def _describe(net: Network) -> str:

@@ -190,6 +190,8 @@ class TensorOptions(Options):
                                        "z=pccl,data=auto (default auto everywhere)")
     regather_weights: bool = option(False, "4D: gather each weight again in the backward "
                                     "instead of keeping it from the forward")
+    init_from: str | None = option(None, "4D: start from a serial state_dict (.pt, e.g. "
+                                   "from 'python -m training.checkpoint consolidate'), any grid")
 
     def tensor_degrees(self) -> dict[str, int]:
         return {"x": self.G_x, "y": self.G_y, "z": self.G_z}

@@ -103,7 +103,10 @@ class Trainer4D:
         if dtype == torch.float16:
             raise GridError("--dtype fp16 is not supported by the 4D engine (no loss "
                             "scaling yet); use bf16 or fp32")
-        self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed)
+        state = None
+        if cfg.init_from:  # a serial state_dict: every rank cuts its pieces from it
+            state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+        self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed, state_dict=state)
         self.model.to(device=self.device, dtype=dtype)
         c = self.comms
         self.shard, self.n_shards = c.data.rank * c.z.size + c.z.rank, c.z.size * c.data.size
