@@ -61,7 +61,7 @@ from training.perf_model import (
     rank_grids,
 )
 from training.perf_model.collectives import OPS
-from training.topology import ProcessGrid
+from training.topology import Axis, ProcessGrid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("forward", "backward", "gradients", "step")
@@ -319,7 +319,7 @@ def main() -> int:
                   file=sys.stderr, flush=True)
     replay_s = time.perf_counter() - t0
 
-    engine_times = measure_engine(args, model, feasible) if args.engine else None
+    engine_times = measure_engine(args, model, feasible, axis_groups) if args.engine else None
     if rank == 0:
         measured = [statistics.median(t for r in times[g] for t in r) for g in feasible]
         predicted = {name: [predict(step, g, net).seconds for g in feasible]
@@ -338,7 +338,21 @@ def main() -> int:
     return 0
 
 
-def measure_engine(args, model, feasible: list[Grid4D]) -> dict[Grid4D, list[float]]:
+class SharedLayout:
+    """The grid Trainer4D runs on, with SharedGroups' groups: a trainer per grid making
+    its own groups would leave ~6 more idle lane threads per grid in every process, and
+    with 19 grids their wake-ups made the last grids' steps seconds long on 2 cores."""
+
+    def __init__(self, grid: Grid4D, groups: dict):
+        self.sizes = {Axis(a): grid.degree(a) for a in AXES}
+        self.groups = {Axis(a): groups[a] for a in AXES}
+
+    def group(self, axis) -> mcrdl.Group | None:
+        return self.groups[Axis(axis)]
+
+
+def measure_engine(args, model, feasible: list[Grid4D],
+                   axis_groups: dict) -> dict[Grid4D, list[float]]:
     """Seconds per step of the 4D engine on each grid (``measure_step_time``: the
     maximum over ranks of each timed step), training on the byte corpus."""
     from training.config import TrainConfig
@@ -351,7 +365,7 @@ def measure_engine(args, model, feasible: list[Grid4D]) -> dict[Grid4D, list[flo
                           G_z=g.z, G_data=g.data, engine="4d", global_batch_size=args.batch,
                           micro_batch_size=max(1, micro), overlap=args.overlap, quiet=True,
                           plot=False, progress=False)
-        trainer = Trainer4D(cfg)
+        trainer = Trainer4D(cfg, grid=SharedLayout(g, axis_groups[g]))
         out[g] = measure_step_time(trainer.train_step, args.steps, args.warmup)
     return out
 

@@ -6,7 +6,9 @@
 ``ranks`` lays the grid on a subset of the world (grid rank i is world rank
 ``ranks[i]``), e.g. to run several small grids side by side in one launch; its groups
 are still created collectively by every rank of the world, and ``rank`` is -1 on the
-ranks outside it.
+ranks outside it. ``group_cache`` (a dict shared by grids built in the same order on
+every rank) reuses the group of a line of ranks another grid already made: every group
+keeps lane threads alive, and their idle wake-ups slow a 2-core machine.
 
 Axes are the members of ``Axis``; their values ("pipe", "data") are accepted wherever an
 axis is, so a grid order read from the command line names them. The options that set
@@ -65,7 +67,8 @@ class ProcessGrid:
     def __init__(self, sizes: Mapping[Axis | str, int],
                  order: Sequence[Axis | str] | None = None, *,
                  world_size: int | None = None, rank: int | None = None,
-                 ranks: Sequence[int] | None = None):
+                 ranks: Sequence[int] | None = None,
+                 group_cache: dict[tuple[int, ...], mcrdl.Group] | None = None):
         sizes = {to_axis(a): n for a, n in sizes.items()}
         for axis, n in sizes.items():
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
@@ -97,6 +100,7 @@ class ProcessGrid:
             self._stride[a] = s
             s *= sizes[a]
         self._groups: dict[Axis, mcrdl.Group | None] = {}
+        self._cache = group_cache
         self._made_groups = False
 
     # --- coordinates -------------------------------------------------------------------
@@ -163,7 +167,12 @@ class ProcessGrid:
             lines = sorted({tuple(self.line(axis, r)) for r in range(self.world_size)})
             mine = tuple(self.line(axis)) if self.is_member else None
             for ln in lines:
-                g = mcrdl.new_group([self.world_rank(r) for r in ln])
+                world = tuple(self.world_rank(r) for r in ln)
+                g = None if self._cache is None else self._cache.get(world)
+                if g is None:
+                    g = mcrdl.new_group(list(world))
+                    if self._cache is not None:
+                        self._cache[world] = g
                 if ln == mine:
                     self._groups[axis] = g
         self._made_groups = True

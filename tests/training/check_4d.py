@@ -87,6 +87,12 @@ def rounds(cases):
     return out
 
 
+#: world ranks -> mcrdl group, shared by the grids of the launch: axis groups, and the
+#: groups of a run's ranks (kept apart: the log maps each group to one axis or "world")
+GROUPS: dict = {}
+RUN_GROUPS: dict = {}
+
+
 def place(size: int, slots):
     """Collective over the world: every slot's grid and the group of its ranks; returns
     (this rank's case, grid, group) or None when no slot holds this rank."""
@@ -95,9 +101,11 @@ def place(size: int, slots):
         ranks = list(range(first, first + size))
         gx, gy, gz, gd = case[0]
         grid = ProcessGrid({"x": gx, "y": gy, "z": gz, "data": gd},
-                           order=["x", "y", "z", "data"], ranks=ranks)
+                           order=["x", "y", "z", "data"], ranks=ranks, group_cache=GROUPS)
         grid.make_groups()
-        group = mcrdl.new_group(ranks)
+        if tuple(ranks) not in RUN_GROUPS:
+            RUN_GROUPS[tuple(ranks)] = mcrdl.new_group(ranks)
+        group = RUN_GROUPS[tuple(ranks)]
         if grid.is_member:
             mine = (case, grid, group)
     return mine

@@ -1,7 +1,7 @@
 """Rank every 4D grid of a world by predicted communication time per step.
 
     python -m training.perf_model --model gpt-20b --ranks 32 --ranks-per-node 4
-        [--batch B] [--micro-batches M] [--dtype bfloat16] [--regather-weights]
+        [--batch B] [--micro-batches M] [--dtype bfloat16] [--regather-weights] [--bucket-mib]
         [--table T.json] [--latency US] [--intra-node-bandwidth GB/s]
         [--inter-node-bandwidth GB/s] [--min-model-parallel N] [--top N] [--show-skipped]
 
@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
                    help="element type of parameters and activations (default float32)")
     p.add_argument("--regather-weights", action="store_true",
                    help="gather each Linear weight again in the backward (not kept)")
+    p.add_argument("--bucket-mib", type=_positive_float, default=4.0, metavar="MiB",
+                   help="the engine's fused gradient all_reduce buckets (--bucket-mib, "
+                        "default %(default)g)")
     p.add_argument("--table", metavar="T.json", default=None,
                    help="tuning table whose alpha-beta fits give the latency and the relative "
                         "bandwidth of each op")
@@ -110,8 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = get_config(args.model, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
     batch = args.ranks if args.batch is None else args.batch
     try:
-        step = TrainingStep(model, batch, args.micro_batches, DTYPE_BYTES[args.dtype],
-                            keep_weights=not args.regather_weights)
+        dtype_bytes = DTYPE_BYTES[args.dtype]
+        step = TrainingStep(model, batch, args.micro_batches, dtype_bytes,
+                            keep_weights=not args.regather_weights,
+                            bucket_bytes=max(dtype_bytes, int(args.bucket_mib * 2**20)))
     except ValueError as e:
         p.error(f"--batch/--micro-batches: {e}")
     bandwidths = {"intra_node_bandwidth": args.intra_node_bandwidth * 1e9,
