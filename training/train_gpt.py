@@ -3,10 +3,12 @@
     mpiexec -n 4 python -m training.train_gpt --model tiny --steps 50 --G-inter 2 --G-data 2
     torchrun --nproc-per-node 4 -m training.train_gpt --G-inter 4
     srun -n 8 python -m training.train_gpt --config my_run.toml --steps 1000
+    mpiexec -n 8 python -m training.train_gpt --G-inter 2 --G-data 4 --dtype bf16 \
+        --samo --prune-sparsity 0.9 --prune-schedule 0,100,200     # SAMO (training/samo.py)
 
 Options (``--help``; declared in training/config.py) come from their defaults, then
 ``--config FILE`` (TOML or JSON: option names with underscores as keys, at the top level
-or in the tables [model], [data], [parallel], [optimizer], [run]), then the command
+or in the tables [model], [data], [parallel], [optimizer], [run], [samo]), then the command
 line. Rank 0 shows a progress bar (on a terminal) and one log line per
 ``--log-interval`` steps, writes ``--metrics`` (JSON lines: step, loss, lr, grad_norm,
 time_s, tokens_per_s), and at the end prints the per-phase time breakdown per pipeline

@@ -18,6 +18,8 @@ from .data import Batches, load_dataset
 from .models.gpt import GPTStage, get_config
 from .optim import DataParallelAdamW, OffloadedAdamW
 from .pipeline import PipelineEngine, partition
+from .pruning import DenseMasking, Pruning, check_shard
+from .samo import SamoAdamW
 from .timers import PhaseTimers
 from .topology import Axis, ProcessGrid
 
@@ -102,12 +104,21 @@ class Trainer:
         self.timers = PhaseTimers()
         comm = dict(data_group=self.data_group, pipe_group=self.pipe_group,
                     world_reduce=self.world_size > 1, timers=self.timers)
-        if cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
+        self.pruning = (Pruning.from_config(cfg, self.model_stage, self.pipe_group)
+                        if cfg.prune_sparsity is not None else None)  # prunes before step 0
+        if cfg.samo:  # compressed model states over the pruning's index (training/samo.py)
+            self.optimizer = SamoAdamW(self.model_stage.named_parameters(), cfg.optim(),
+                                       index=self.pruning.index,
+                                       loss_scaling=dtype == torch.float16, **comm)
+        elif cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
             self.optimizer = OffloadedAdamW(self.model_stage.parameters(), cfg.optim(),
                                             loss_scaling=dtype == torch.float16, **comm)
         else:
             self.optimizer = DataParallelAdamW(self.model_stage.parameters(), cfg.optim(),
                                                **comm)
+        if self.pruning is not None:
+            self.pruning.attach(self.optimizer if cfg.samo else DenseMasking(
+                self.model_stage.named_parameters(), self.optimizer))
         stage_delay = (compute_delay or {}).get(self.stage_index, 0.0)
         self.engine = PipelineEngine(self.model_stage, stage_index=self.stage_index,
                                      n_stages=self.n_stages, group=self.pipe_group,
@@ -125,7 +136,9 @@ class Trainer:
                 f"{cfg.dtype}) on {self.world_size} ranks: {cfg.describe_grid()}, stages "
                 f"{self.partition}, {self.batches.n_micro} microbatches of "
                 f"{cfg.micro_batch_size} per step, p2p '{self.p2p_backend}', data: "
-                f"{self.dataset.describe()}")
+                f"{self.dataset.describe()}"
+                + (f"; {self.pruning.describe()}{', SAMO' if cfg.samo else ''}"
+                   if self.pruning else ""))
 
     def _sum_over_world(self, value: float) -> float:
         total = torch.tensor([value], dtype=torch.float64)
@@ -136,6 +149,8 @@ class Trainer:
     def train_step(self) -> tuple[float, bool]:
         """One step on every rank: (the global batch's mean loss, whether the optimizer
         applied the update; False when fp16 loss scaling skipped it)."""
+        if self.pruning is not None:
+            self.pruning.prune_if_due(self.step)
         self.engine.loss_scale = self.optimizer.scaler.scale
         local_loss = self.engine.run(self.batches.microbatches(self.step))
         applied = self.optimizer.step()
@@ -169,6 +184,8 @@ class Trainer:
                                    for k, v in self.model_stage.state_dict().items()},
                          "optimizer": self.optimizer.state_dict(), "stage": self.stage_index,
                          "units": self.partition[self.stage_index], "step": self.step}
+                if self.pruning is not None:
+                    self.pruning.add_to_shard(state)
                 shard = ckpt.save_shard(directory, self.stage_index, state)
         except (OSError, RuntimeError) as e:
             error = e
@@ -204,10 +221,13 @@ class Trainer:
                                  partition=self.partition, model=self.model_cfg.as_dict(),
                                  optimizer=type(self.optimizer).__name__)
             shard = ckpt.load_shard(path, manifest, self.stage_index)
+            check_shard(shard, self.pruning, path, manifest["step"])
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
             error = e
         raise_together(error, f"cannot load checkpoint {path}")
-        self.model_stage.load_state_dict(shard["model"])
+        self.model_stage.load_state_dict(ckpt.shard_model(shard))
+        if self.pruning is not None:
+            self.pruning.load_shard(shard, manifest["step"])
         self.optimizer.load_state_dict(shard["optimizer"])
         self.step = manifest["step"]
         return self.step
