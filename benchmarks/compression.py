@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 import mcrdl
-from mcrdl.tuning.sizes import parse_size
 from mcrdl.extensions import compression_stats
+from mcrdl.tuning.sizes import parse_size
 
 mpi4py.rc.thread_level = "multiple"
 MPI = importlib.import_module("mpi4py.MPI")

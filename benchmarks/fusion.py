@@ -43,8 +43,8 @@ import torch
 
 import mcrdl
 from mcrdl import _C
-from mcrdl.tuning.sizes import parse_size
 from mcrdl.extensions import FusionConfig, fusion_stats
+from mcrdl.tuning.sizes import parse_size
 
 mpi4py.rc.thread_level = "multiple"
 MPI = importlib.import_module("mpi4py.MPI")

@@ -45,10 +45,10 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
+from mcrdl.tools.bench import element_count
 from mcrdl.tuning.sizes import (
     add_size_sweep_args,
     check_size_sweep,
-    element_count,
     format_size,
     size_range,
 )

@@ -54,6 +54,10 @@ from .extensions import (
 )
 from .groups import Group
 from .ops import ALIASES, OPS, ReduceOp
+from . import torch_backend
+from .torch_backend import TorchBackendOptions
+from .torch_backend import routes as torch_routes
+from .torch_backend import set_routes as set_torch_routes
 from .work import Work
 
 # The operations: mcrdl.all_reduce(backend, tensor, ...) and the others, one function per
@@ -62,6 +66,9 @@ globals().update({name: getattr(api, name) for name in (*OPS, *ALIASES)})
 
 Work.register(_C.Work)
 Work.register(_C.FusedCall)
+
+# torch.distributed.init_process_group("mcrdl"): the backend calls mcrdl through the front.
+torch_backend.register(api)
 
 __version__ = "0.1.0"
 
@@ -74,4 +81,5 @@ __all__ = [
     "CommTimeoutError", "DesyncError",
     "configure", "extensions", "FusionConfig", "CompressionConfig", "LoggingConfig",
     "log_summary", "export_log", "export_trace", "reset_log", "compression_stats",
+    "TorchBackendOptions", "set_torch_routes", "torch_routes",
 ]

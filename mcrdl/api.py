@@ -72,9 +72,9 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
     the table "auto" routes by; without one the table shipped for this system, if any.
     """
     global _runtime, _dispatch, _sessions
-    if timeout is None:
-        timeout = float(os.environ.get(
-            "MCRDL_TIMEOUT", _runtime.timeout if _runtime is not None else DEFAULT_TIMEOUT))
+    if timeout is None:  # a later init keeps the timeout in force
+        timeout = (_runtime.timeout if _runtime is not None
+                   else float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT)))
     timeout = check_timeout(timeout, "init")
     launch = _launch()
     avail = registry.availability(launch)
@@ -121,6 +121,15 @@ def available_backends() -> list[str]:
 def get_backends() -> list[str]:
     """Initialized backends, in init order."""
     return list(_runtime.backends) if _runtime is not None else []
+
+
+def current_runtime() -> Runtime | None:
+    """This process's :class:`~mcrdl.runtime.Runtime` (None before init and after
+    finalize), for integrations below the front that need its launch information, its
+    timeout or its bootstrap store (mcrdl.torch_backend gets the front injected and
+    rendezvouses torch.distributed on that store under mpiexec). ``init([])`` makes one
+    with no backend: the bootstrap alone."""
+    return _runtime
 
 
 def _initialized() -> Runtime:

@@ -57,6 +57,15 @@ class LaunchInfo:
         return rpn if rpn and rpn > 0 else self.local_size
 
 
+def _without_mpi(launcher: str, names: tuple[str, str, str, str], why: str) -> LaunchInfo:
+    """A launch with no MPI world; `names`: the variables of rank, size, local rank and
+    local size."""
+    rank, size, local_rank, local_size = names
+    n = _env_int(size) or 1
+    return LaunchInfo(launcher, _env_int(rank) or 0, n, _env_int(local_rank) or 0,
+                      _env_int(local_size) or n, False, why)
+
+
 def detect() -> LaunchInfo:
     """Inspect the environment; never initializes MPI or opens sockets."""
     env = os.environ
@@ -72,28 +81,14 @@ def detect() -> LaunchInfo:
                               "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE") or size
         return LaunchInfo("mpi", rank, size, local_rank, local_size, True)
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
-        size = _env_int("WORLD_SIZE") or 1
-        return LaunchInfo(
-            "torchrun",
-            _env_int("RANK") or 0,
-            size,
-            _env_int("LOCAL_RANK") or 0,
-            _env_int("LOCAL_WORLD_SIZE") or size,
-            False,
+        return _without_mpi(
+            "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
             "the process was started by torchrun (RANK/WORLD_SIZE set) without an MPI world; "
-            "launch with 'mpiexec -n N' (or srun with PMI) to use MPI",
-        )
+            "launch with 'mpiexec -n N' (or srun with PMI) to use MPI")
     if "SLURM_PROCID" in env and (_env_int("SLURM_NTASKS") or 1) > 1:
-        size = _env_int("SLURM_NTASKS") or 1
-        return LaunchInfo(
-            "slurm",
-            _env_int("SLURM_PROCID") or 0,
-            size,
-            _env_int("SLURM_LOCALID") or 0,
-            _env_int("SLURM_NTASKS_PER_NODE") or size,
-            False,
+        return _without_mpi(
+            "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
             "srun started this process without an MPI process-management interface; "
-            "use 'srun --mpi=pmix' (or pmi2) to use MPI",
-        )
+            "use 'srun --mpi=pmix' (or pmi2) to use MPI")
     # A plain 'python script.py': a world of one; MPI runs as a singleton.
     return LaunchInfo("single", 0, 1, 0, 1, True)

@@ -165,7 +165,8 @@ def check_timeout(timeout: object, where: str) -> float:
     return float(timeout)
 
 
-def unavailable(name: object, runtime: Runtime | None, launch: LaunchInfo) -> BackendUnavailableError:
+def unavailable(name: object, runtime: Runtime | None,
+                launch: LaunchInfo) -> BackendUnavailableError:
     """The error for backend `name` the front cannot call."""
     if runtime is None or not runtime.backends:
         return BackendUnavailableError(

@@ -1,4 +1,20 @@
-"""The Work handle of async operations (docs/api.md "Work")."""
+"""The Work handle of async operations (docs/api.md "Work") and its implementations.
+
+Every operation called with ``async_op=True`` returns a :class:`Work`. Three kinds
+exist, and no other:
+
+- ``mcrdl._C.Work``: one op posted from C++ (mpi, cray-mpich, pccl); the caller or the
+  backend's lane thread drives it (csrc/lane.cpp). ``mcrdl._C.FusedCall``, tensor
+  fusion's buffered call, is its C++ cousin.
+- :class:`ChainedWork`: steps that complete in order (C++ Works, library works behind
+  an adapter, other Works), then a finish step run once (copy-back, cast-back,
+  division, decompression, a log record). Backends over libraries and every layer that
+  adds work after an op use it.
+- :class:`mcrdl.ordering.DeferredWork`: a call queued on a (backend, group)'s
+  :class:`~mcrdl.ordering.IssueQueue` because it is posted later, in issue order
+  (fusion rounds, compression's size exchanges, debug mode's agreement, pccl's phases
+  on another backend): it completes once the call was posted, then its ChainedWork.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import torch
+
 
 class Work(abc.ABC):
     """Handle returned by every operation called with ``async_op=True``.
@@ -14,8 +32,8 @@ class Work(abc.ABC):
     ``wait(timeout=None)`` blocks until the op's result is ready (raising
     CommTimeoutError after ``timeout`` seconds, default: the init timeout) and returns
     True; ``is_completed()`` polls; ``backend`` names the backend that ran it (the
-    resolved name when "auto" was used). The C++ handle of host backends
-    (``mcrdl._C.Work``) is registered as a virtual subclass.
+    resolved name when "auto" was used). ``mcrdl._C.Work`` and ``mcrdl._C.FusedCall``
+    are registered as virtual subclasses.
     """
 
     __slots__ = ()
@@ -27,6 +45,60 @@ class Work(abc.ABC):
 
     @abc.abstractmethod
     def is_completed(self) -> bool: ...
+
+
+class ChainedWork(Work):
+    """Steps that complete in order, then ``finish`` run once (under no_grad).
+
+    A step is anything with ``wait(timeout)`` and ``is_completed()``. ``wait(timeout)``
+    bounds the whole chain by `timeout` (None: each step's own default). A failure under
+    the default timeout is kept and raised by every later wait; a caller's own shorter
+    timeout leaves the chain pending, to be waited again.
+    """
+
+    __slots__ = ("_steps", "_finish", "_done", "_error", "_lock", "backend")
+
+    def __init__(self, steps: Sequence, finish: Callable[[], None] | None = None,
+                 backend: str = ""):
+        self._steps = tuple(steps)
+        self._finish = finish
+        self._done = False
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.backend = backend
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._done:
+            return True
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return True
+            try:
+                for step in self._steps:
+                    step.wait(None if deadline is None
+                              else max(deadline - time.monotonic(), 0.0))
+                if self._finish is not None:
+                    with torch.no_grad():
+                        self._finish()
+            except BaseException as exc:
+                if timeout is None:  # not just the caller's own short timeout
+                    self._error = exc
+                raise
+            self._steps, self._finish = (), None
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if self._error is not None:
+            raise self._error
+        if all(step.is_completed() for step in self._steps):
+            return self.wait()
+        return False
 
 
 def poll_until(done: Callable[[], bool], limit: float) -> bool:

@@ -77,7 +77,8 @@ def test_two_ranks_json_rows_are_sane(tmp_path):
 
 
 def test_bad_size_suffix_exits_nonzero_with_message():
-    result = run_command([sys.executable, "-m", "mcrdl.tools.bench", "--max-bytes", "4X"], timeout=120)
+    result = run_command([sys.executable, "-m", "mcrdl.tools.bench", "--max-bytes", "4X"],
+                         timeout=120)
     assert result.returncode != 0
     assert "invalid size '4X'" in result.stderr
     assert "K, M or G" in result.stderr

@@ -18,8 +18,8 @@ def test_mcrdl_info_lists_every_backend_with_a_reason():
     assert b["pccl"]["available"] and b["pccl"]["ops"] == 3
     assert not b["cray-mpich"]["available"]
     assert "not Cray MPICH" in b["cray-mpich"]["why"] and "'mpi'" in b["cray-mpich"]["why"]
-    text = subprocess.run([sys.executable, "-m", "mcrdl.tools.info"], capture_output=True, text=True,
-                          timeout=120, check=True).stdout
+    text = subprocess.run([sys.executable, "-m", "mcrdl.tools.info"], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
     assert "cray-mpich" in text and "unavailable" in text and "pccl" in text
 
 

@@ -27,7 +27,7 @@ from .. import _C
 from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
 from ..groups import Group, bad_group_error
 from ..ops import ReduceOp, reduce_plan
-from ..work import ThreadedWait, Work, poll_until
+from ..work import ChainedWork, ThreadedWait, poll_until
 from .base import Backend, InitContext
 
 _TORCH_OP = {
@@ -63,23 +63,22 @@ def _root_buffers(buffers, root: int, g, n: int) -> list[list[torch.Tensor]]:
     return [[_flat(b.detach()) for b in buffers]]
 
 
-class C10dWork(Work):
-    """torch works plus a finish step (copy-back, averaging) run once after they end.
+class LibraryWait:
+    """The step of a ChainedWork that waits for one call's c10d works and turns the
+    library's errors into mcrdl's (a timeout marks the backend failed).
 
     ``wait_only``: the works complete only through a plain ``wait()`` (Gloo's send and
     recv). A timed wait or a poll then hands that wait to a :class:`ThreadedWait`, so
     that the caller's timeout leaves the op pending and the process group usable; every
     later wait goes through it too."""
 
-    __slots__ = ("_works", "_finish", "_done", "backend", "op", "group", "seq", "_timeout",
-                 "_owner", "_wait_only", "_waiter")
+    __slots__ = ("_works", "_done", "_owner", "op", "group", "seq", "_timeout",
+                 "_wait_only", "_waiter")
 
-    def __init__(self, works, finish, op, group, seq, timeout, owner, wait_only=False):
+    def __init__(self, works, op, group, seq, timeout, owner, wait_only=False):
         self._owner = owner
         self._works = works
-        self._finish = finish
         self._done = False
-        self.backend = owner.name
         self.op = op
         self.group = group
         self.seq = seq
@@ -87,17 +86,9 @@ class C10dWork(Work):
         self._wait_only = wait_only
         self._waiter: ThreadedWait | None = None
 
-    def _complete(self) -> None:
-        self._done = True
-        self._works = ()
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            with torch.no_grad():
-                finish()
-
     def _raise(self, exc: Exception, timeout: float):
         text = str(exc)
-        what = (f"{self.op} on backend '{self.backend}' (group {self.group}, "
+        what = (f"{self.op} on backend '{self._owner.name}' (group {self.group}, "
                 f"sequence number {self.seq})")
         if "imed out" in text or "timeout" in text.lower():
             msg = (f"{what} did not complete within {timeout} s; a rank of the group may never "
@@ -109,13 +100,13 @@ class C10dWork(Work):
 
     def _still_pending(self, limit: float) -> CommTimeoutError:
         return CommTimeoutError(
-            f"{self.op} on backend '{self.backend}' (group {self.group}, sequence number "
+            f"{self.op} on backend '{self._owner.name}' (group {self.group}, sequence number "
             f"{self.seq}) did not complete within wait(timeout={limit}) s; it is still pending")
 
     def _start_waiter(self) -> ThreadedWait:
         with _WAITER_LOCK:
             if self._waiter is None:
-                self._waiter = ThreadedWait(self._works, f"mcrdl-{self.backend}-{self.op}")
+                self._waiter = ThreadedWait(self._works, f"mcrdl-{self._owner.name}-{self.op}")
         return self._waiter
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -140,7 +131,8 @@ class C10dWork(Work):
             raise
         except RuntimeError as exc:
             self._raise(exc, limit)
-        self._complete()
+        self._done = True
+        self._works = ()
         return True
 
     def is_completed(self) -> bool:
@@ -150,9 +142,7 @@ class C10dWork(Work):
             done = self._start_waiter().done.is_set()
         else:
             done = all(w.is_completed() for w in self._works)
-        if done:
-            self.wait()
-        return done
+        return done and self.wait()
 
     def settled(self) -> bool:
         """Whether it is known complete (completing it then), without starting a waiter
@@ -186,7 +176,7 @@ class C10dBackend(Backend):
     native_reduce_scatter = False
     #: whether the library has ReduceOp.AVG for floating types (else: SUM, then divide)
     native_avg = False
-    #: whether send/recv works complete only through a plain wait() (see C10dWork)
+    #: whether send/recv works complete only through a plain wait() (see LibraryWait)
     p2p_wait_only = False
 
     def __init__(self, ctx: InitContext):
@@ -195,7 +185,7 @@ class C10dBackend(Backend):
         self._groups: dict[int, _PG] = {}
         #: why the backend is unusable (an op timed out), or None
         self.failed: str | None = None
-        self._inflight: list[C10dWork] = []
+        self._inflight: list[tuple[ChainedWork, LibraryWait]] = []
         self._world = self._make(ctx.world)
 
     def _new_pg(self, store, rank: int, size: int):
@@ -243,7 +233,7 @@ class C10dBackend(Backend):
 
     def synchronize(self, timeout: float) -> None:
         pending, self._inflight = self._inflight, []
-        for w in pending:
+        for w, _ in pending:
             w.wait(timeout)
 
     def finalize(self) -> None:
@@ -257,12 +247,12 @@ class C10dBackend(Backend):
 
     # -- helpers -------------------------------------------------------------------
     def _run(self, g: _PG, op: str, works, finish, async_op, wait_only=False):
-        w = C10dWork(works, finish, op, g.name, next(g.seq), self.ctx.timeout, self,
-                     wait_only)
+        step = LibraryWait(works, op, g.name, next(g.seq), self.ctx.timeout, self, wait_only)
+        w = ChainedWork([step], finish, self.name)
         if async_op:
             if len(self._inflight) >= 64:  # amortized: drop the ones already complete
-                self._inflight = [x for x in self._inflight if not x.settled()]
-            self._inflight.append(w)
+                self._inflight = [x for x in self._inflight if not x[1].settled()]
+            self._inflight.append((w, step))
             return w
         w.wait()
         return None

@@ -22,7 +22,7 @@ the intra-node one is "mpi" (the vendor library's role on CPU) unless
 ``MCRDL_PCCL_INTRA=ring|rd``. Both can be changed at run time with
 :func:`use_algorithms`.
 
-Every dtype of API.md: bool reduces as uint8 0/1 (SUM/MAX = or, PRODUCT/MIN = and),
+Every dtype of docs/api.md: bool reduces as uint8 0/1 (SUM/MAX = or, PRODUCT/MIN = and),
 float16/bfloat16 reduce in float32 and round once, AVG is SUM then a division. Other
 operations raise UnsupportedOperationError naming the backends that have them. CPU
 tensors only (MPI point-to-point on GPU memory needs a CUDA-aware MPI, not assumed).
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -41,7 +42,8 @@ from .. import _C
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..groups import Group
 from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
-from ..work import Work
+from ..ordering import IssueQueue
+from ..work import ChainedWork
 from .base import Capabilities, InitContext
 from .mpi import MPILaneBackend
 from .pccl_cost_model import CostModel
@@ -62,112 +64,6 @@ def _algo_env(var: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-class PcclWork(Work):
-    """The C++ Work of one phase chain plus a Python finish step (copy-back, averaging)."""
-
-    __slots__ = ("_work", "_finish", "backend")
-
-    def __init__(self, work, finish):
-        self._work, self._finish, self.backend = work, finish, "pccl"
-
-    def _done(self) -> None:
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            with torch.no_grad():
-                finish()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._work.wait(-1.0 if timeout is None else float(timeout))
-        self._done()
-        return True
-
-    def is_completed(self) -> bool:
-        if self._work.is_completed():
-            self._done()
-            return True
-        return False
-
-
-class _Both(Work):
-    """Two C++ works posted together on one communicator (all_reduce: reduce_scatter,
-    then all_gather, which C++ starts when the first completed) and a finish step."""
-
-    __slots__ = ("_first", "_second", "backend")
-
-    def __init__(self, first, second: PcclWork):
-        self._first, self._second, self.backend = first, second, "pccl"
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._first.wait(-1.0 if timeout is None else float(timeout))
-        return self._second.wait(timeout)
-
-    def is_completed(self) -> bool:
-        return self._first.is_completed() and self._second.is_completed()
-
-
-class _Staged(Work):
-    """An op in phases on two backends (pccl's C++ inter-node phase, a delegate
-    backend's intra-node phase): each phase is posted once the one before completed.
-    Ops of a group are advanced strictly in issue order by its _Sequencer, so every rank
-    posts the same sequence on each communicator whatever order the caller waits in."""
-
-    __slots__ = ("_phases", "_work", "_finish", "_seq", "backend")
-
-    def __init__(self, phases, finish, seq: _Sequencer):
-        self._phases = list(phases)  # callables posting one phase async, returning a Work
-        self._work = None
-        self._finish, self._seq, self.backend = finish, seq, "pccl"
-
-    def _step(self, block: bool, timeout: float | None) -> bool:
-        """Post and complete phases as far as possible; True when all are done."""
-        while True:
-            if self._work is not None:
-                if block:
-                    self._work.wait(timeout)
-                elif not self._work.is_completed():
-                    return False
-                self._work = None
-            if not self._phases:
-                if self._finish is not None:
-                    finish, self._finish = self._finish, None
-                    with torch.no_grad():
-                        finish()
-                return True
-            self._work = self._phases.pop(0)()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self._seq.advance(self, True, timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._seq.advance(self, False, None)
-
-
-class _Sequencer:
-    """The staged ops of one group, advanced in issue order (see _Staged)."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self):
-        self.pending: list[_Staged] = []
-
-    def submit(self, op: _Staged) -> _Staged:
-        self.pending.append(op)
-        self.advance(op, False, None)  # posts its first phase when nothing is ahead
-        return op
-
-    def advance(self, target: _Staged | None, block: bool, timeout: float | None) -> bool:
-        """Advance the ops up to `target` (all when None); True when `target` is done."""
-        while self.pending:
-            head = self.pending[0]
-            if not head._step(block, timeout):
-                return False
-            self.pending.pop(0)
-            if head is target:
-                return True
-        return True
-
-
 @dataclass
 class _Hier:
     """What a hierarchical group needs for a delegate intra-node phase: a C++ communicator
@@ -180,7 +76,7 @@ class _Hier:
     perm: torch.Tensor  # perm[l * N + j] = group rank of (node j, local l)
     nodes: int
     per_node: int
-    seq: _Sequencer
+    queue: IssueQueue  # the group's staged ops, posted in issue order
     made_on: set
 
 
@@ -264,21 +160,24 @@ class PCCLBackend(MPILaneBackend):
                 node_group=Group(members, self.ctx.bootstrap.rank,
                                  -(group.id * 100_003 + node + 1)),
                 perm=torch.tensor(lay.perm(), dtype=torch.long), nodes=lay.nodes,
-                per_node=lay.per_node, seq=_Sequencer(), made_on=set())
+                per_node=lay.per_node, made_on=set(),
+                queue=IssueQueue(f"pccl group {group.describe()}", lambda: self.ctx.timeout))
         self._comms[group.id] = c
 
     def add_group(self, group: Group) -> None:
         self._make(group)
 
     def synchronize(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         for h in self._hier.values():
-            h.seq.advance(None, True, timeout)
-        super().synchronize(timeout)
+            h.queue.drain(timeout)
+            h.queue.complete_all(max(deadline - time.monotonic(), 0.0))
+        super().synchronize(max(deadline - time.monotonic(), 0.0))
 
     def finalize(self) -> None:
         try:
             for h in self._hier.values():  # post what staged ops still hold
-                h.seq.advance(None, True, self.ctx.timeout)
+                h.queue.close(self.ctx.timeout)
         finally:
             self._hier.clear()
             super().finalize()
@@ -343,11 +242,19 @@ class PCCLBackend(MPILaneBackend):
                 lambda: h.inter.reduce_scatter(out, mid, int(code), inter, "mpi", True)]
 
     def _staged(self, h: _Hier, phases, finish, async_op):
-        w = h.seq.submit(_Staged(phases, finish, h.seq))
-        if async_op:
-            return w
-        w.wait()
-        return None
+        """An op in phases on two backends (pccl's C++ inter-node phase, the delegate's
+        intra-node phase): each phase is posted once the one before completed, as one
+        task of the group's queue, so every rank posts the same sequence on each
+        communicator whatever order the caller waits in."""
+        def post():
+            work = None
+            for phase in phases:
+                if work is not None:
+                    work.wait()
+                work = phase()
+            return ChainedWork([work], finish, self.name)
+
+        return h.queue.run_task(post, self.name, async_op)
 
     # -- operations -----------------------------------------------------------------------
     @staticmethod
@@ -360,7 +267,7 @@ class PCCLBackend(MPILaneBackend):
     def _run(self, post, finish, async_op):
         w = post(async_op)
         if async_op:
-            return PcclWork(w, finish)
+            return ChainedWork([w], finish, self.name)
         if finish is not None:
             with torch.no_grad():
                 finish()
@@ -447,8 +354,8 @@ class PCCLBackend(MPILaneBackend):
             return None
         # both posted now: C++ starts an op of a communicator when the one before is done
         first = c.reduce_scatter(piece, buf, int(code), *algos, True)
-        return _Both(first, PcclWork(c.all_gather(_words(buf), _words(piece), *algos, True),
-                                     finish))
+        second = c.all_gather(_words(buf), _words(piece), *algos, True)
+        return ChainedWork([first, second], finish, self.name)
 
 
 def _then(*steps):

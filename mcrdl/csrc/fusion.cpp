@@ -93,8 +93,10 @@ void unpack_flat(const at::Tensor& buf, py::handle dsts_obj) {
 // Everything here runs with the GIL held and never releases it (but in the copies), so a
 // call of these methods is atomic with respect to the stream's other Python threads.
 
-enum FusedKind : int { kAllReduce = 0, kBcast = 1, kAllGather = 2, kReduceScatter = 3 };
-const char* kKindNames[] = {"all_reduce", "bcast", "all_gather", "reduce_scatter"};
+// A call's kind is an index into the owning stream's `kind_names` (a Python tuple built
+// from mcrdl.ops, the one place that names the operations). The fast path below posts
+// all_reduce, whose index the Python side checks against kAllReduce at import.
+constexpr int kAllReduce = 0;
 
 double monotonic_s() {  // = Python's time.monotonic() (CLOCK_MONOTONIC)
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
@@ -167,9 +169,16 @@ PyObject* call_repr(PyObject* self) {
   if (done < 0) return nullptr;
   PyObject* backend = call_backend(self, nullptr);
   if (!backend) return nullptr;
-  PyObject* r = PyUnicode_FromFormat("<mcrdl fused %s #%lld on '%S' %s>", kKindNames[c->kind],
-                                     c->seq, backend,
-                                     done ? "done" : c->posted ? "posted" : "buffered");
+  PyObject* names = PyObject_GetAttrString(c->stream, "kind_names");
+  PyObject* kind = names ? PySequence_GetItem(names, c->kind) : nullptr;
+  Py_XDECREF(names);
+  if (!kind) {
+    Py_DECREF(backend);
+    return nullptr;
+  }
+  PyObject* r = PyUnicode_FromFormat("<mcrdl fused %S #%lld on '%S' %s>", kind, c->seq,
+                                     backend, done ? "done" : c->posted ? "posted" : "buffered");
+  Py_DECREF(kind);
   Py_DECREF(backend);
   return r;
 }
@@ -230,7 +239,7 @@ PyMemberDef call_members[] = {
     {"seq", T_LONGLONG, offsetof(FusedCallObject, seq), READONLY, "issue order in the stream"},
     {"param", T_LONGLONG, offsetof(FusedCallObject, param), READONLY, "reduce op or root"},
     {"nbytes", T_LONGLONG, offsetof(FusedCallObject, nbytes), READONLY, "bytes it adds to B"},
-    {"kind", T_INT, offsetof(FusedCallObject, kind), READONLY, "0 all_reduce, 1 bcast, ..."},
+    {"kind", T_INT, offsetof(FusedCallObject, kind), READONLY, "index into the stream's kind_names"},
     {"t", T_DOUBLE, offsetof(FusedCallObject, t), READONLY, "time.monotonic() at issue"},
     {"args", T_OBJECT, offsetof(FusedCallObject, args), READONLY, "the call's arguments"},
     {"posted", T_BOOL, offsetof(FusedCallObject, posted), 0, "handed to the backend"},

@@ -8,12 +8,12 @@ The extensions (fusion, compression, logging) are turned on for every later call
 See docs/extensions.md.
 """
 
-from .stack import configure, current, extensions
 from .comm_logger import export_log, export_trace
 from .comm_logger import reset as reset_log
 from .comm_logger import summary as log_summary
 from .compression import compression_stats
 from .config import CompressionConfig, ExtensionConfig, FusionConfig, LoggingConfig
+from .stack import configure, current, extensions
 from .tensor_fusion import fusion_stats
 
 __all__ = ["configure", "current", "extensions", "log_summary", "export_log", "export_trace",

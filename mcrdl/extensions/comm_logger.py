@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..ops import OPS, OpSpec
-from ..work import Work
+from ..work import ChainedWork
 from .base import Layer
 from .config import LoggingConfig
 
@@ -145,6 +145,7 @@ class CommLogger:
         return rec
 
     def finish(self, rec: Record, t1: int) -> None:
+        """Close `rec` at time `t1` (once: later calls are ignored)."""
         with self._lock:
             if rec.t1:
                 return
@@ -202,31 +203,6 @@ def logger() -> CommLogger:
     return _LOGGER
 
 
-class LoggedWork(Work):
-    """The Work of a logged async call: closes its record when seen complete."""
-
-    __slots__ = ("_inner", "_rec", "_log", "backend")
-
-    def __init__(self, inner: Work, rec: Record, log: CommLogger):
-        self._inner, self._rec, self._log = inner, rec, log
-        self.backend = getattr(inner, "backend", rec.backend)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        result = self._inner.wait(timeout)
-        if not self._rec.t1:
-            self._log.finish(self._rec, time.perf_counter_ns())
-        return result
-
-    def is_completed(self) -> bool:
-        done = self._inner.is_completed()
-        if done and not self._rec.t1:
-            self._log.finish(self._rec, time.perf_counter_ns())
-        return done
-
-    def __repr__(self) -> str:
-        return f"<logged {self._inner!r}>"
-
-
 class Logged(Layer):
     """The layer recording every call in the logger (see the module docstring)."""
 
@@ -247,7 +223,9 @@ class Logged(Layer):
             if not c.async_op:
                 log.finish(rec, perf())
                 return result
-            return LoggedWork(result, rec, log)
+            # the record ends when this rank sees the call complete
+            return ChainedWork([result], lambda: log.finish(rec, perf()),
+                               getattr(result, "backend", name))
 
         return call
 

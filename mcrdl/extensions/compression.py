@@ -48,12 +48,12 @@ import numpy as np
 import torch
 
 from ..errors import DesyncError, MCRDLError
-from ..ops import ReduceOp
-from ..ops import OPS, OpSpec
+from ..ops import OPS, OpSpec, ReduceOp
+from ..ordering import IssueQueue
 from ..validate import validate
-from ..work import Work
+from ..work import ChainedWork
 from .config import CompressionConfig
-from .ordered import Finish, IssueQueue, OrderedLayer
+from .ordered import OrderedLayer
 
 _FLOATS = (torch.float32, torch.float64)
 _RAW, _ZFP = 0, 1  # tag byte of a block
@@ -172,23 +172,6 @@ def _eligible(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in _FLOATS and t.is_cpu
 
 
-class _Works(Work):
-    """Several backend works as one (a compressed send), keeping its buffers alive."""
-
-    __slots__ = ("_works", "_keep", "backend")
-
-    def __init__(self, works: list, keep: tuple, backend: str):
-        self._works, self._keep, self.backend = works, keep, backend
-
-    def wait(self, timeout: float | None = None) -> bool:
-        for w in self._works:
-            w.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-
 class Compressed(OrderedLayer):
     """Wrapper backend compressing payloads with zfp; see the module docstring."""
 
@@ -251,7 +234,7 @@ class Compressed(OrderedLayer):
                 for block, dst in zip(recv.split(counts), _blocks(output, size), strict=True):
                     decode(block, dst, where)
 
-            return Finish([work], then)
+            return ChainedWork([work], then)
 
         return self._run(group, post, async_op)
 
@@ -275,7 +258,7 @@ class Compressed(OrderedLayer):
                     acc.div_(size)
                 tensor.copy_(acc)
 
-            return Finish([work], then)
+            return ChainedWork([work], then)
 
         return self._run(group, post, async_op)
 
@@ -299,7 +282,7 @@ class Compressed(OrderedLayer):
                 for block, d in zip(recv.split(counts), _blocks(output, size), strict=True):
                     decode(block, d, where)
 
-            return Finish([work], then)
+            return ChainedWork([work], then)
 
         return self._run(group, post, async_op)
 
@@ -324,7 +307,7 @@ class Compressed(OrderedLayer):
             counts = sizes.tolist()
             recv = torch.empty(counts[rank], dtype=torch.uint8)
             work = self.inner.scatterv(recv, send, counts, None, src, group, True)
-            return Finish([work], lambda: decode(recv, output, where))
+            return ChainedWork([work], lambda: decode(recv, output, where))
 
         return self._run(group, post, async_op)
 
@@ -345,7 +328,7 @@ class Compressed(OrderedLayer):
             if rank != src:
                 buf = torch.empty(int(n[0]), dtype=torch.uint8)
             work = self.inner.bcast(buf, src, group, True)
-            return Finish([work], lambda: decode(buf, tensor, where))
+            return ChainedWork([work], lambda: decode(buf, tensor, where))
 
         return self._run(group, post, async_op)
 
@@ -366,7 +349,7 @@ class Compressed(OrderedLayer):
             for block, d in zip(recv.split(rcounts), dsts, strict=True):
                 decode(block, d, where)
 
-        return Finish([work], then)
+        return ChainedWork([work], then)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
                           async_op):
@@ -412,7 +395,8 @@ class Compressed(OrderedLayer):
         if payload.numel():
             works.append(self.inner.send(payload, dst, tag, group, True))
         _count("send", tensor.nbytes, payload.numel() + _SIZE_BYTES)
-        work = _Works(works, (n, payload), self.name)
+        keep = (n, payload)  # alive until the sends complete
+        work = ChainedWork(works, lambda: keep, self.name)
         if async_op:
             return work
         work.wait()
@@ -436,7 +420,7 @@ class Compressed(OrderedLayer):
             self.inner.recv(n, src, tag, group, False)
             buf = torch.empty(int(n[0]), dtype=torch.uint8)
             works = [self.inner.recv(buf, src, tag, group, True)] if buf.numel() else []
-            return Finish(works, lambda: decode(buf, tensor, where))
+            return ChainedWork(works, lambda: decode(buf, tensor, where))
 
         return queue.run_task(post, self.name, async_op)
 

@@ -1,13 +1,14 @@
 """Debug mode (``MCRDL_DEBUG=1``): cross-rank agreement on every collective.
 
-Before each collective, every rank posts its view of the call (op, dtype, element
+Before each collective, every rank sends its view of the call (op, dtype, element
 counts, root, reduce op) as a small int64 vector on a side channel of its own per
-(backend, group); the debug lane of that (backend, group) completes the exchange,
-compares the views and only then posts the op itself. A mismatch raises DesyncError on
-every rank (each rank sees all views) with a table of them, instead of a hang or
-garbage. Exchange and lane are per (backend, group), so they follow the ordering rule
-of the ops themselves: programs that interleave backends, or groups of one backend,
-differently on each rank do not deadlock.
+(backend, group), waits for the other ranks' views, compares them and only then posts
+the op itself. A mismatch raises DesyncError on every rank (each rank sees all views)
+with a table of them, instead of a hang or garbage. Each call is one task of the
+(backend, group)'s IssueQueue (mcrdl.ordering): posted inline when the queue is idle,
+else by the queue's worker, so an async call never blocks its caller on other ranks,
+and exchanges follow the ordering rule of the ops themselves: programs that interleave
+backends, or groups of one backend, differently on each rank do not deadlock.
 
 The side channel is a duplicated MPI communicator when there is an MPI world, else a
 dedicated Gloo process group.
@@ -15,20 +16,20 @@ dedicated Gloo process group.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import queue
-import threading
-from collections.abc import Callable
+import time
 
 import numpy as np
 import torch
 
-from ..errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from ..bootstrap import mpi_module
+from ..errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from ..groups import Group, bad_group_error
 from ..ops import DTYPES, OPS, Agreement, Call, Kind, OpSpec, ReduceOp
+from ..ordering import LOCAL_ERRORS, IssueQueue
 from ..validate import validate
-from ..work import ThreadedWait, Work, poll_until
+from ..work import ChainedWork, ThreadedWait, poll_until
 from .base import Layer
 
 _OP_NAMES = tuple(OPS)  # a signature's op code is the operation's index here
@@ -197,123 +198,34 @@ class _GlooChannel:
         pass
 
 
-class _Checked:
-    """One collective in debug mode: its exchange, the deferred post, the outcome."""
+class _Agreement:
+    """The side channel of one (backend, group) and the queue its calls are checked and
+    posted in."""
 
-    __slots__ = ("op", "group", "channel", "handle", "post", "work", "error", "posted")
+    __slots__ = ("channel", "queue", "gname")
 
-    def __init__(self, op, group, channel, handle, post):
-        self.op, self.group, self.channel, self.handle, self.post = op, group, channel, handle, post
-        self.work = None
-        self.error: BaseException | None = None
-        self.posted = threading.Event()
-
-
-class _Lane:
-    """The debug lane of one (backend, group): its side channel, and a thread (started
-    on first use) that checks each call's views in issue order, then posts the call."""
-
-    def __init__(self, channel, backend: str, gid: int, timeout_of: Callable[[], float],
-                 fail: Callable[[str], None]):
-        self.channel = channel
-        self._backend, self._gid = backend, gid
-        self._timeout_of, self._fail = timeout_of, fail
-        self._queue: queue.Queue[_Checked | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def submit(self, call: _Checked) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name=f"mcrdl-debug-{self._backend}-{self._gid}",
-                        daemon=True)
-                    self._thread.start()
-        self._queue.put(call)
-
-    def stop(self, timeout: float) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout)
-        self.channel.free()
-
-    def _run(self) -> None:
-        while True:
-            call = self._queue.get()
-            if call is None:
-                return
-            try:
-                limit = self._timeout_of()
-                if not poll_until(lambda c=call: c.channel.done(c.handle), limit):
-                    gone = call.channel.missing(call.handle)
-                    world = [call.channel.ranks[p] for p in gone]
-                    self._fail(f"{call.op} timed out in debug mode")
-                    raise CommTimeoutError(
-                        f"{call.op} on backend '{self._backend}' (group {call.group}) did not "
-                        f"start within {limit} s: group rank(s) {gone} (world rank(s) "
-                        f"{world}) never called it (debug mode: their call signature "
-                        "never arrived)")
-                views = np.asarray(call.handle[1])
-                bad = disagreement(views)
-                if bad is not None:  # nothing was posted: the backend stays usable
-                    raise DesyncError(f"{call.op}: ranks disagree on the {bad}:\n"
-                                      + table(views, call.group, self._backend))
-                if call.post is not None:
-                    call.work = call.post()
-            except BaseException as exc:  # delivered to the waiting caller
-                call.error = exc
-            finally:
-                call.posted.set()
-
-
-class DebugWork(Work):
-    """Waits for the debug lane to have checked and posted the call, then for the op."""
-
-    __slots__ = ("_call", "backend", "_timeout", "_what")
-
-    def __init__(self, call: _Checked, backend: str, timeout: float, what: str):
-        self._call, self.backend, self._timeout, self._what = call, backend, timeout, what
-
-    def wait(self, timeout: float | None = None) -> bool:
-        limit = self._timeout if timeout is None else timeout
-        # A little longer than the lane's own deadline, so its precise error wins.
-        if not self._call.posted.wait(limit + 2.0):
-            raise CommTimeoutError(f"{self._what} did not pass the debug agreement check "
-                                   f"within {limit} s: a rank of the group never called it")
-        if self._call.error is not None:
-            raise self._call.error
-        w = self._call.work
-        return w.wait(timeout) if w is not None else True
-
-    def is_completed(self) -> bool:
-        if not self._call.posted.is_set():
-            return False
-        if self._call.error is not None:
-            raise self._call.error
-        return self._call.work is None or self._call.work.is_completed()
+    def __init__(self, channel, queue: IssueQueue, gname: str):
+        self.channel, self.queue, self.gname = channel, queue, gname
 
 
 class Debugged(Layer):
     """Wraps a backend: every collective goes through the agreement check.
 
-    The caller validates locally and posts its signature; the debug lane of the call's
-    (backend, group) completes each exchange in issue order and posts the real op only
-    when the views agree, so a mismatched call is never sent (Gloo aborts the process on
-    size mismatches; MPI may hang) and the backend stays usable after a DesyncError. A
-    timeout of the exchange leaves the channel misaligned: the backend then refuses new
-    ops.
+    The caller validates locally; the call's task on its (backend, group) queue sends
+    the signature, completes the exchange and posts the real op only when the views
+    agree, so a mismatched call is never sent (Gloo aborts the process on size
+    mismatches; MPI may hang) and the backend stays usable after a DesyncError. A timeout
+    of the exchange leaves the channel misaligned: the backend then refuses new ops.
     """
 
     def __init__(self, inner, rt):
         self._bootstrap = rt.bootstrap
         self._timeout_of = rt.timeout_of
         self._size_rank = rt.size_rank
-        self._lanes: dict[int, _Lane] = {}  # group id -> lane (groups this rank is in)
-        self._failed: str | None = None  # set with the first timeout or desync
-        self._pending: list[_Checked] = []  # calls not yet known to be posted
+        self._groups: dict[int, _Agreement] = {}  # group id -> (groups this rank is in)
+        self._failed: str | None = None  # set with the first timeout
         super().__init__(inner)
-        self._make_lane(rt.world)
+        self._make_agreement(rt.world)
 
     def passthrough(self, spec: OpSpec, forward):
         if spec.p2p:  # matched by tag and peer, not by issue order: nothing to agree on
@@ -324,8 +236,8 @@ class Debugged(Layer):
 
         return call
 
-    def _make_lane(self, group: Group) -> None:
-        """The side channel (collective over the world) and lane of a new group."""
+    def _make_agreement(self, group: Group) -> None:
+        """The side channel (collective over the world) and queue of a new group."""
         boot = self._bootstrap
         channel = None
         if boot.info.mpi_world:
@@ -342,27 +254,28 @@ class Debugged(Layer):
                                        datetime.timedelta(seconds=self._timeout_of()))
             channel = _GlooChannel(pg, group.rank, group.ranks)
         if channel is not None:
-            self._lanes[group.id] = _Lane(channel, self.name, group.id, self._timeout_of,
-                                          self._fail)
+            gname = group.describe()
+            queue = IssueQueue(f"debug {self.name} group {gname}", self._timeout_of,
+                               (*LOCAL_ERRORS, DesyncError))
+            self._groups[group.id] = _Agreement(channel, queue, gname)
 
     def add_group(self, group: Group) -> None:
         self.inner.add_group(group)
-        self._make_lane(group)
+        self._make_agreement(group)
 
     def synchronize(self, timeout: float) -> None:
-        """Wait until the debug lane posted every call so far, then for the backend's ops."""
-        pending, self._pending = self._pending, []
-        for call in pending:
-            if not call.posted.wait(timeout + 2.0):
-                raise CommTimeoutError(f"synchronize: {call.op} on backend '{self.name}' "
-                                       f"(group {call.group}) did not pass the debug "
-                                       f"agreement check within {timeout} s")
-        self.inner.synchronize(timeout)
+        """Post every queued call and complete it, then wait for the backend's ops."""
+        deadline = time.monotonic() + timeout
+        for agreement in list(self._groups.values()):
+            agreement.queue.drain(timeout)
+            agreement.queue.complete_all(max(deadline - time.monotonic(), 0.0))
+        self.inner.synchronize(max(deadline - time.monotonic(), 0.0))
 
     def finalize(self) -> None:
-        lanes, self._lanes = list(self._lanes.values()), {}
-        for lane in lanes:
-            lane.stop(self._timeout_of())
+        agreements, self._groups = list(self._groups.values()), {}
+        for agreement in agreements:
+            agreement.queue.close(self._timeout_of())
+            agreement.channel.free()
         self.inner.finalize()
 
     def _call(self, call: Call, forward):
@@ -372,32 +285,45 @@ class Debugged(Layer):
                 f"{op}: backend '{self.name}' is unusable since {self._failed} (ranks no longer "
                 "issue matching operations); finalize and restart the job")
         size, rank = self._size_rank(group)  # non-members and non-groups raise here
-        lane = self._lanes.get(0 if group is None else group.id)
-        if lane is None:
+        agreement = self._groups.get(0 if group is None else group.id)
+        if agreement is None:
             raise bad_group_error(group)
-        channel = lane.channel
-        gname = "world" if group is None else group.describe()
-        what = f"{op} on backend '{self.name}' (group {gname})"
         try:
             call = validate(call, size, rank)
         except Exception:
             # One signature per call keeps the channel aligned; the others see the error.
             sig = np.full(_HEADER + 2 * size, _LOCAL_ERROR, dtype=np.int64)
-            checked = _Checked(op, gname, channel, channel.post(sig), None)
-            lane.submit(checked)
-            checked.posted.wait(self._timeout_of())
+            with contextlib.suppress(CommTimeoutError, DesyncError):
+                agreement.queue.run_task(lambda: self._agree(op, agreement, sig), self.name,
+                                         False)
             raise
+        sig = signature(call, size)
         posted = call.replace(async_op=True)
-        checked = _Checked(op, gname, channel, channel.post(signature(call, size)),
-                           lambda: posted.forward(forward))
-        lane.submit(checked)
-        self._pending = [p for p in self._pending if not p.posted.is_set()]
-        self._pending.append(checked)
-        work = DebugWork(checked, self.name, self._timeout_of(), what)
-        if call.async_op:
-            return work
-        work.wait()
-        return None
+
+        def post():
+            self._agree(op, agreement, sig)
+            return ChainedWork([posted.forward(forward)], backend=self.name)
+
+        return agreement.queue.run_task(post, self.name, call.async_op)
+
+    def _agree(self, op: str, agreement: _Agreement, sig: np.ndarray) -> None:
+        """Exchange `sig` with the group and compare every rank's view (a task step)."""
+        channel = agreement.channel
+        handle = channel.post(sig)
+        limit = self._timeout_of()
+        if not poll_until(lambda: channel.done(handle), limit):
+            gone = channel.missing(handle)
+            world = [channel.ranks[p] for p in gone]
+            self._fail(f"{op} timed out in debug mode")
+            raise CommTimeoutError(
+                f"{op} on backend '{self.name}' (group {agreement.gname}) did not start within "
+                f"{limit} s: group rank(s) {gone} (world rank(s) {world}) never called it "
+                "(debug mode: their call signature never arrived)")
+        views = np.asarray(handle[1])
+        bad = disagreement(views)
+        if bad is not None:  # nothing was posted: the backend stays usable
+            raise DesyncError(f"{op}: ranks disagree on the {bad}:\n"
+                              + table(views, agreement.gname, self.name))
 
     def _fail(self, why: str) -> None:
         self._failed = self._failed or why

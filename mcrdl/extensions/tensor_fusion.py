@@ -47,9 +47,10 @@ import torch
 
 from .. import _C
 from ..errors import DesyncError
-from ..ops import OPS, OpSpec, ReduceOp
+from ..ops import FUSABLE_OPS, OPS, OpSpec, ReduceOp
+from ..ordering import IssueQueue, Task
 from .config import FusionConfig
-from .ordered import IssueQueue, OrderedLayer, Task
+from .ordered import OrderedLayer
 
 _totals_lock = threading.Lock()
 _totals = {"flushes": 0, "short_flushes": 0, "calls": 0}
@@ -201,14 +202,19 @@ def _post_reduce_scatter(inner, chunk, group, gsize, grank, async_op):
     return work, lambda: chunk.unpack(fused_out)
 
 
-# By _C.FusedCall.kind
+# By _C.FusedCall.kind (the C++ fast path posts all_reduce as kind 0)
 _ALL_REDUCE, _BCAST, _ALL_GATHER, _REDUCE_SCATTER = range(4)
 _POST = (_post_all_reduce, _post_bcast, _post_all_gather, _post_reduce_scatter)
+KIND_NAMES = tuple(f.__name__.removeprefix("_post_") for f in _POST)
+if set(KIND_NAMES) != FUSABLE_OPS or KIND_NAMES[0] != "all_reduce":
+    raise ImportError(f"fusion kinds {KIND_NAMES} do not match mcrdl.ops ({FUSABLE_OPS})")
 
 
 class FusionBuffer(IssueQueue):
     """The fusion buffer of one (backend, group): an ordered queue whose items are
     buffered calls and deferred unfusable calls; see the module docstring."""
+
+    kind_names = KIND_NAMES  # FusedCall reprs name their kind from here
 
     def __init__(self, name: str, rt, inner, group, gsize: int, backend: str,
                  config: FusionConfig):
@@ -229,11 +235,7 @@ class FusionBuffer(IssueQueue):
     # -- hooks of the C++ queue -------------------------------------------------------
     def _wake(self, seq: int) -> None:
         """B bytes are buffered: flush up to call `seq` soon."""
-        with self._cv:
-            if seq > self._want:
-                self._want = seq
-            self._ensure_worker()
-            self._cv.notify()
+        self.request(seq)
 
     def _on_timer(self) -> None:
         """The queue's T-timer fired (its own thread, see csrc/fusion.cpp): the oldest

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 import mcrdl
-
 from mcrdl.ops import COLLECTIVES
 from mcrdl.tuning.table import TuningTable
 

@@ -42,7 +42,7 @@ _MISS = object()
 class TuningTable:
     """Measured seconds per (op, group size, backend, bytes), plus provenance.
 
-    ``op`` is an operation name of API.md (the tuning suite also stores
+    ``op`` is an operation name of mcrdl.ops.OPS (the tuning suite also stores
     ``"<op>@overlap<K>"`` rows), ``group_size`` the number of ranks, ``nbytes`` the size
     column of ``mcrdl-bench`` (bytes of the largest buffer one rank touches).
     """

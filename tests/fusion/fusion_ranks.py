@@ -263,6 +263,8 @@ if rank == 0:
 ts = [torch.full((k + 1,), float(rank + k)) for k in range(20)]
 with mcrdl.extensions(fusion={"wait_us": 1e6}):  # only synchronize may flush
     ws = [mcrdl.all_reduce("gloo", t, async_op=True) for t in ts]
+    if not repr(ws[0]).startswith("<mcrdl fused all_reduce #"):
+        failures.append(f"a buffered call's repr does not name its op: {ws[0]!r}")
     mcrdl.synchronize(["gloo"])
     expect = [float(sum(range(size)) + size * k) for k in range(20)]
     if [t[0].item() for t in ts] != expect or not all(w.is_completed() for w in ws):

@@ -73,6 +73,19 @@ CONFIGS: dict[str, GPTConfig] = {
     "gpt3-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048),
     "gpt3-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, block_size=2048),
     "gpt3-175b": GPTConfig(n_layer=96, n_head=96, n_embd=12288, block_size=2048),
+    # The GPT shapes of AxoNN's 4D-parallelism papers (Singh et al.; table in
+    # github.com/axonn-ai/Megatron-AxoNN, model-table.md), sequence length 2048, GPT-2's
+    # BPE vocabulary padded from 50257 to 50304 (a multiple of 128, as Megatron-LM pads it)
+    # so that the LM head's rows split evenly over tensor-parallel ranks.
+    "gpt-5b": GPTConfig(n_layer=24, n_head=32, n_embd=4096, block_size=2048, vocab_size=50304),
+    "gpt-10b": GPTConfig(n_layer=32, n_head=40, n_embd=5120, block_size=2048, vocab_size=50304),
+    "gpt-20b": GPTConfig(n_layer=32, n_head=56, n_embd=7168, block_size=2048, vocab_size=50304),
+    "gpt-40b": GPTConfig(n_layer=38, n_head=72, n_embd=9216, block_size=2048, vocab_size=50304),
+    "gpt-60b": GPTConfig(n_layer=56, n_head=72, n_embd=9216, block_size=2048, vocab_size=50304),
+    "gpt-80b": GPTConfig(n_layer=42, n_head=96, n_embd=12288, block_size=2048, vocab_size=50304),
+    "gpt-160b": GPTConfig(n_layer=84, n_head=96, n_embd=12288, block_size=2048, vocab_size=50304),
+    "gpt-320b": GPTConfig(n_layer=96, n_head=128, n_embd=16384, block_size=2048, vocab_size=50304),
+    "gpt-640b": GPTConfig(n_layer=192, n_head=128, n_embd=16384, block_size=2048, vocab_size=50304),
 }
 
 

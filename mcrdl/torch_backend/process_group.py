@@ -1,0 +1,598 @@
+"""The torch.distributed ProcessGroup of the "mcrdl" backend, and its Work.
+
+Each c10d operation torch calls on the group becomes one call of the public mcrdl API
+(the front, handed in by ``mcrdl/__init__.py``) on the backend its family is routed to
+(routing.py), so it gets mcrdl's validation, "auto" routing, lanes, timeouts, debug
+mode and extensions. The group is a Python subclass of ``torch.distributed.ProcessGroup``
+(torch's trampoline forwards the C++ virtual calls DDP's reducer and the functional
+collectives make to these methods).
+
+Calls with ``opts.asyncOp`` False (torch's blocking calls) run the blocking mcrdl call
+and return None, which torch accepts as "already complete"; the others return a
+:class:`McrdlWork`. A group made with a timeout other than mcrdl's waits on its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from ..errors import (
+    BackendUnavailableError,
+    CommTimeoutError,
+    InvalidArgumentError,
+    MCRDLError,
+    UnsupportedOperationError,
+)
+from ..ops import OPS, ReduceOp
+from ..validate import validate
+from .routing import (
+    ALLGATHER,
+    ALLREDUCE,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST,
+    GATHER,
+    RECV,
+    REDUCE,
+    REDUCE_SCATTER,
+    SCATTER,
+    SEND,
+    TorchBackendOptions,
+    check_initialized,
+    describe,
+    process_routes,
+    table,
+)
+
+log = logging.getLogger("mcrdl")
+
+BACKEND_NAME = "mcrdl"
+
+_TORCH_SUM, _SUM = dist.ReduceOp.SUM, ReduceOp.SUM
+_REDUCE_OPS = {getattr(dist.ReduceOp.RedOpType, op.name).value: op for op in ReduceOp
+               if hasattr(dist.ReduceOp.RedOpType, op.name)}
+
+
+def _reduce_op(op: dist.ReduceOp, where: str) -> ReduceOp:
+    """mcrdl's ReduceOp of a torch one. SUM is tested first: taking a torch ReduceOp
+    apart costs more than a micro-second, most of the time budget of a small call."""
+    if op == _TORCH_SUM:
+        return _SUM
+    kind = op.op
+    try:
+        return _REDUCE_OPS[kind.value]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"{where}: reduce op {kind.name} has no mcrdl equivalent; mcrdl reduces with "
+            f"{', '.join(o.name for o in ReduceOp)} (PREMUL_SUM is NCCL's own)") from None
+
+
+def _not_one(tensors: Sequence[torch.Tensor], where: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{where}: mcrdl takes one tensor per call, got a list of {len(tensors)} (torch's "
+        "multi-tensor form is for several devices per process); call once per tensor")
+
+
+def _single(tensors: Sequence[torch.Tensor], where: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise _not_one(tensors, where)
+    return tensors[0]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a contiguous tensor; others as they are, for mcrdl to refuse."""
+    return t.view(-1) if t.is_contiguous() else t
+
+
+def _seconds(timeout: object) -> float | None:
+    """A c10d timeout (timedelta; zero means none given) in seconds, or None."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) \
+        else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+def explicit_timeout(timeout: datetime.timedelta | None) -> float | None:
+    """Seconds of a timeout torch passes to a backend, None when it is torch's default:
+    init_process_group and new_group always pass one, so a timeout equal to the default
+    (30 min) counts as not given and mcrdl's own ($MCRDL_TIMEOUT, else 300 s) applies."""
+    if timeout is None or timeout == default_pg_timeout:
+        return None
+    return timeout.total_seconds()
+
+
+def _c10d_error(exc: MCRDLError, family: str, backend: str) -> MCRDLError:
+    """`exc` of the same class, its message led by the c10d operation and the route."""
+    return type(exc)(f"torch.distributed {family} on mcrdl backend '{backend}': {exc}")
+
+
+_completer_lock = threading.Lock()
+_completer: ThreadPoolExecutor | None = None
+
+
+def _completer_pool() -> ThreadPoolExecutor:
+    """Threads that complete the futures of works (get_future), one per pending future up
+    to 128: a wait never holds up another's future."""
+    global _completer
+    with _completer_lock:
+        if _completer is None:
+            _completer = ThreadPoolExecutor(128, thread_name_prefix="mcrdl-torch-future")
+        return _completer
+
+
+class McrdlWork(dist.Work):
+    """The c10d Work of async calls: mcrdl works, the tensors they write (the future's
+    value, as c10d gives it) and a finish step (copying a packed result out) run once
+    when they are complete. Made by :meth:`of`.
+
+    ``wait(timeout)`` blocks until then (timeout zero or None: the group's, else
+    mcrdl's); ``get_future()`` is completed by a thread of its own that waits, so that
+    DDP's communication hooks chain on it. Only one thread waits on the mcrdl works at a
+    time (the lock), so the finish step runs once.
+    """
+
+    # Slots: a work is made per async call, and attributes of a Python subclass of a
+    # pybind class are cheaper in slots; __dict__ stays for what torch may set.
+    __slots__ = ("_works", "_outputs", "_timeout", "_finish", "_what", "_lock", "_done",
+                 "_error", "_future", "__dict__")
+
+    @classmethod
+    def of(cls, works: tuple, outputs: list, timeout: float | None,
+           finish: Callable[[], None] | None, what: str) -> McrdlWork:
+        # No __init__ of its own: pybind's constructor alone is the cheaper call.
+        work = cls()
+        work._works = works
+        work._outputs = outputs
+        work._timeout = timeout
+        work._finish = finish
+        work._what = what
+        work._lock = threading.Lock()
+        work._done = False
+        work._error = None
+        work._future = None
+        return work
+
+    def _complete(self) -> None:
+        if self._finish is not None:
+            with torch.no_grad():
+                self._finish()
+            self._finish = None
+        self._works = ()
+        self._done = True
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        if not self._done:
+            seconds = self._timeout if timeout is None else (_seconds(timeout) or self._timeout)
+            lock = self._lock
+            if seconds is None:  # mcrdl's timeout bounds the waits, hence this one
+                lock.acquire()
+            elif not lock.acquire(timeout=seconds):
+                raise CommTimeoutError(
+                    f"torch.distributed {self._what} on mcrdl did not complete within "
+                    f"wait(timeout={seconds}) s; it is still pending")
+            try:
+                if not self._done:
+                    for w in self._works:
+                        w.wait(seconds)
+                    self._complete()
+            finally:
+                lock.release()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        if self._done:
+            return True
+        if not self._lock.acquire(blocking=False):  # another thread is waiting on it
+            return False
+        try:
+            if not self._done and all(w.is_completed() for w in self._works):
+                self._complete()
+            return self._done
+        finally:
+            self._lock.release()
+
+    def get_future(self) -> torch.futures.Future:
+        with _completer_lock:
+            if self._future is not None:
+                return self._future
+            future = self._future = torch.futures.Future()
+        if self.is_completed():
+            future.set_result(self._outputs)
+        else:
+            _completer_pool().submit(self._complete_future)
+        return future
+
+    def _complete_future(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the future's waiters
+            self._error = exc
+            self._future.set_exception(exc)
+            return
+        self._future.set_result(self._outputs)
+
+    def result(self) -> list:
+        return self._outputs
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def is_success(self) -> bool:
+        return self._done and self._error is None
+
+
+class ProcessGroupMCRDL(dist.ProcessGroup):
+    """A torch.distributed process group whose operations run on mcrdl.
+
+    ``front``: the mcrdl front (``mcrdl.api``); ``group``: the mcrdl Group of the same
+    ranks in the same order (None: mcrdl's world); ``routes``: c10d family -> mcrdl
+    backend (the process-wide dict, shared, or one of the group's own); ``timeout``:
+    seconds this group's waits take, None for mcrdl's.
+    """
+
+    # Slots: the hot path reads these on every call (see McrdlWork).
+    __slots__ = ("_api", "_group", "_routes", "_timeout", "_finalize_on_shutdown", "_name",
+                 "_desc", "__dict__")
+
+    def __init__(self, front, rank: int, size: int, group, routes: dict[str, str],
+                 timeout: float | None, finalize_on_shutdown: bool = False):
+        super().__init__(rank, size)
+        self._api = front
+        self._group = group
+        self._routes = routes
+        self._timeout = timeout
+        self._finalize_on_shutdown = finalize_on_shutdown
+        self._name = ""
+        self._desc = "undefined"
+
+    # The C++ virtuals torch's trampoline forwards; c10d keeps a group's name and
+    # description in its C++ backends, which this group has none of.
+    def getBackendName(self) -> str:  # noqa: N802
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def __repr__(self) -> str:
+        where = "world" if self._group is None else f"ranks {list(self._group.ranks)}"
+        return f"<ProcessGroupMCRDL {where}, rank {self.rank()} of {self.size()}>"
+
+    @property
+    def routes(self) -> dict[str, str]:
+        """c10d operation family -> mcrdl backend, as this group routes now."""
+        return dict(self._routes)
+
+    # -- issuing -------------------------------------------------------------------
+    def _post(self, family: str, op: Callable, args: tuple, outputs: list, async_op: bool):
+        """One mcrdl call: a McrdlWork when `async_op`, else None once complete (a group
+        with a timeout of its own waits on a work with it)."""
+        backend = self._routes[family]
+        try:
+            if not async_op and self._timeout is None:
+                op(backend, *args, self._group, False)
+                return None
+            work = McrdlWork.of((op(backend, *args, self._group, True),), outputs,
+                                self._timeout, None, family)
+        except MCRDLError as exc:
+            raise _c10d_error(exc, family, backend) from None
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _post_each(self, family: str, op: Callable, calls: list[tuple], outputs: list,
+                   async_op: bool, finish: Callable[[], None] | None = None):
+        """Several mcrdl calls as one work (the coalesced forms). Every call is validated
+        before the first is issued, so a bad one sends nothing."""
+        backend = self._routes[family]
+        spec = OPS[op.__name__]
+        try:
+            for args in calls:
+                validate(spec.call((*args, self._group, True)), self.size(), self.rank())
+            works = tuple(op(backend, *args, self._group, True) for args in calls)
+        except MCRDLError as exc:
+            raise _c10d_error(exc, family, backend) from None
+        work = McrdlWork.of(works, outputs, self._timeout, finish, family)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    # -- allreduce: allreduce, allreduce_coalesced -------------------------------------
+    def allreduce(self, tensors, opts=None):
+        # _post written out: the small all-reduce is the call whose overhead matters.
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        if len(tensors) != 1:
+            raise _not_one(tensors, ALLREDUCE)
+        op = opts.reduceOp
+        op = _SUM if op == _TORCH_SUM else _reduce_op(op, ALLREDUCE)
+        async_op = opts.asyncOp
+        backend = self._routes[ALLREDUCE]
+        try:
+            if not async_op and self._timeout is None:
+                self._api.all_reduce(backend, tensors[0], op, self._group, False)
+                return None
+            work = McrdlWork.of((self._api.all_reduce(backend, tensors[0], op, self._group, True),),
+                                tensors, self._timeout, None, ALLREDUCE)
+        except MCRDLError as exc:
+            raise _c10d_error(exc, ALLREDUCE, backend) from None
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """One all_reduce per dtype, of the tensors packed into one buffer."""
+        if opts is None:
+            opts = dist.AllreduceCoalescedOptions()
+        op = _reduce_op(opts.reduceOp, "allreduce_coalesced")
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        packed = [(torch.cat([t.reshape(-1) for t in ts]), ts) for ts in by_dtype.values()]
+
+        def unpack():
+            for flat, ts in packed:
+                offset = 0
+                for t in ts:
+                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t))
+                    offset += t.numel()
+
+        return self._post_each(ALLREDUCE, self._api.all_reduce,
+                               [(flat, op) for flat, _ in packed], list(tensors), opts.asyncOp,
+                               unpack)
+
+    # -- broadcast, reduce -------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        if opts is None:
+            opts = dist.BroadcastOptions()
+        tensor = _single(tensors, BROADCAST)
+        return self._post(BROADCAST, self._api.bcast, (tensor, opts.rootRank), tensors,
+                          opts.asyncOp)
+
+    def reduce(self, tensors, opts=None):
+        if opts is None:
+            opts = dist.ReduceOptions()
+        tensor = _single(tensors, REDUCE)
+        return self._post(REDUCE, self._api.reduce,
+                          (tensor, opts.rootRank, _reduce_op(opts.reduceOp, REDUCE)), tensors,
+                          opts.asyncOp)
+
+    # -- allgather: allgather, all_gather_single (_allgather_base), allgather_coalesced,
+    #    all_gather_single_coalesced (allgather_into_tensor_coalesced) -----------------
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        tensor = _single(input_tensors, ALLGATHER)
+        outputs = _single(output_tensors, ALLGATHER)
+        return self._post(ALLGATHER, self._api.all_gather, (outputs, tensor), outputs,
+                          opts.asyncOp)
+
+    def all_gather_single(self, output, input, opts=None):
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        return self._post(ALLGATHER, self._api.all_gather, (_flat(output), _flat(input)),
+                          [output], opts.asyncOp)
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        calls = [(outs, t) for outs, t in zip(output_lists, input_tensors, strict=True)]
+        return self._post_each(ALLGATHER, self._api.all_gather, calls,
+                               [o for outs in output_lists for o in outs], opts.asyncOp)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        calls = [(_flat(o), _flat(i)) for o, i in zip(outputs, inputs, strict=True)]
+        return self._post_each(ALLGATHER, self._api.all_gather, calls, list(outputs),
+                               opts.asyncOp)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # -- gather, scatter -------------------------------------------------------------
+    def gather(self, output_tensors, input_tensors, opts=None):
+        if opts is None:
+            opts = dist.GatherOptions()
+        tensor = _single(input_tensors, GATHER)
+        outputs = _single(output_tensors, GATHER) if output_tensors else None
+        return self._post(GATHER, self._api.gather, (outputs, tensor, opts.rootRank),
+                          outputs or [], opts.asyncOp)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        if opts is None:
+            opts = dist.ScatterOptions()
+        tensor = _single(output_tensors, SCATTER)
+        inputs = _single(input_tensors, SCATTER) if input_tensors else None
+        return self._post(SCATTER, self._api.scatter, (tensor, inputs, opts.rootRank),
+                          output_tensors, opts.asyncOp)
+
+    # -- reduce_scatter: reduce_scatter, reduce_scatter_single (_reduce_scatter_base),
+    #    reduce_scatter_single_coalesced (reduce_scatter_tensor_coalesced) ------------
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        tensor = _single(output_tensors, REDUCE_SCATTER)
+        inputs = _single(input_tensors, REDUCE_SCATTER)
+        return self._post(REDUCE_SCATTER, self._api.reduce_scatter,
+                          (tensor, inputs, _reduce_op(opts.reduceOp, REDUCE_SCATTER)),
+                          output_tensors, opts.asyncOp)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        return self._post(REDUCE_SCATTER, self._api.reduce_scatter,
+                          (_flat(output), _flat(input),
+                           _reduce_op(opts.reduceOp, REDUCE_SCATTER)),
+                          [output], opts.asyncOp)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        op = _reduce_op(opts.reduceOp, REDUCE_SCATTER)
+        calls = [(_flat(o), _flat(i), op) for o, i in zip(outputs, inputs, strict=True)]
+        return self._post_each(REDUCE_SCATTER, self._api.reduce_scatter, calls, list(outputs),
+                               opts.asyncOp)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- alltoall: all_to_all_single (alltoall_base), alltoall -------------------------
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        if opts is None:
+            opts = dist.AllToAllOptions()
+        return self._post(ALLTOALL, self._api.all_to_all_single,
+                          (output, input, list(output_split_sizes) or None,
+                           list(input_split_sizes) or None), [output], opts.asyncOp)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        if opts is None:
+            opts = dist.AllToAllOptions()
+        return self._post(ALLTOALL, self._api.all_to_all, (output_tensors, input_tensors),
+                          output_tensors, opts.asyncOp)
+
+    # -- point to point, barrier -----------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        tensor = _single(tensors, SEND)
+        return self._post(SEND, self._api.send, (tensor, dst, tag), tensors, True)
+
+    def recv(self, tensors, src, tag=0):
+        tensor = _single(tensors, RECV)
+        return self._post(RECV, self._api.recv, (tensor, src, tag), tensors, True)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise UnsupportedOperationError(
+            "recv_anysource: no mcrdl backend receives from any source (mcrdl.recv takes "
+            "the sender's rank); pass src to torch.distributed.recv / irecv")
+
+    def barrier(self, opts=None):
+        if opts is None:
+            opts = dist.BarrierOptions()
+        return self._post(BARRIER, self._api.barrier, (), [], opts.asyncOp)
+
+    # -- groups and lifetime ---------------------------------------------------------
+    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None,
+                  group_desc=None):
+        """torch.distributed.new_group's hook: torch 2.13 hands every new_group (and so
+        new_subgroups and DeviceMesh's dimension groups) to the default group's
+        ``new_group`` on every rank, without the ``backend`` argument, so every sub-group
+        of an "mcrdl" world is an mcrdl group. mcrdl makes groups collectively over the
+        world: use_local_synchronization=True (only members call) cannot be served."""
+        if group_name is not None and not str(group_name).isdigit():
+            # torch names groups by a counter, or by a hash of the ranks when only the
+            # members call (use_local_synchronization=True)
+            raise InvalidArgumentError(
+                "new_group: mcrdl creates groups collectively over every rank; "
+                "use_local_synchronization=True (only the members call new_group) is not "
+                "supported: call new_group on every rank")
+        group = self._api.new_group(list(ranks))
+        if not group.is_member:
+            return None
+        routes = _group_routes(pg_options, self._api, f"new_group({list(ranks)})")
+        pg = ProcessGroupMCRDL(self._api, group.rank, group.size, group, routes,
+                               _group_timeout(self._api, timeout))
+        pg._set_group_name(str(group_name))
+        pg._set_group_desc(group_desc or "undefined")
+        log.info("mcrdl torch backend: group %s (ranks %s): %s", group_name, list(ranks),
+                 describe(routes))
+        return pg
+
+    def shutdown(self) -> None:
+        """destroy_process_group's hook: the group whose creation initialized mcrdl
+        finalizes it (collective, as destroy_process_group is); the others keep their
+        mcrdl group (mcrdl has no group destruction)."""
+        if self._finalize_on_shutdown:
+            self._finalize_on_shutdown = False
+            self._api.finalize()
+
+
+def _group_routes(pg_options: object, front, where: str) -> dict[str, str]:
+    """The routes of a new group: the process-wide dict itself, or the group's own table
+    when pg_options carries routes. Backends named must be initialized."""
+    if pg_options is None:
+        routes = process_routes()
+    elif isinstance(pg_options, TorchBackendOptions):
+        routes = table(pg_options.routes, process_routes())
+    else:
+        raise InvalidArgumentError(
+            f"{where}: pg_options of the mcrdl backend is a mcrdl.TorchBackendOptions, got "
+            f"{type(pg_options).__name__}")
+    check_initialized(routes, front.get_backends(), where)
+    return routes
+
+
+def _group_timeout(front, timeout: datetime.timedelta | None) -> float | None:
+    """A group's own wait timeout in seconds, None when it is mcrdl's."""
+    seconds = explicit_timeout(timeout)
+    if seconds is None or seconds == front.current_runtime().timeout:
+        return None
+    return seconds
+
+
+def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
+           pg_options: object) -> ProcessGroupMCRDL:
+    """The creator torch calls for ``init_process_group("mcrdl")`` (the world) and for
+    ``new_group(backend="mcrdl")`` under another default backend (then only the
+    members call it, so only a group of every rank can be made). Initializes mcrdl with
+    every usable backend unless it is initialized already; the world's explicit
+    ``timeout`` becomes mcrdl's, a sub-group's is its own."""
+    ranks = list(options.global_ranks_in_group)
+    world_timeout = explicit_timeout(options.timeout) if not ranks else None
+    owns = not front.is_initialized()
+    if owns:
+        front.init(timeout=world_timeout)
+    elif world_timeout is not None:
+        front.init(front.get_backends(), timeout=world_timeout)
+    world_rank, world_size = front.get_rank(), front.get_size()
+    if not ranks:
+        if (options.group_rank, options.group_size) != (world_rank, world_size):
+            raise BackendUnavailableError(
+                f"init_process_group('mcrdl'): torch's rank {options.group_rank} of "
+                f"{options.group_size} differs from mcrdl's launch discovery (rank "
+                f"{world_rank} of {world_size}); launch with mpiexec, torchrun or srun and "
+                "leave rank and world_size to them")
+        group = None
+    elif sorted(ranks) == list(range(world_size)):
+        group = front.new_group(ranks)
+    else:
+        raise InvalidArgumentError(
+            f"new_group(ranks={ranks}, backend='mcrdl'): mcrdl creates groups collectively "
+            "over every rank, but torch calls a backend only on the members of a new "
+            "group when the default group is another backend's. Make 'mcrdl' the default "
+            "(init_process_group('mcrdl'): its new_group runs on every rank), or use a "
+            "group of every rank")
+    where = "init_process_group('mcrdl')" if group is None else f"new_group({ranks})"
+    routes = _group_routes(pg_options, front, where)
+    pg = ProcessGroupMCRDL(front, options.group_rank, options.group_size, group, routes,
+                           None if group is None else _group_timeout(front, options.timeout),
+                           finalize_on_shutdown=owns)
+    log.info("mcrdl torch backend: %s on %s: %s", where, front.get_backends(),
+             describe(routes))
+    return pg

@@ -1,0 +1,352 @@
+"""The 4D communication model (issue 18): Eq. 5.1-5.7 values, the step's collectives,
+feasibility, deterministic ranking and the ranking CLI."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from mcrdl.tuning.table import TuningTable
+from training.models.gpt import CONFIGS, GPT, GPTConfig
+from training.perf_model import (
+    Collective,
+    Grid4D,
+    Network,
+    Prediction,
+    TrainingStep,
+    call_counts,
+    check_grid,
+    collectives,
+    constraint_violations,
+    grids,
+    linear_collectives,
+    predict,
+    rank_grids,
+)
+from training.perf_model.__main__ import main
+from training.topology import GridError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# beta = 1 element per second and no latency: seconds are the paper's element volumes.
+UNIT = Network(ranks_per_node=1 << 20, intra_node_bandwidth=1.0, latency=0.0)
+MINI = CONFIGS["mini"]
+
+
+def _layer(grid: Grid4D, transposed: bool = False) -> dict[tuple[str, str], float]:
+    entries = linear_collectives("w", 1024, 4096, 2048, grid, transposed=transposed,
+                                 dtype_bytes=1)
+    return {(e.op, e.axis): UNIT.seconds(e, grid) for e in entries}
+
+
+# -- Eq. 5.1-5.6 ------------------------------------------------------------------------
+
+def test_layer_equations_on_the_issue_grid():
+    t = _layer(Grid4D(2, 2, 2, 2))
+    assert t == {("all_gather", "z"): 524288, ("reduce_scatter", "z"): 524288,
+                 ("all_reduce", "y"): 2097152, ("all_reduce", "x"): 524288,
+                 ("all_reduce", "data"): 524288}
+    assert sum(t.values()) == 4194304
+
+
+def test_n_and_t_layers_swap_x_and_y():
+    assert sum(_layer(Grid4D(4, 2, 1, 1)).values()) == 3670016
+    t = _layer(Grid4D(4, 2, 1, 1), transposed=True)
+    assert sum(t.values()) == 6815744
+    assert t == {("all_reduce", "x"): 6291456, ("all_reduce", "y"): 524288}
+
+
+def test_second_gather_when_weights_are_not_kept():
+    grid = Grid4D(2, 2, 2, 2)
+    kept = linear_collectives("w", 1024, 4096, 2048, grid)
+    again = linear_collectives("w", 1024, 4096, 2048, grid, keep_weights=False)
+    extra = [e for e in again if e not in kept]
+    assert [(e.op, e.axis, e.phase, e.elements) for e in extra] == \
+        [("all_gather", "z", "backward", 1024 * 4096 // 4)]
+
+
+# -- Eq. 5.7 ----------------------------------------------------------------------------
+
+def test_axis_bandwidths_eq_5_7():
+    net = Network(ranks_per_node=4, intra_node_bandwidth=3.0, inter_node_bandwidth=1.0)
+    bw = net.axis_bandwidths(Grid4D(2, 2, 2, 2))
+    assert (bw["x"], bw["y"], bw["z"], bw["data"]) == (3.0, 3.0, 0.25, 0.25)
+    assert net.axis_bandwidths(Grid4D(8, 1, 1, 1))["x"] == 1.0
+    assert net.axis_bandwidths(Grid4D(2, 4, 1, 1))["y"] == 0.5
+
+
+def test_intra_node_table_is_keyed_by_inner_product_and_degree():
+    net = Network(ranks_per_node=8, intra_node_bandwidth=3.0,
+                  intra_node_table={(1, 2): 7.0, (2, 2): 5.0})
+    bw = net.axis_bandwidths(Grid4D(2, 2, 2, 1))
+    assert (bw["x"], bw["y"], bw["z"]) == (7.0, 5.0, 3.0)
+
+
+def test_latency_term_uses_mcrdl_coefficients():
+    net = Network(ranks_per_node=8, intra_node_bandwidth=1e30,
+                  latency={"all_reduce": 1.0, "all_gather": 10.0, "reduce_scatter": 100.0})
+    g = Grid4D(8, 1, 1, 1)
+    ar = Collective("all_reduce", "x", 1, 1, 3, "forward", "t")
+    ag = Collective("all_gather", "x", 1, 1, 1, "forward", "t")
+    assert net.seconds(ar, g) == pytest.approx(3 * 2 * 3)  # 3 calls x 2 ceil(log2 8) steps
+    assert net.seconds(ag, g) == pytest.approx(10 * 7)     # p - 1 ring steps
+
+
+def test_op_rate_scales_the_bandwidth_term_of_one_op():
+    g = Grid4D(1, 1, 2, 1)
+    ag = Collective("all_gather", "z", 100, 1, 1, "forward", "t")
+    rs = Collective("reduce_scatter", "z", 100, 1, 1, "backward", "t")
+    net = Network(ranks_per_node=8, intra_node_bandwidth=1.0, latency=0.0,
+                  op_rate={"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": 0.5})
+    assert net.seconds(ag, g) == 50 and net.seconds(rs, g) == 100
+    assert UNIT.op_rate == {"all_reduce": 1.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+
+
+def test_network_from_tuning_table_takes_the_best_backend():
+    table = TuningTable()
+    for backend, alpha, beta in (("slow", 1e-3, 2e-9), ("fast", 1e-5, 4e-9)):
+        for n in (8, 1 << 10, 1 << 20):
+            table.add("all_reduce", 4, backend, n, alpha * 4 + n * beta * 1.5)
+            table.add("reduce_scatter", 4, backend, n, alpha * 3 + n * 2 * beta * 0.75)
+    net = Network.from_tuning_table(table, ranks_per_node=4, intra_node_bandwidth=7.0)
+    assert net.latency["all_reduce"] == pytest.approx(1e-5, rel=1e-3)  # smallest alpha
+    assert net.op_rate["reduce_scatter"] == pytest.approx(0.5, rel=1e-3)  # best 1/beta ratio
+    assert net.latency["all_gather"] == 5e-6 and net.op_rate["all_gather"] == 1.0  # absent
+    assert net.intra_node_bandwidth == 7.0
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"ranks_per_node": 0}, "ranks_per_node"),
+    ({"ranks_per_node": 4, "inter_node_bandwidth": 0}, "inter_node_bandwidth"),
+    ({"ranks_per_node": 4, "latency": {"all_reduce": 1e-6}}, "latency"),
+    ({"ranks_per_node": 4, "latency": -1.0}, "latency"),
+    ({"ranks_per_node": 4, "intra_node_table": {(0, 2): 1.0}}, "intra_node_table"),
+    ({"ranks_per_node": 4, "op_rate": 0}, "op_rate"),
+])
+def test_network_rejects_bad_values(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Network(**kwargs)
+
+
+# -- the step's collectives (the engine's contract) -----------------------------------
+
+def test_megatron_grid_sends_only_megatrons_collectives():
+    """(G,1,1,1) with N/T alternation: per block one forward all_reduce after each
+    T-layer and one backward all_reduce before each N-layer, over X; the LM head's input
+    gradient and the logits gather; nothing over Y, Z or data."""
+    step = TrainingStep(MINI, batch=8)
+    counts = call_counts(step, Grid4D(4, 1, 1, 1))
+    t = 8 * MINI.block_size
+    assert set(counts) == {("all_reduce", "x"), ("all_gather", "x"), ("all_reduce", "world")}
+    assert counts["all_reduce", "x"][0] == 4 * MINI.n_layer + 1
+    assert counts["all_gather", "x"] == (1, t * MINI.vocab_size * 4)
+    assert counts["all_reduce", "world"] == (1, 8)
+
+
+def test_fsdp_grid_gathers_and_scatters_each_weight_once():
+    """(1,1,G,1): one all_gather and one reduce_scatter per weight, no activation
+    collectives; the replicated parameters (biases, LayerNorm) all_reduce over Z."""
+    step = TrainingStep(MINI, batch=8)
+    entries = collectives(step, Grid4D(1, 1, 4, 1))
+    weights = 4 * MINI.n_layer + 3  # four Linear per block, lm_head, wte, wpe
+    counts = call_counts(step, Grid4D(1, 1, 4, 1))
+    assert counts["all_gather", "z"][0] == weights
+    assert counts["reduce_scatter", "z"][0] == weights
+    assert {e.axis for e in entries} == {"z", "world"}
+    replicated = MINI.n_params() - sum(e.elements * e.count for e in entries
+                                       if e.op == "all_gather")
+    assert sum(e.elements * e.count for e in entries if e.op == "all_reduce"
+               and e.axis == "z") == replicated
+
+
+def test_data_parallel_reduces_every_parameter_once():
+    # Counted on the model itself: GPTConfig.n_params() counts LayerNorm biases also
+    # when bias=False.
+    for cfg in (MINI, replace(MINI, bias=False)):
+        entries = collectives(TrainingStep(cfg, batch=8), Grid4D(1, 1, 1, 8))
+        assert {e.axis for e in entries} == {"data", "world"}
+        assert sum(e.elements * e.count for e in entries if e.axis == "data") == \
+            sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def test_layer_norm_statistics_and_logits():
+    step = TrainingStep(MINI, batch=8)
+    grid = Grid4D(2, 2, 1, 1)
+    t = 8 * MINI.block_size
+    stats = [e for e in collectives(step, grid) if "statistics" in e.tensor]
+    assert {(e.op, e.axis, e.elements) for e in stats} == {("all_reduce", "y", 2 * t)}
+    assert sum(e.count for e in stats) == 2 * (2 * MINI.n_layer + 1)
+    logits = [e for e in collectives(step, grid) if e.tensor == "logits"]
+    assert [(e.op, e.axis, e.elements, e.count) for e in logits] == \
+        [("all_gather", "x", t * MINI.vocab_size, 1)]
+
+
+def test_micro_batches_repeat_per_pass_collectives_only():
+    grid = Grid4D(2, 2, 2, 2)
+    one = {(e.tensor, e.op, e.axis): e for e in collectives(TrainingStep(MINI, 16), grid)}
+    four = {(e.tensor, e.op, e.axis): e
+            for e in collectives(TrainingStep(MINI, 16, micro_batches=4), grid)}
+    assert one.keys() == four.keys()
+    for key, e in one.items():
+        f = four[key]
+        if e.phase in ("forward", "backward"):
+            assert f.count == 4 * e.count
+            per_token = key[0].endswith(("output", "input grad", "statistics",
+                                         "statistics grad")) or key[0] == "logits"
+            assert f.elements * 4 == e.elements if per_token else f.elements == e.elements
+        else:
+            assert (f.count, f.elements) == (e.count, e.elements)
+
+
+def test_dtype_bytes_scale_everything_but_the_step_scalars():
+    grid = Grid4D(2, 1, 2, 2)
+    c32 = call_counts(TrainingStep(MINI, 8), grid)
+    c16 = call_counts(TrainingStep(MINI, 8, dtype_bytes=2), grid)
+    for key, (calls, nbytes) in c32.items():
+        assert c16[key] == (calls, nbytes if key[1] == "world" else nbytes // 2)
+
+
+# -- feasibility ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("grid, batch, constraint, words", [
+    (Grid4D(8, 1, 1, 1), 8, "heads", "n_head=4 is not divisible by G_x=8"),
+    (Grid4D(1, 3, 1, 1), 3, "width", "n_embd=128 is not divisible by G_y=3"),
+    (Grid4D(1, 1, 1, 3), 8, "batch", "batch=8 sequences are not divisible by G_z*G_data"),
+    (Grid4D(1, 1, 2, 2), 6, "batch", "multiple of 4"),
+])
+def test_infeasible_grids_name_the_constraint(grid, batch, constraint, words):
+    step = TrainingStep(MINI, batch)
+    found = constraint_violations(step, grid)
+    assert [c for c, _ in found] == [constraint]
+    assert words in found[0][1]
+    with pytest.raises(GridError, match=re.escape(words)):
+        check_grid(step, grid)
+
+
+def test_vocab_and_weight_shard_constraints():
+    cfg = GPTConfig(n_layer=1, n_head=2, n_embd=6, block_size=5, vocab_size=7)
+    (c, msg), = constraint_violations(TrainingStep(cfg, 2), Grid4D(2, 1, 1, 1))
+    assert c == "vocab" and "vocab_size=7 is not divisible by G_x=2" in msg
+    (c, msg), = constraint_violations(TrainingStep(cfg, 4), Grid4D(1, 1, 4, 1))
+    assert c == "weight shard" and "G_z=4" in msg and "wte.weight" in msg
+
+
+def test_check_grid_names_the_world_size():
+    with pytest.raises(GridError, match="needs G_x\\*G_y\\*G_z\\*G_data=4 ranks but the "
+                                        "world has 8"):
+        check_grid(TrainingStep(MINI, 8), Grid4D(2, 2, 1, 1), world_size=8)
+    check_grid(TrainingStep(MINI, 8), Grid4D(2, 2, 2, 1), world_size=8)
+
+
+@pytest.mark.parametrize("bad, words", [
+    (lambda: Grid4D(0, 1, 1, 1), "x=0"),
+    (lambda: TrainingStep(MINI, 0), "batch=0"),
+    (lambda: TrainingStep(MINI, 6, micro_batches=4), "micro_batches=4"),
+    (lambda: TrainingStep(MINI, 6, dtype_bytes=3), "dtype_bytes=3"),
+])
+def test_configurations_reject_bad_values(bad, words):
+    with pytest.raises(ValueError, match=words):
+        bad()
+
+
+def test_grids_enumerates_every_factorisation():
+    assert len(grids(8)) == 20 and len(grids(8192)) == 560 and grids(1) == [Grid4D(1, 1, 1, 1)]
+    assert len(set(grids(12))) == len(grids(12)) == 40
+    assert all(g.size == 12 for g in grids(12))
+
+
+# -- ranking ----------------------------------------------------------------------------
+
+def test_ranking_skips_infeasible_grids_with_reasons():
+    r = rank_grids(TrainingStep(MINI, 8), 8, Network(ranks_per_node=4))
+    assert len(r.ranked) + len(r.skipped) == 20
+    assert [s.grid for s in r.skipped] == [Grid4D(8, 1, 1, 1)]
+    assert r.skipped[0].violations[0][0] == "heads"
+    times = [p.seconds for p in r.ranked]
+    assert times == sorted(times)
+
+
+def test_minimum_model_parallel_degree_skips_small_shardings():
+    r = rank_grids(TrainingStep(MINI, 8), 8, Network(ranks_per_node=4), min_model_parallel=4)
+    assert all(p.grid.x * p.grid.y * p.grid.z >= 4 for p in r.ranked)
+    reasons = {s.grid: [c for c, _ in s.violations] for s in r.skipped}
+    assert reasons[Grid4D(1, 1, 1, 8)] == ["model parallel"]
+    assert reasons[Grid4D(8, 1, 1, 1)] == ["heads"]
+    assert len(r.ranked) == len([g for g in grids(8) if g.x * g.y * g.z >= 4]) - 1
+
+
+def test_ties_break_by_calls_then_grid():
+    def pred(grid, seconds, calls):
+        e = Collective("all_reduce", "x", 1, 4, calls, "forward", "t")
+        return Prediction(grid, seconds, ((e, seconds),))
+    a = pred(Grid4D(2, 1, 1, 1), 1.0, 5)
+    b = pred(Grid4D(1, 2, 1, 1), 1.0 + 1e-15, 5)  # equal to 12 digits: grid decides
+    c = pred(Grid4D(1, 1, 2, 1), 1.0, 3)          # fewer calls first
+    d = pred(Grid4D(1, 1, 1, 2), 0.999, 9)
+    assert sorted([a, b, c, d], key=Prediction.sort_key) == [d, c, b, a]
+
+
+def test_ranking_is_deterministic():
+    step = TrainingStep(CONFIGS["gpt-20b"], 64)
+    net = Network(ranks_per_node=4)
+    first = [p.grid for p in rank_grids(step, 64, net).ranked]
+    assert first == [p.grid for p in rank_grids(step, 64, net).ranked]
+    assert predict(step, first[0], net).seconds == rank_grids(step, 64, net).ranked[0].seconds
+
+
+# -- the CLI ----------------------------------------------------------------------------
+
+def _cli(*args: str) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "training.perf_model", *args],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, time.perf_counter() - t0
+
+
+def _rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+
+
+def test_cli_ranks_gpt_20b_on_32_ranks():
+    out, _ = _cli("--model", "gpt-20b", "--ranks", "32", "--ranks-per-node", "4",
+                  "--table", os.path.join(ROOT, "tuning_tables", "cpu-2core-mpich-gloo.json"))
+    rows = _rows(out)
+    assert len(rows) == 52 and "# 52 of 56 grids fit" in out and "'heads' 4" in out
+    assert [int(r[0]) for r in rows] == list(range(1, 53))
+    totals = [float(r[5]) for r in rows]
+    assert totals == sorted(totals)
+    assert all(int(r[1]) * int(r[2]) * int(r[3]) * int(r[4]) == 32 for r in rows)
+    assert "alpha-beta fits of" in out and "not a measurement" in out
+
+
+def test_cli_is_fast_for_thousands_of_ranks():
+    out, seconds = _cli("--model", "gpt-320b", "--ranks", "8192", "--ranks-per-node", "8",
+                        "--top", "10", "--show-skipped", "--dtype", "bfloat16",
+                        "--min-model-parallel", "64")
+    rows = _rows(out)
+    assert len(rows) == 10 and seconds < 30
+    assert all(int(r[1]) * int(r[2]) * int(r[3]) >= 64 for r in rows)
+    assert "#   (" in out and "'model parallel'" in out  # skipped grids with reasons
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--model", "gpt-20b", "--ranks", "0"], "--ranks"),
+    (["--model", "nope", "--ranks", "8"], "--model"),
+    (["--model", "mini", "--ranks", "8", "--ranks-per-node", "x"], "--ranks-per-node"),
+    (["--model", "mini", "--ranks", "8", "--latency", "-1"], "--latency"),
+    (["--model", "mini", "--ranks", "8", "--table", "/nonexistent.json"], "--table"),
+    (["--model", "mini", "--ranks", "8", "--batch", "6", "--micro-batches", "4"],
+     "--micro-batches"),
+    (["--ranks", "8"], "--model"),
+    (["--model", "mini", "--ranks", "8", "--min-model-parallel", "0"], "--min-model-parallel"),
+])
+def test_cli_bad_arguments_name_the_option(args, option, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    assert option in capsys.readouterr().err

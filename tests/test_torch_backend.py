@@ -1,0 +1,201 @@
+"""The "mcrdl" torch.distributed backend (mcrdl/torch_backend): routing and Work in this
+process, then real worlds under mpiexec and torchrun (the rank scripts are in
+tests/torch_backend/)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mcrdl
+from mcrdl.torch_backend import routing
+from mcrdl.torch_backend.process_group import McrdlWork, explicit_timeout
+
+from ._launch import mpiexec_or_skip, run_launcher
+from .test_mixing import _alive
+
+HERE = os.path.join(os.path.dirname(__file__), "torch_backend")
+EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "torch_ddp.py")
+_LAUNCHER_VARS = ("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA", "MCRDL_TORCH_ROUTES")
+
+
+def launch(launcher: str, n: int, script: str, *args, env=None, timeout=300, expect_rc=0,
+           mpiexec_args=()) -> str:
+    """Run `script` on `n` ranks under mpiexec or torchrun (process group killed on timeout)."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_VARS)}
+    full_env.setdefault("MCRDL_TIMEOUT", "90")
+    full_env.update(env or {})
+    if launcher == "mpiexec":
+        cmd = [mpiexec_or_skip(), *mpiexec_args, "-n", str(n)]
+    else:
+        torchrun = os.path.join(sys.prefix, "bin", "torchrun")
+        if not os.path.exists(torchrun):
+            torchrun = shutil.which("torchrun")
+        if not torchrun:
+            pytest.skip("torchrun not found")
+        cmd = [torchrun, "--standalone", "--nproc-per-node", str(n)]
+    cmd += [sys.executable, script, *map(str, args)] if launcher == "mpiexec" else \
+        [script, *map(str, args)]
+    return run_launcher(cmd, env=full_env, timeout=timeout, expect_rc=expect_rc)
+
+
+# -- in this process ---------------------------------------------------------------------
+
+def test_import_registers_the_backend_and_rendezvous():
+    assert "mcrdl" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["mcrdl"] == ["cpu", "cuda"]
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"  # defaults untouched
+    handlers = sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers
+    assert "mcrdl" in handlers and "env" in handlers
+
+
+def test_routes_parse_and_table():
+    assert routing.parse("allreduce=mpi, alltoall=gloo", "t") == {"allreduce": "mpi",
+                                                                  "alltoall": "gloo"}
+    full = routing.table(routing.parse("*=gloo,broadcast=auto", "t"))
+    assert set(full) == set(routing.KEYS) and full["broadcast"] == "auto"
+    assert {v for k, v in full.items() if k != "broadcast"} == {"gloo"}
+    base = routing.table({"allreduce": "mpi"})
+    assert routing.table({"alltoall": "gloo"}, base)["allreduce"] == "mpi"
+
+
+@pytest.mark.parametrize("routes, needle", [
+    ("allreduce", "is not 'op=backend'"),
+    ("all_reduce=mpi", "is not a c10d operation family"),
+    ("allreduce=nope", "unknown mcrdl backend"),
+    (["allreduce=mpi"], "must be a string"),
+])
+def test_bad_routes_say_what_is_wrong(routes, needle):
+    with pytest.raises(mcrdl.InvalidArgumentError, match=needle):
+        routing.parse(routes, "MCRDL_TORCH_ROUTES")
+    with pytest.raises(mcrdl.InvalidArgumentError, match=needle):
+        mcrdl.TorchBackendOptions(routes=routes)
+
+
+def test_set_torch_routes_is_process_wide_and_resets(monkeypatch):
+    monkeypatch.setenv(routing.ROUTES_ENV, "barrier=gloo")
+    try:
+        assert mcrdl.set_torch_routes("allreduce=mpi")["allreduce"] == "mpi"
+        assert mcrdl.torch_routes()["barrier"] == "auto"
+        assert mcrdl.set_torch_routes(None) == {**dict.fromkeys(routing.KEYS, "auto"),
+                                                "barrier": "gloo"}
+    finally:
+        monkeypatch.delenv(routing.ROUTES_ENV)
+        mcrdl.set_torch_routes(None)
+
+
+def test_missing_backend_named_with_what_is_initialized():
+    with pytest.raises(mcrdl.BackendUnavailableError, match=r"alltoall=pccl.*initialized: mpi"):
+        routing.check_initialized(routing.table({"alltoall": "pccl"}), ["mpi"], "here")
+
+
+def test_explicit_timeout():
+    assert explicit_timeout(dist.constants.default_pg_timeout) is None
+    assert explicit_timeout(datetime.timedelta(seconds=7)) == 7.0
+
+
+class FakeWork:
+    """An mcrdl Work that completes when `done` is set (or fails with `error`)."""
+
+    def __init__(self, error: Exception | None = None):
+        self.done = threading.Event()
+        self.error = error
+        self.waits = 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if not self.done.wait(timeout):
+            raise mcrdl.CommTimeoutError("fake: still pending")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self):
+        return self.done.is_set()
+
+
+def test_work_finishes_once_and_completes_its_future():
+    inner, out, finished = FakeWork(), [torch.zeros(2)], []
+    work = McrdlWork.of((inner,), out, None, lambda: finished.append(1), "allreduce")
+    assert isinstance(work, dist.Work) and not work.is_completed()
+    future = work.get_future()
+    assert not future.done()
+    with pytest.raises(mcrdl.CommTimeoutError, match="still pending"):
+        work.wait(datetime.timedelta(milliseconds=50))
+    inner.done.set()
+    assert future.wait() == out and future.value()[0] is out[0]
+    assert work.wait() and work.is_completed() and finished == [1]
+    assert work.get_future() is future
+
+
+def test_work_error_reaches_the_future():
+    inner = FakeWork(mcrdl.CommTimeoutError("fake: timed out"))
+    work = McrdlWork.of((inner,), [], 5.0, None, "broadcast")
+    future = work.get_future()
+    inner.done.set()
+    with pytest.raises(mcrdl.CommTimeoutError, match="timed out"):
+        future.wait()
+    with pytest.raises(mcrdl.CommTimeoutError):
+        work.wait()
+    assert work.exception() is not None and not work.is_success()
+
+
+# -- real worlds -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("launcher, n", [("mpiexec", 1), ("mpiexec", 2), ("mpiexec", 3),
+                                         ("torchrun", 4), ("mpiexec", 5)])
+def test_every_collective_matches_numpy(launcher, n):
+    out = launch(launcher, n, os.path.join(HERE, "collectives.py"))
+    for r in range(n):
+        assert f"rank {r}: torch backend collectives OK" in out, out
+    print(re.search(r"rank 0: .*", out).group(0))
+
+
+@pytest.mark.parametrize("launcher, n", [("mpiexec", 4), ("torchrun", 2)])
+def test_ddp_fsdp2_dtensor_dcp_match_gloo(launcher, n):
+    out = launch(launcher, n, os.path.join(HERE, "training.py"), timeout=400)
+    for r in range(n):
+        assert f"rank {r}: torch backend training OK" in out, out
+    print(re.search(r"rank 0: .*", out).group(0))
+
+
+def test_debug_mode_and_timeout_reach_torch_programs():
+    limit = 5
+    out = launch("mpiexec", 3, os.path.join(HERE, "failures.py"), "debug-and-timeout", limit,
+                 env={"MCRDL_DEBUG": "1"}, timeout=180)
+    for r in range(3):
+        assert f"rank {r}: DesyncError raised" in out, out
+        assert f"rank {r}: finalized" in out, out
+    for r in (1, 2):
+        m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
+        assert m and limit <= float(m.group(1)) < limit + 5, out
+        assert f"rank {r}: next op refused: BackendUnavailableError" in out, out
+
+
+def test_dead_rank_ends_the_job():
+    """Rank 1 is SIGKILLed with mpiexec's own cleanup off: the survivors raise or are
+    ended by the MPI runtime; the job exits non-zero and leaves nothing behind."""
+    limit = 5
+    start = time.monotonic()
+    out = launch("mpiexec", 3, os.path.join(HERE, "failures.py"), "dead-rank", limit,
+                 timeout=limit + 90, expect_rc=None, mpiexec_args=("-disable-auto-cleanup",))
+    assert "loop finished" not in out, out
+    assert re.search(r"EXIT CODE: [1-9]|exit code [1-9]|Killed|Terminated", out), out
+    assert time.monotonic() - start < limit + 60
+    pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
+    assert len(pids) == 3 and not [p for p in pids if _alive(p)], out
+
+
+def test_example_torch_ddp():
+    out = launch("mpiexec", 2, EXAMPLE, env={"MCRDL_TORCH_ROUTES": "allreduce=gloo"})
+    assert "routes: allreduce->gloo" in out and re.search(r"all_reduce\s+gloo", out), out
+    assert "loss" in out, out

@@ -1,0 +1,201 @@
+"""The collectives of one training step of the 4D GPT: what the engine sends, exactly.
+
+This is the contract between the communication model and the 4D engine: the engine
+issues these calls and no others, and its tests compare mcrdl's communication log (calls
+and bytes per (op, axis)) with :func:`call_counts`. Sizes follow the log's convention
+(mcrdl.ops: the largest buffer one rank touches): all_reduce, the reduced tensor;
+all_gather, the gathered output; reduce_scatter, the input before scattering.
+
+Notation: ``C`` = n_embd, ``V`` = vocab_size, ``T`` = block_size, ``L`` =
+n_layer, ``B`` = batch (sequences per step), ``M`` = micro-batches, ``m = B T / (M G_data)``
+tokens per data replica per micro-batch (the paper's m) and ``t = m / G_z`` tokens per
+rank per micro-batch. Every reduction is a SUM; every tensor has the step's dtype
+(``dtype_bytes``). A collective over an axis of degree 1 is never issued; nor is the
+step's world all_reduce (``group=None``) on one rank.
+
+Linear layers (``I`` is [t, k] per rank, the weight [n, k] as torch stores it, i.e. the
+paper's k x n W). An **N-layer** splits out-features over X and in-features over Y: its
+block is [n/G_x, k/G_y], flattened, rank z keeping contiguous chunk z (the shard, k n /
+(G_x G_y G_z) elements); its input [t, k/G_y] is replicated over X, its output [t, n/G_x]
+over Y. A **T-layer** swaps X and Y. The GPT: ``attn.c_attn`` N (k=C, n=3C),
+``attn.c_proj`` T (C, C), ``mlp.c_fc`` N (C, 4C), ``mlp.c_proj`` T (4C, C), ``lm_head`` N
+(C, V, no bias). Per Linear and micro-batch:
+
+  forward   all_gather  z  k n / (G_x G_y)   the weight block from the shards (Eq. 5.1)
+            all_reduce  y  t n / G_x         the output's partial sums (Eq. 5.3; T-layer:
+                                             over x, t n / G_y)
+  backward  all_gather  z  k n / (G_x G_y)   only with keep_weights=False
+            all_reduce  x  t k / G_y         the input gradient (Eq. 5.4; T-layer: over y,
+                                             t k / G_x)
+            reduce_scatter z  k n / (G_x G_y) the weight gradient to the shard (Eq. 5.2)
+and per step, after the last backward:
+  gradients all_reduce  data  k n / (G_x G_y G_z)   the shard gradient (Eq. 5.5)
+
+Beyond the paper's equations (the rest of the GPT):
+
+- Embeddings ``wte`` [V, C] and ``wpe`` [T, C]: columns split over Y, rows whole,
+  replicated over X, the block sharded over Z like a Linear weight. Per micro-batch: the
+  forward all_gather over z (V C / G_y, resp. T C / G_y elements) and the backward
+  reduce_scatter over z; per step the shard's all_reduce over data. The lookup's backward
+  does not read the weight, so there is no second gather even with keep_weights=False.
+- LayerNorm (``ln_1``, ``ln_2`` per block, ``ln_f``): the hidden dimension is split over
+  Y, so per micro-batch one all_reduce over y of the per-token (sum x, sum x^2) in the
+  forward and one of the per-token sums of the backward (2 t elements each).
+- Logits: ``lm_head``'s output [t, V/G_x] is all-gathered over x (t V elements) before
+  the cross-entropy, once per micro-batch; its backward slices locally (no collective).
+- Replicated parameters (every bias and LayerNorm weight and bias, each its own tensor):
+  their local slices (``attn.c_attn.bias`` 3C/G_x, ``mlp.c_fc.bias`` 4C/G_x, the
+  T-layers' biases C/G_y, LayerNorm C/G_y) are identical over X (or Y), different over Z
+  and data: per step one all_reduce over z, then one over data, per tensor.
+- The step's scalars: one all_reduce over the world of 2 float32 (the loss sum and the
+  squared gradient norm, each shard counted once) after the gradient reductions, also
+  when clipping is off (the norm is reported). Always 4-byte elements.
+
+Not here: activation checkpointing's recomputation (it would repeat a block's forward
+all_reduces), vocabulary-parallel cross-entropy (it replaces the logits all_gather),
+pipeline stages. Counts are per step; entries are grouped by phase ("forward",
+"backward", "gradients", "step"), not in issue order.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .step import WORLD, Grid4D, TrainingStep, weight_blocks
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+OPS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
+#: Elements of the step's world all_reduce (loss sum, squared gradient norm) and their bytes.
+STEP_SCALARS, STEP_SCALAR_BYTES = 2, 4
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` calls per step of ``op`` over one group of ``axis``, each on
+    ``elements`` elements of ``dtype_bytes`` bytes (the log's size convention); ``tensor``
+    says what is sent, ``phase`` when."""
+
+    op: str
+    axis: str
+    elements: int
+    dtype_bytes: int
+    count: int
+    phase: str
+    tensor: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one call, as mcrdl's communication log counts them."""
+        return self.elements * self.dtype_bytes
+
+
+def linear_collectives(tensor: str, k: int, n: int, m: int, grid: Grid4D, *,
+                       transposed: bool = False, micro_batches: int = 1,
+                       keep_weights: bool = True, dtype_bytes: int = 4) -> list[Collective]:
+    """One Linear layer's collectives per step (Eq. 5.1-5.5 with the counts): ``k``
+    in-features, ``n`` out-features, ``m`` tokens per data replica per micro-batch;
+    ``transposed``: a T-layer. ``tensor`` names the layer (``"attn.c_attn"``)."""
+    # Out-features split over out_axis, in-features over in_axis: the output's partial
+    # sums are reduced over in_axis, the input gradient's over out_axis.
+    out_axis, in_axis = ("y", "x") if transposed else ("x", "y")
+    t = m // grid.z
+    block = k * n // (grid.x * grid.y)
+    mb = micro_batches
+    entries = [
+        Collective(ALL_GATHER, "z", block, dtype_bytes, mb, "forward", f"{tensor}.weight"),
+        Collective(ALL_REDUCE, in_axis, t * n // grid.degree(out_axis), dtype_bytes, mb,
+                   "forward", f"{tensor} output"),
+        Collective(ALL_REDUCE, out_axis, t * k // grid.degree(in_axis), dtype_bytes, mb,
+                   "backward", f"{tensor} input grad"),
+        Collective(REDUCE_SCATTER, "z", block, dtype_bytes, mb, "backward",
+                   f"{tensor}.weight grad"),
+        Collective(ALL_REDUCE, "data", block // grid.z, dtype_bytes, 1, "gradients",
+                   f"{tensor}.weight grad"),
+    ]
+    if not keep_weights:
+        entries.insert(2, Collective(ALL_GATHER, "z", block, dtype_bytes, mb, "backward",
+                                     f"{tensor}.weight"))
+    return _issued(entries, grid)
+
+
+def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
+    """Every collective of one step of ``step`` on ``grid`` (the module docstring's
+    conventions); assumes the grid fits the step (``check_grid``)."""
+    cfg, mb, b = step.model, step.micro_batches, step.dtype_bytes
+    c, v, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    m = step.tokens_per_replica(grid)
+    t = m // grid.z
+    blocks = weight_blocks(cfg, grid)
+    out: list[Collective] = []
+
+    def per_block(entries: list[Collective]) -> list[Collective]:
+        return [_times(e, L) for e in entries]
+
+    def layer_norm(name: str) -> list[Collective]:
+        return [Collective(ALL_REDUCE, "y", 2 * t, b, mb, "forward", f"{name} statistics"),
+                Collective(ALL_REDUCE, "y", 2 * t, b, mb, "backward", f"{name} statistics grad")]
+
+    for name in ("wte.weight", "wpe.weight"):
+        out += [Collective(ALL_GATHER, "z", blocks[name], b, mb, "forward", name),
+                Collective(REDUCE_SCATTER, "z", blocks[name], b, mb, "backward", f"{name} grad"),
+                Collective(ALL_REDUCE, "data", blocks[name] // grid.z, b, 1, "gradients",
+                           f"{name} grad")]
+    linear = {"micro_batches": mb, "keep_weights": step.keep_weights, "dtype_bytes": b}
+    out += per_block(layer_norm("ln_1"))
+    out += per_block(linear_collectives("attn.c_attn", c, 3 * c, m, grid, **linear))
+    out += per_block(linear_collectives("attn.c_proj", c, c, m, grid, transposed=True,
+                                        **linear))
+    out += per_block(layer_norm("ln_2"))
+    out += per_block(linear_collectives("mlp.c_fc", c, 4 * c, m, grid, **linear))
+    out += per_block(linear_collectives("mlp.c_proj", 4 * c, c, m, grid, transposed=True,
+                                        **linear))
+    out += layer_norm("ln_f")
+    out += linear_collectives("lm_head", c, v, m, grid, **linear)
+    out.append(Collective(ALL_GATHER, "x", t * v, b, mb, "forward", "logits"))
+    for name, elements, count in _replicated(step, grid):
+        for axis in ("z", "data"):
+            out.append(Collective(ALL_REDUCE, axis, elements, b, count, "gradients",
+                                  f"{name} grad"))
+    out.append(Collective(ALL_REDUCE, WORLD, STEP_SCALARS, STEP_SCALAR_BYTES, 1, "step",
+                          "loss sum, squared gradient norm"))
+    return _issued(out, grid)
+
+
+def call_counts(step: TrainingStep, grid: Grid4D) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(op, axis): (calls, bytes)}`` per step per rank: what mcrdl's log shows for the
+    groups of each axis (``"world"``: the world group). The log's summary rows are keyed
+    by group size, not axis: compare its sums with these summed by ``grid.degree(axis)``,
+    or map the trace's group ids to axes."""
+    totals: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for e in collectives(step, grid):
+        row = totals[e.op, e.axis]
+        row[0] += e.count
+        row[1] += e.count * e.nbytes
+    return {key: (calls, nbytes) for key, (calls, nbytes) in sorted(totals.items())}
+
+
+def _replicated(step: TrainingStep, grid: Grid4D) -> list[tuple[str, int, int]]:
+    """(name, local elements, tensors per step) of each replicated parameter."""
+    cfg = step.model
+    c = cfg.n_embd
+    norm_params = ("weight", "bias") if cfg.bias else ("weight",)
+    out = [(f"{ln}.{p}", c // grid.y, cfg.n_layer) for ln in ("ln_1", "ln_2")
+           for p in norm_params]
+    if cfg.bias:
+        out += [("attn.c_attn.bias", 3 * c // grid.x, cfg.n_layer),
+                ("attn.c_proj.bias", c // grid.y, cfg.n_layer),
+                ("mlp.c_fc.bias", 4 * c // grid.x, cfg.n_layer),
+                ("mlp.c_proj.bias", c // grid.y, cfg.n_layer)]
+    out += [(f"ln_f.{p}", c // grid.y, 1) for p in norm_params]
+    return out
+
+
+def _times(e: Collective, factor: int) -> Collective:
+    return Collective(e.op, e.axis, e.elements, e.dtype_bytes, e.count * factor, e.phase,
+                      e.tensor)
+
+
+def _issued(entries: list[Collective], grid: Grid4D) -> list[Collective]:
+    """The entries whose group has more than one rank (the others are never sent)."""
+    return [e for e in entries if grid.degree(e.axis) > 1]

@@ -1,0 +1,187 @@
+"""What runs where: the 4D grid's degrees, one training step's shapes, and whether
+they fit together.
+
+``Grid4D(x, y, z, data)`` are the degrees of AxoNN's 4D grid: a 3D parallel matrix
+multiplication over (G_x, G_y, G_z), replicated over G_data data-parallel groups. Rank
+``r = x + G_x*(y + G_y*(z + G_z*d))`` (X innermost), the layout of
+``ProcessGrid(grid.sizes(), order=AXES)``.
+
+``TrainingStep`` is one optimizer step of a GPT (``training.models.gpt.GPTConfig``):
+``batch`` whole sequences of ``block_size`` tokens, run as ``micro_batches`` forward and
+backward passes whose gradients accumulate before one update.
+
+``constraint_violations`` lists every reason a grid cannot run a step (the engine raises
+them with ``check_grid``; the ranking skips such grids and keeps the reasons).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..models.gpt import GPTConfig
+from ..topology import GridError
+
+#: The grid's axes from the fastest-varying (consecutive ranks) to the slowest.
+AXES = ("x", "y", "z", "data")
+#: Collectives over every rank (the step's scalars) name this axis.
+WORLD = "world"
+
+
+@dataclass(frozen=True)
+class Grid4D:
+    """Degrees of the 4D grid: ``x`` and ``y`` split a Linear layer's output and input
+    features (swapped in a transposed layer), ``z`` shards its weights and its tokens,
+    ``data`` replicates the whole."""
+
+    x: int
+    y: int
+    z: int
+    data: int
+
+    def __post_init__(self):
+        for axis in AXES:
+            v = getattr(self, axis)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise GridError(f"Grid4D: degree {axis}={v!r}; expected a positive integer")
+
+    @property
+    def size(self) -> int:
+        """Ranks the grid needs."""
+        return self.x * self.y * self.z * self.data
+
+    def degree(self, axis: str) -> int:
+        """Ranks in one group along ``axis`` (``"world"``: all of them)."""
+        if axis == WORLD:
+            return self.size
+        if axis not in AXES:
+            raise GridError(f"Grid4D: unknown axis {axis!r}; expected one of "
+                            f"{', '.join((*AXES, WORLD))}")
+        return getattr(self, axis)
+
+    def sizes(self) -> dict[str, int]:
+        """``{"x": G_x, "y": G_y, "z": G_z, "data": G_data}`` for ``ProcessGrid``."""
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.x, self.y, self.z, self.data)
+
+    def __str__(self) -> str:
+        return f"({self.x},{self.y},{self.z},{self.data})"
+
+
+@dataclass(frozen=True)
+class TrainingStep:
+    """One optimizer step: ``batch`` sequences of ``model.block_size`` tokens in
+    ``micro_batches`` forward/backward passes, every tensor (parameters, gradients,
+    activations, LayerNorm statistics) ``dtype_bytes`` wide. ``keep_weights``: the
+    Z-gathered weight of a Linear layer stays from its forward to its backward; False
+    gathers it again in the backward (less memory, one more all_gather)."""
+
+    model: GPTConfig
+    batch: int
+    micro_batches: int = 1
+    dtype_bytes: int = 4
+    keep_weights: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.model, GPTConfig):
+            raise TypeError(f"TrainingStep: model is {type(self.model).__name__}; "
+                            "expected a training.models.gpt.GPTConfig")
+        for name in ("batch", "micro_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"TrainingStep: {name}={v!r}; expected a positive integer")
+        if self.dtype_bytes not in (1, 2, 4, 8):
+            raise ValueError(f"TrainingStep: dtype_bytes={self.dtype_bytes!r}; expected 1, 2, "
+                             "4 or 8 (bytes of one element: 4 for float32, 2 for bfloat16)")
+        if self.batch % self.micro_batches:
+            raise ValueError(f"TrainingStep: batch={self.batch} sequences do not split into "
+                             f"micro_batches={self.micro_batches} equal passes; choose a "
+                             "micro-batch count that divides the batch")
+
+    def tokens_per_replica(self, grid: Grid4D) -> int:
+        """The paper's m: tokens one data-parallel replica processes in one micro-batch
+        (its ranks hold ``m / G_z`` of them each). Assumes the batch divides by G_data."""
+        return self.batch // (self.micro_batches * grid.data) * self.model.block_size
+
+
+def weight_blocks(model: GPTConfig, grid: Grid4D) -> dict[str, int]:
+    """Elements of each weight's local [rows/G_x, cols/G_y] block (embeddings: columns
+    over Y, rows whole), the block Z shards. Names as in the GPT's parameters."""
+    c, v, t = model.n_embd, model.vocab_size, model.block_size
+    xy = grid.x * grid.y
+    return {
+        "wte.weight": v * c // grid.y,
+        "wpe.weight": t * c // grid.y,
+        "attn.c_attn.weight": 3 * c * c // xy,
+        "attn.c_proj.weight": c * c // xy,
+        "mlp.c_fc.weight": 4 * c * c // xy,
+        "mlp.c_proj.weight": 4 * c * c // xy,
+        "lm_head.weight": v * c // xy,
+    }
+
+
+def constraint_violations(step: TrainingStep, grid: Grid4D) -> list[tuple[str, str]]:
+    """Every ``(constraint, message)`` the grid breaks for this step; empty when it fits.
+    Constraints: ``"heads"``, ``"width"``, ``"vocab"``, ``"weight shard"``, ``"batch"``.
+
+    Only X splits heads (c_attn's out-features, attn.c_proj's in-features); Y splits the
+    hidden dimension (c_attn's in-features, attn.c_proj's out-features), never a head,
+    so it needs n_embd, not n_head, to divide. Whole sequences go to each (z, data)
+    shard because attention mixes the tokens of a sequence."""
+    m = step.model
+    out = []
+    if m.n_head % grid.x:
+        out.append(("heads", f"n_head={m.n_head} is not divisible by G_x={grid.x}: attention "
+                             "heads are split over X; choose G_x dividing n_head"))
+    if m.n_embd % grid.y:
+        out.append(("width", f"n_embd={m.n_embd} is not divisible by G_y={grid.y}: the hidden "
+                             "dimension is split over Y; choose G_y dividing n_embd"))
+    if m.vocab_size % grid.x:
+        out.append(("vocab", f"vocab_size={m.vocab_size} is not divisible by G_x={grid.x}: the "
+                             "LM head's rows are split over X; choose G_x dividing it or pad "
+                             "the vocabulary"))
+    if not out:  # block sizes are whole numbers only when the widths divide
+        for name, elements in weight_blocks(m, grid).items():
+            if elements % grid.z:
+                out.append(("weight shard", f"{name}'s local block of {elements} elements is "
+                                            f"not divisible by G_z={grid.z}: Z shards every "
+                                            "weight block evenly; choose G_z dividing it"))
+                break
+    shards = grid.z * grid.data * step.micro_batches
+    if step.batch % shards:
+        out.append(("batch", f"batch={step.batch} sequences are not divisible by G_z*G_data*"
+                             f"micro_batches={grid.z}*{grid.data}*{step.micro_batches}={shards}: "
+                             "every rank takes whole sequences; choose a batch that is a "
+                             f"multiple of {shards}"))
+    return out
+
+
+def check_grid(step: TrainingStep, grid: Grid4D, world_size: int | None = None) -> None:
+    """Raise ``GridError`` naming every constraint the grid breaks (and the world size
+    when it differs from the grid's)."""
+    problems = [msg for _, msg in constraint_violations(step, grid)]
+    if world_size is not None and world_size != grid.size:
+        problems.insert(0, f"the grid needs G_x*G_y*G_z*G_data={grid.size} ranks but the "
+                           f"world has {world_size}; launch with -n {grid.size} or change the "
+                           f"degrees so that their product is {world_size}")
+    if problems:
+        raise GridError(f"grid {grid} cannot run this step: " + "; ".join(problems))
+
+
+def grids(ranks: int) -> list[Grid4D]:
+    """Every (G_x, G_y, G_z, G_data) whose product is ``ranks``, in lexicographic order."""
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ValueError(f"grids: ranks={ranks!r}; expected a positive integer")
+    out = []
+    for x in _divisors(ranks):
+        for y in _divisors(ranks // x):
+            for z in _divisors(ranks // (x * y)):
+                out.append(Grid4D(x, y, z, ranks // (x * y * z)))
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
