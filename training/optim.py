@@ -101,10 +101,12 @@ class _GradientComm:
     """What every optimizer here shares: the data-parallel all-reduce and the global norm."""
 
     def __init__(self, cfg: OptimConfig, data_group, pipe_group, world_reduce: bool,
-                 timers: PhaseTimers | None):
+                 timers: PhaseTimers | None, world_group=None):
         self.cfg = cfg
         self.data_group, self.pipe_group = data_group, pipe_group
-        self.world_reduce = world_reduce  # several ranks: overflow flags agree world-wide
+        # several ranks: overflow flags agree over the run's ranks, `world_group` (None:
+        # the whole world; a group when runs share a launch, training/topology.py)
+        self.world_reduce, self.world_group = world_reduce, world_group
         self.timers = timers or NullTimers()
         self.step_count = 0
 
@@ -122,7 +124,7 @@ class _GradientComm:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         if self.world_reduce:
             with self.timers("collective"):
-                self._all_reduce(t, mcrdl.ReduceOp.MAX, None)
+                self._all_reduce(t, mcrdl.ReduceOp.MAX, self.world_group)
         return bool(t.item())
 
     def clip_coef(self, sumsq: float) -> float:
@@ -137,8 +139,9 @@ class DataParallelAdamW(_GradientComm):
     """All-reduce + clip + torch.optim.AdamW (parameters and states in the model dtype)."""
 
     def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
-                 world_reduce: bool = False, timers: PhaseTimers | None = None):
-        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
+                 world_reduce: bool = False, timers: PhaseTimers | None = None,
+                 world_group=None):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers, world_group)
         self.params = [p for p in params if p.requires_grad]
         self.opt = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=cfg.lr,
                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
@@ -299,8 +302,8 @@ class OffloadedAdamW(BucketedAdamW):
 
     def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
                  world_reduce: bool = False, timers: PhaseTimers | None = None,
-                 loss_scaling: bool = False):
-        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
+                 loss_scaling: bool = False, world_group=None):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers, world_group)
         params = [p for p in params if p.requires_grad]
         # decaying parameters first, so that a bucket holds at most two runs of equal decay
         self.params = sorted(params, key=lambda p: not decays(p))

@@ -147,8 +147,9 @@ class SamoAdamW(BucketedAdamW):
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  cfg: OptimConfig, index: list[torch.Tensor] | None = None, data_group=None,
                  pipe_group=None, world_reduce: bool = False,
-                 timers: PhaseTimers | None = None, loss_scaling: bool = False):
-        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
+                 timers: PhaseTimers | None = None, loss_scaling: bool = False,
+                 world_group=None):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers, world_group)
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("SamoAdamW: no trainable parameters")

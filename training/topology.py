@@ -12,6 +12,13 @@ ranks of one node) to the slowest; by default the order of ``sizes``. With
 ``{DATA: 2, PIPE: 4}`` ranks 0 and 1 form a data-parallel pair and ranks 0, 2, 4, 6
 a pipeline. Groups are created collectively on every rank in one fixed order, so the
 grid must be built by every rank of the world with the same arguments.
+
+A grid may span a ``world`` group instead of the whole world: its ranks are then the
+group's ranks (grid rank i is world rank ``world.ranks[i]``), so that several runs can
+train side by side in one launch, each on its own ranks (the tests batch their grids
+so: every process pays ~2 s to import torch). Creating groups stays collective over
+the whole world: every rank builds every grid and calls ``make_groups`` on each in the
+same order, and a rank outside `world` gets no groups from it.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ class ProcessGrid:
 
     def __init__(self, sizes: Mapping[Axis | str, int],
                  order: Sequence[Axis | str] | None = None, *,
+                 world: mcrdl.Group | None = None,
                  world_size: int | None = None, rank: int | None = None):
         sizes = {to_axis(a): n for a, n in sizes.items()}
         for axis, n in sizes.items():
@@ -66,12 +74,16 @@ class ProcessGrid:
         if sorted(order) != sorted(sizes):
             raise GridError(f"process grid: order {_names(order)} must list each axis of "
                             f"{_names(sizes)} exactly once")
+        self.world = world  # None: the whole mcrdl world
+        if world is not None:
+            world_size, rank = world.size, world.rank  # rank -1: not a member
         self.world_size = mcrdl.get_size() if world_size is None else world_size
         self.rank = mcrdl.get_rank() if rank is None else rank
         total = math.prod(sizes.values())
         if total != self.world_size:
             shown = " x ".join(f"{a}={n}" for a, n in sizes.items())
-            raise GridError(f"process grid {shown} needs {total} ranks but the world has "
+            where = "the world has" if world is None else f"its group {list(world.ranks)} has"
+            raise GridError(f"process grid {shown} needs {total} ranks but {where} "
                             f"{self.world_size}; launch with -n {total} or change the degrees "
                             f"so that their product is {self.world_size}")
         self.sizes = sizes
@@ -101,9 +113,20 @@ class ProcessGrid:
     def _rank_at(self, coords: Mapping[Axis, int]) -> int:
         return sum(c * self._stride[a] for a, c in coords.items())
 
+    @property
+    def is_member(self) -> bool:
+        """Whether this process is one of the grid's ranks (always, without a `world`)."""
+        return self.rank >= 0
+
     def coord(self, axis: Axis | str) -> int:
         """This rank's coordinate along `axis`."""
+        self._check_member()
         return self.coords_of(self.rank)[self._axis(axis)]
+
+    def _check_member(self) -> None:
+        if not self.is_member:
+            raise GridError(f"this process (world rank {mcrdl.get_rank()}) is not in the "
+                            f"grid's group {list(self.world.ranks)}")
 
     def size(self, axis: Axis | str) -> int:
         """The degree of `axis`."""
@@ -112,6 +135,8 @@ class ProcessGrid:
     def line(self, axis: Axis | str, rank: int | None = None) -> list[int]:
         """Ranks that differ from `rank` (default: this one) only along `axis`, in axis order."""
         axis = self._axis(axis)
+        if rank is None:
+            self._check_member()
         c = self.coords_of(self.rank if rank is None else rank)
         out = []
         for i in range(self.size(axis)):
@@ -127,17 +152,19 @@ class ProcessGrid:
 
     # --- groups ------------------------------------------------------------------------
     def make_groups(self) -> None:
-        """Create one mcrdl group per line of every axis of degree > 1 (collective)."""
+        """Create one mcrdl group per line of every axis of degree > 1 (collective over
+        the whole world, members of the grid or not)."""
         if self._made_groups:
             return
+        world_ranks = self.world.ranks if self.world is not None else range(self.world_size)
         for axis in self.order:
+            self._groups[axis] = None
             if self.sizes[axis] == 1:
-                self._groups[axis] = None
                 continue
             lines = sorted({tuple(self.line(axis, r)) for r in range(self.world_size)})
-            mine = tuple(self.line(axis))
+            mine = tuple(self.line(axis)) if self.is_member else None
             for ln in lines:
-                g = mcrdl.new_group(list(ln))
+                g = mcrdl.new_group([world_ranks[r] for r in ln])
                 if ln == mine:
                     self._groups[axis] = g
         self._made_groups = True
@@ -145,10 +172,13 @@ class ProcessGrid:
     def group(self, axis: Axis | str) -> mcrdl.Group | None:
         """This rank's group along `axis` (None when the axis has degree 1)."""
         axis = self._axis(axis)
+        self._check_member()
         self.make_groups()
         return self._groups[axis]
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{a}={self.sizes[a]}" for a in self.order)
+        if not self.is_member:
+            return f"ProcessGrid({axes}; not a member)"
         at = ", ".join(f"{a}={c}" for a, c in self.coords_of(self.rank).items())
         return f"ProcessGrid({axes}; rank {self.rank} at {at})"

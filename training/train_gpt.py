@@ -40,8 +40,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
 def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     """Train per `cfg` on this rank; returns the per-step losses (and, on rank 0, the
-    phase breakdown). Every rank of the world must call it with the same config;
-    `trainer_options` go to Trainer."""
+    phase breakdown). Every rank of the world must call it with the same config (or
+    every rank of a group, with ``grid=ProcessGrid(..., world=group)``); `trainer_options`
+    go to Trainer."""
     cfg.validate()
     trainer = Trainer(cfg, **trainer_options)
     result = TrainResult(grid=cfg.describe_grid())
@@ -85,7 +86,8 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     steps_timed = trainer.step - timed_from_step
     result.stage, result.events = trainer.stage_index, trainer.engine.events
     result.phases = report.gather_phase_times(trainer.timers, wall, steps_timed,
-                                              key=trainer.stage_index)
+                                              key=trainer.stage_index,
+                                              group=trainer.world_group)
     if result.phases:
         n_micro = trainer.batches.n_micro
         result.bubble_measured, result.bubble_model = report.pipeline_bubble(

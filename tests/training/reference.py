@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 
 from training.config import TrainConfig
-from training.data import Batches, ByteCorpus
+from training.data import Batches, load_dataset
 from training.models.gpt import GPT, get_config, lm_loss
 from training.optim import param_groups
 from training.pruning import full_index, parse_schedule, pruned_mask, select
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
-    dataset = dataset or ByteCorpus()
+    dataset = dataset or load_dataset("stdlib")
     mcfg = get_config(cfg.model, vocab_size=dataset.vocab_size, n_layer=cfg.n_layer,
                       n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
     oc = cfg.optim()
