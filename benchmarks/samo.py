@@ -163,7 +163,9 @@ def main(argv=None) -> int:
             bubble = sum(s["bubble"] for s in stages) / len(stages)
             micro = m // gd
             fwd_bwd = sum(s["compute"] for s in stages) / micro
-            msgs = p2p_messages(args.global_batch_size, args.micro_batch_size, gd)
+            # Eq. 4.8-4.9 counts the sends and receives of an inner stage; one stage has none
+            msgs = p2p_messages(args.global_batch_size, args.micro_batch_size, gd) \
+                if gi > 1 else 0
             print(f"{head} {res.tokens_per_s:,.0f} | {bubble * 1e3:.1f} | "
                   f"{bubble_seconds(fwd_bwd, gi) * 1e3:.1f} | {res.bubble_measured:.3f} / "
                   f"{res.bubble_model:.3f} | {msgs:g} |")
