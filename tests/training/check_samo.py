@@ -37,6 +37,7 @@ import os
 import shutil
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -154,21 +155,25 @@ def side_by_side(layouts, base: dict, root: Path) -> list[dict]:
     return records
 
 
-def report(records: list[dict], base: dict) -> None:
-    """On world rank 0: checks 1, 2 and 4 of every grid, from every rank's record. The
-    serial references are computed here, one per set of pruning options."""
-    refs = {}
+def serial_references(records: list[dict], base: dict) -> dict[str, list[float]]:
+    """The serial dense masked losses of each set of pruning options in `records`, by
+    its JSON, on every rank; rank i computes the i-th (collective)."""
+    keys = sorted({json.dumps(r["extra"], sort_keys=True) for r in records})
+    mine = {k: serial_losses(TrainConfig(**dict(base, **json.loads(k)), samo=True),
+                             load_dataset("stdlib"))
+            for i, k in enumerate(keys) if i % mcrdl.get_size() == mcrdl.get_rank()}
+    return {k: v for part in mcrdl.all_gather_object(mine) for k, v in part.items()}
+
+
+def report(records: list[dict], refs: dict[str, list[float]], base: dict) -> None:
+    """On world rank 0: checks 1, 2 and 4 of every grid, from every rank's record."""
     by_grid: dict[tuple, list[dict]] = {}
     for r in records:
         by_grid.setdefault(r["grid"], []).append(r)
     for (gi, gd), rows in by_grid.items():
         extra = rows[0]["extra"]
         name = f"G_inter={gi} G_data={gd}{' ' + str(extra) if extra else ''}"
-        key = json.dumps(extra, sort_keys=True)
-        if key not in refs:
-            refs[key] = serial_losses(TrainConfig(**dict(base, **extra), samo=True),
-                                      load_dataset("stdlib"))
-        ref, got = refs[key], rows[0]["fp32"]
+        ref, got = refs[json.dumps(extra, sort_keys=True)], rows[0]["fp32"]
         assert all(r["fp32"] == got for r in rows), name  # one loss per step, everywhere
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
         print(f"samo fp32 {name}: loss {got[0]:.5f} -> {got[-1]:.5f}, max rel diff vs "
@@ -269,8 +274,18 @@ def main():
     mcrdl.configure(logging=True)  # check 4 reads each rank's log
     records = [r for layouts in PHASES for r in side_by_side(layouts, base, root)]
     mcrdl.configure(logging=False)
+    refs = serial_references(records, base)
+    failure = None
     if mcrdl.get_rank() == 0:
-        report(records, base)
+        try:
+            report(records, refs, base)
+        except AssertionError:
+            failure = traceback.format_exc()
+    # every rank stops at once on a failed check, instead of timing out waiting for rank 0
+    failure = mcrdl.broadcast_object(failure)
+    if failure:
+        raise SystemExit(f"samo FAILED on world rank 0:\n{failure}" if mcrdl.get_rank() == 0
+                         else 1)
     resume_checks(base, root)
     if mcrdl.get_rank() == 0:  # every rank is past its last use of the files
         shutil.rmtree(root)
