@@ -125,8 +125,8 @@ class ProcessGrid:
 
     def _check_member(self) -> None:
         if not self.is_member:
-            raise GridError(f"this process (world rank {mcrdl.get_rank()}) is not in the "
-                            f"grid's group {list(self.world.ranks)}")
+            raise GridError(f"this process is not in the grid's group of world ranks "
+                            f"{list(self.world.ranks)}; only its members train on it")
 
     def size(self, axis: Axis | str) -> int:
         """The degree of `axis`."""
