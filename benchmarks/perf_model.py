@@ -46,7 +46,8 @@ import torch
 
 import mcrdl
 from mcrdl.tuning.model import fit
-from mcrdl.tuning.table import TuningTable, current_provenance, find_shipped_table
+from mcrdl.tuning.provenance import current_provenance, find_shipped_table
+from mcrdl.tuning.table import TuningTable
 from training.models.gpt import CONFIGS, get_config
 from training.perf_model import (
     AXES,
