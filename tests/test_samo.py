@@ -142,9 +142,10 @@ def _peak_allocated(prof) -> int:
 
 def test_memory_model_is_exact():
     """Eq. 4.2 equals the bytes of SamoAdamW's state tensors for p in {0.5, 0.8, 0.9,
-    0.95}; the step allocates at most 2 f phi bytes over that steady state; at most one
-    tensor's dense gradient exists at a time in backward; at p = 0.9 SAMO saves >= 75%
-    of the repository's dense mixed-precision optimizer's states at its step."""
+    0.95}; at p = 0.5 and 0.9 the step allocates at most 2 f phi bytes over that steady
+    state and at most one tensor's dense gradient exists at a time in backward; at
+    p = 0.9 SAMO saves >= 75% of the repository's dense mixed-precision optimizer's
+    states at its step."""
     from torch.profiler import ProfilerActivity, profile
 
     from training.models.gpt import lm_loss
@@ -170,6 +171,9 @@ def test_memory_model_is_exact():
         assert kept == kept_count(phi, p)
         steady = sum(opt.state_bytes().values())
         assert steady == samo_bytes(phi, kept) == 24 * kept + 2 * phi, (p, steady)
+        results[p] = (phi, kept, steady)
+        if p not in (0.5, 0.9):  # the step at two sparsities (~1 s of CPU each)
+            continue
         for mb in x.split(2):
             (lm_loss(model(mb[:, :-1]), mb[:, 1:].contiguous()) / 2).backward()
         assert set(live) == {1}, live
@@ -178,7 +182,6 @@ def test_memory_model_is_exact():
         allocated = _peak_allocated(prof)
         assert 0 < allocated <= 2 * kept, (p, allocated, 2 * kept)
         assert sum(opt.state_bytes().values()) == steady
-        results[p] = (phi, kept, steady, allocated)
     dense_model = _tiny_bf16()
     dense = OffloadedAdamW(dense_model.parameters(), oc)
     dense_bytes = sum(dense_state_bytes(dense).values())
