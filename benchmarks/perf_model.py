@@ -343,6 +343,8 @@ class SharedLayout:
     its own groups would leave ~6 more idle lane threads per grid in every process, and
     with 19 grids their wake-ups made the last grids' steps seconds long on 2 cores."""
 
+    world = None  # the whole world
+
     def __init__(self, grid: Grid4D, groups: dict):
         self.sizes = {Axis(a): grid.degree(a) for a in AXES}
         self.groups = {Axis(a): groups[a] for a in AXES}

@@ -10,6 +10,12 @@ import sys
 
 import pytest
 
+# Wider sweeps (more world sizes and layouts of a check that a representative few
+# already cover) run with MCRDL_TEST_FULL=1; the default run keeps CI under its time
+# budget on a 2-core machine. Use as `pytest.param(..., marks=FULL)`.
+FULL = pytest.mark.skipif(os.environ.get("MCRDL_TEST_FULL") != "1",
+                          reason="wider sweep: run with MCRDL_TEST_FULL=1")
+
 
 def mpiexec_or_skip() -> str:
     cand = os.path.join(sys.prefix, "bin", "mpiexec")

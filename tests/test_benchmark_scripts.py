@@ -28,8 +28,9 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_every_benchmark_parses_its_options():
+def test_every_benchmark_parses_its_options(tmp_path):
     assert BENCHMARKS
     out = subprocess.run([sys.executable, "-c", _RUN_ALL, *map(str, BENCHMARKS)],
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert not list(tmp_path.iterdir()), f"--help wrote files: {list(tmp_path.iterdir())}"
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -9,25 +9,31 @@ import sys
 
 import pytest
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "pccl")
 
 # (world size, MCRDL_RANKS_PER_NODE, expected layout)
+# (the default run keeps one of each kind: flat, hierarchical power of two, uneven,
+# hierarchical with 3 per node and with an odd number of nodes, the widest)
 LAYOUTS = [
     (2, 1, "2 nodes x 1 (flat)"),
-    (3, 3, "1 nodes x 3 (flat)"),
+    pytest.param(3, 3, "1 nodes x 3 (flat)", marks=FULL),
     (4, 2, "2 nodes x 2 (hierarchical)"),
     (5, 2, "3 nodes x 0 (flat)"),  # 2 + 2 + 1: uneven, the whole group runs flat
     (6, 3, "2 nodes x 3 (hierarchical)"),
     (6, 2, "3 nodes x 2 (hierarchical)"),
-    (7, 1, "7 nodes x 1 (flat)"),
+    pytest.param(7, 1, "7 nodes x 1 (flat)", marks=FULL),
     (8, 4, "2 nodes x 4 (hierarchical)"),
 ]
 
 
-@pytest.mark.parametrize("n,per_node,expected", LAYOUTS,
-                         ids=[f"{n}ranks-{k}pernode" for n, k, _ in LAYOUTS])
+def _layout_id(layout) -> str:
+    n, k, _ = layout.values if hasattr(layout, "values") else layout
+    return f"{n}ranks-{k}pernode"
+
+
+@pytest.mark.parametrize("n,per_node,expected", LAYOUTS, ids=[_layout_id(x) for x in LAYOUTS])
 def test_pccl_conformance(n, per_node, expected):
     env = dict(os.environ, MCRDL_RANKS_PER_NODE=str(per_node), MCRDL_TIMEOUT="120")
     if n >= 5 and (n, per_node) not in ((6, 3), (6, 2)):

@@ -20,7 +20,7 @@ import mcrdl
 from mcrdl.torch_backend import routing
 from mcrdl.torch_backend.process_group import McrdlWork, explicit_timeout
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, run_launcher
 from .test_mixing import _alive
 
 HERE = os.path.join(os.path.dirname(__file__), "torch_backend")
@@ -151,8 +151,9 @@ def test_work_error_reaches_the_future():
 
 # -- real worlds -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("launcher, n", [("mpiexec", 1), ("mpiexec", 2), ("mpiexec", 3),
-                                         ("torchrun", 4), ("mpiexec", 5)])
+@pytest.mark.parametrize("launcher, n", [pytest.param("mpiexec", 1, marks=FULL),
+                                         ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 4),
+                                         pytest.param("mpiexec", 5, marks=FULL)])
 def test_every_collective_matches_numpy(launcher, n):
     out = launch(launcher, n, os.path.join(HERE, "collectives.py"))
     for r in range(n):

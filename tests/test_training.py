@@ -135,6 +135,21 @@ def test_process_grid():
         ProcessGrid({"data": 0}, world_size=1, rank=0)
 
 
+def test_process_grid_on_a_group():
+    """A grid spanning a group of world ranks (runs side by side in one launch): grid
+    ranks are group ranks; a process outside the group has no coordinates."""
+    from mcrdl import Group
+    from training.topology import GridError, ProcessGrid
+    g = ProcessGrid({"pipe": 3}, world=Group((1, 2, 3), world_rank=3, group_id=7))
+    assert (g.world_size, g.rank, g.coord("pipe"), g.line("pipe")) == (3, 2, 2, [0, 1, 2])
+    outside = ProcessGrid({"pipe": 3}, world=Group((1, 2, 3), world_rank=0, group_id=7))
+    assert not outside.is_member and "not a member" in repr(outside)
+    with pytest.raises(GridError, match="not in the grid.s group of world ranks"):
+        outside.coord("pipe")
+    with pytest.raises(GridError, match=r"its group \[1, 2, 3\] has 3"):
+        ProcessGrid({"pipe": 2}, world=Group((1, 2, 3), world_rank=1, group_id=7))
+
+
 def test_stage_weights_match_whole_model():
     from training.models.gpt import CONFIGS, GPT, GPTStage
     cfg = CONFIGS["tiny"]

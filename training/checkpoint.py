@@ -19,6 +19,11 @@ ranks agree before any state changes: a truncated or corrupt shard raises
 
 writes one ordinary PyTorch ``state_dict`` of the whole model (load it with
 ``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config.
+
+A pruned run's shard also holds its mask (``"pruning"``: each tensor's int32 index of
+unpruned entries, ``training/pruning.py``); SAMO's shards store the model compressed, as
+its values at the index, and consolidation expands them: a dense ``state_dict`` with
+zeros at the pruned positions.
 """
 
 from __future__ import annotations
@@ -124,8 +129,8 @@ def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
         if wanted != have[key]:
             raise CheckpointError(
                 f"checkpoint {directory} was written with {key}={have[key]}, this run has "
-                f"{key}={wanted}; resume with the same model, --G-inter, --layers-per-stage "
-                "and --offload-optimizer (--G-data may change)")
+                f"{key}={wanted}; resume with the same model, --G-inter, --layers-per-stage, "
+                "--offload-optimizer and --samo (--G-data may change)")
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:
@@ -179,6 +184,20 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
+def shard_model(shard: dict) -> dict[str, torch.Tensor]:
+    """A shard's model state as dense tensors: SAMO shards (``shard["pruning"]["compressed"]``)
+    store each tensor's values at its index, expanded here with zeros elsewhere."""
+    pruning = shard.get("pruning")
+    if not pruning or not pruning["compressed"]:
+        return shard["model"]
+    dense = {}
+    for name, values in shard["model"].items():
+        t = torch.zeros(pruning["shapes"][name], dtype=values.dtype)
+        t.view(-1)[pruning["index"][name].long()] = values
+        dense[name] = t
+    return dense
+
+
 def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
     """(state_dict of the whole model, model config dict) from a checkpoint's shards."""
     manifest = read_manifest(directory)
@@ -186,12 +205,12 @@ def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
         return _consolidate_4d(directory, manifest), manifest["model"]
     state: dict[str, torch.Tensor] = {}
     for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
-        shard = load_shard(directory, manifest, entry["stage"])
-        overlap = set(state) & set(shard["model"])
+        model = shard_model(load_shard(directory, manifest, entry["stage"]))
+        overlap = set(state) & set(model)
         if overlap:
             raise CheckpointError(f"stage {entry['stage']} repeats parameters "
                                   f"{sorted(overlap)[:3]}")
-        state.update(shard["model"])
+        state.update(model)
     n_units = manifest["model"]["n_layer"] + 2
     present = {int(k.split(".")[1]) for k in state}
     missing = sorted(set(range(n_units)) - present)

@@ -14,6 +14,7 @@ parallel layout therefore see exactly the same samples, and resuming needs no st
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sysconfig
@@ -77,13 +78,21 @@ class TokenFile:
 
 
 def load_dataset(spec: str | None, vocab_size: int | None = None):
-    """``None``/``"stdlib"`` -> ByteCorpus; a directory -> TokenFile."""
+    """``None``/``"stdlib"`` -> ByteCorpus (one per process: reading the sources costs
+    ~1 s of CPU, which every Trainer of a test or benchmark launch paid again); a
+    directory -> TokenFile."""
     if spec in (None, "", "stdlib"):
-        return ByteCorpus()
+        return _stdlib_corpus()
     if os.path.isdir(spec):
         return TokenFile(spec, vocab_size or 50304)
     raise FileNotFoundError(f"--data {spec!r}: expected 'stdlib' or a directory with "
                             "train.bin/val.bin")
+
+
+@functools.cache
+def _stdlib_corpus() -> ByteCorpus:
+    """The default corpus, read once: its arrays are never written to."""
+    return ByteCorpus()
 
 
 class Batches:

@@ -18,6 +18,8 @@ none on biases and LayerNorm, as nanoGPT):
   updates run after the last one.
 
 Both give the same result to rounding (the parity tests compare them with a serial run).
+``BucketedAdamW`` holds the bucketed, overlapped step that OffloadedAdamW shares with
+SAMO's optimizer (``training/samo.py``, the same step on compressed states).
 
 An engine that reduces the gradients itself (the 4D engine: Z reduce-scatters, data
 all-reduces, each shard counted once in the norm) passes no data group and gives
@@ -107,10 +109,12 @@ class _GradientComm:
     """What every optimizer here shares: the data-parallel all-reduce and the global norm."""
 
     def __init__(self, cfg: OptimConfig, data_group, pipe_group, world_reduce: bool,
-                 timers: PhaseTimers | None):
+                 timers: PhaseTimers | None, world_group=None):
         self.cfg = cfg
         self.data_group, self.pipe_group = data_group, pipe_group
-        self.world_reduce = world_reduce  # several ranks: overflow flags agree world-wide
+        # several ranks: overflow flags agree over the run's ranks, `world_group` (None:
+        # the whole world; a group when runs share a launch, training/topology.py)
+        self.world_reduce, self.world_group = world_reduce, world_group
         self.timers = timers or NullTimers()
         self.step_count = 0
 
@@ -128,7 +132,7 @@ class _GradientComm:
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
         if self.world_reduce:
             with self.timers("collective"):
-                self._all_reduce(t, mcrdl.ReduceOp.MAX, None)
+                self._all_reduce(t, mcrdl.ReduceOp.MAX, self.world_group)
         return bool(t.item())
 
     def clip_coef(self, sumsq: float) -> float:
@@ -143,8 +147,9 @@ class DataParallelAdamW(_GradientComm):
     """All-reduce + clip + torch.optim.AdamW (parameters and states in the model dtype)."""
 
     def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
-                 world_reduce: bool = False, timers: PhaseTimers | None = None):
-        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
+                 world_reduce: bool = False, timers: PhaseTimers | None = None,
+                 world_group=None):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers, world_group)
         self.params = [p for p in params if p.requires_grad]
         self.opt = torch.optim.AdamW(param_groups(self.params, cfg.weight_decay), lr=cfg.lr,
                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
@@ -201,57 +206,44 @@ def _check_kind(sd: dict, kind: str) -> None:
                          "; resume with the same --offload-optimizer setting")
 
 
-class OffloadedAdamW(_GradientComm):
-    """fp32 master weights and moments in host memory, bucketed, overlapped (module doc)."""
+Bucket = tuple[int, int, list[tuple[int, int, float]]]
 
-    def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
-                 world_reduce: bool = False, timers: PhaseTimers | None = None,
-                 loss_scaling: bool = False):
-        super().__init__(cfg, data_group, pipe_group, world_reduce, timers)
-        params = [p for p in params if p.requires_grad]
-        # decaying parameters first, so that a bucket holds at most two runs of equal decay
-        self.params = sorted(params, key=lambda p: not decays(p))
-        if not self.params:
-            raise ValueError("OffloadedAdamW: no trainable parameters")
-        dev, dtype = self.params[0].device, self.params[0].dtype
-        if any(p.device != dev or p.dtype != dtype for p in self.params):
-            raise ValueError("OffloadedAdamW: all parameters must share one device and dtype")
-        n = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(n, dtype=dtype, device=dev)
-        self.flat_grad = torch.zeros(n, dtype=dtype, device=dev)
-        pin = dev.type == "cuda"
-        self.master = torch.empty(n, dtype=torch.float32, pin_memory=pin)
-        self.exp_avg = torch.zeros(n, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        self.offsets = []
-        off = 0
-        for p in self.params:
-            k = p.numel()
-            self.flat[off:off + k].copy_(p.detach().reshape(-1))
-            self.master[off:off + k].copy_(p.detach().reshape(-1).float())
-            p.data = self.flat[off:off + k].view_as(p)  # the model now lives in the flat buffer
-            self.offsets.append(off)
-            off += k
-        self.buckets = self._make_buckets(max(1, int(cfg.bucket_mib * 2**20) // 4))
-        self.scaler = LossScaler(loss_scaling)
-        self.last_grad_norm = float("nan")
 
-    def _make_buckets(self, limit: int) -> list[tuple[int, int, list[tuple[int, int, float]]]]:
-        """(start, end, runs) with runs = [(start, end, weight decay)], whole parameters."""
-        buckets, start, runs = [], 0, []
-        for p, off in zip(self.params, self.offsets, strict=True):
-            wd = self.cfg.weight_decay if decays(p) else 0.0
-            end = off + p.numel()
-            if runs and runs[-1][2] == wd:
-                runs[-1] = (runs[-1][0], end, wd)
-            else:
-                runs.append((off, end, wd))
-            if end - start >= limit:
-                buckets.append((start, end, runs))
-                start, runs = end, []
-        if runs:
-            buckets.append((start, runs[-1][1], runs))
-        return buckets
+def make_buckets(spans: list[tuple[int, int, float]], limit: int) -> list[Bucket]:
+    """Buckets of consecutive whole tensors, each closed once it holds `limit` elements or
+    more: (start, end, runs) with runs = [(start, end, weight decay)], adjacent spans of
+    equal decay merged. `spans` are the tensors' (start, end, weight decay) in a flat
+    buffer, in order; empty spans are left out."""
+    buckets, start, runs = [], None, []
+    for a, end, wd in spans:
+        if a == end:
+            continue
+        if start is None:
+            start = a
+        if runs and runs[-1][2] == wd and runs[-1][1] == a:
+            runs[-1] = (runs[-1][0], end, wd)
+        else:
+            runs.append((a, end, wd))
+        if end - start >= limit:
+            buckets.append((start, end, runs))
+            start, runs = None, []
+    if runs:
+        buckets.append((start, runs[-1][1], runs))
+    return buckets
+
+
+class BucketedAdamW(_GradientComm):
+    """AdamW over a flat gradient cut into buckets of whole tensors, all-reduced in chunks
+    of ``coarsening`` buckets posted at once, each chunk's buckets updated as soon as it
+    has arrived (the module doc's OffloadedAdamW). Subclasses hold ``flat_grad`` (the
+    gradient in the training dtype, laid out like the buckets) and ``buckets``, and define
+    ``_gather_grads`` (fill ``flat_grad`` from the backward pass) and ``_update`` (AdamW
+    on one bucket with the all-reduced gradient times a factor)."""
+
+    flat_grad: torch.Tensor
+    buckets: list[Bucket]
+    scaler: LossScaler
+    last_grad_norm: float
 
     def chunks(self) -> list[list[int]]:
         k = max(1, self.cfg.coarsening)
@@ -259,13 +251,14 @@ class OffloadedAdamW(_GradientComm):
         return [idx[i:i + k] for i in range(0, len(idx), k)]
 
     def _gather_grads(self) -> None:
-        for p, off in zip(self.params, self.offsets, strict=True):
-            dst = self.flat_grad[off:off + p.numel()]
-            if p.grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(p.grad.reshape(-1))
-                p.grad = None
+        raise NotImplementedError
+
+    def _update(self, bucket: Bucket, lr: float, grad_coef: float) -> None:
+        raise NotImplementedError
+
+    def _grad_sumsq(self, start: int, end: int) -> torch.Tensor:
+        """Sum of squares of flat_grad[start:end], in float64."""
+        return self.flat_grad[start:end].double().pow_(2).sum()
 
     def step(self, sumsq: float | None = None) -> bool:
         """One AdamW step; False when skipped (fp16 overflow). `sumsq`: the squared
@@ -300,7 +293,7 @@ class OffloadedAdamW(_GradientComm):
                     works[i].wait()
             if sumsq is None:
                 with self.timers("optimizer"):
-                    local += self.flat_grad[a:b].double().pow(2).sum()
+                    local += self._grad_sumsq(a, b)
         inv = 1.0 / self.scaler.scale
         sumsq = (self.global_sumsq(local) if sumsq is None else sumsq) * inv * inv
         found_inf = not math.isfinite(sumsq)
@@ -316,6 +309,53 @@ class OffloadedAdamW(_GradientComm):
                 self._update(bucket, lr, coef)
         self.step_count += 1
         return True
+
+
+class OffloadedAdamW(BucketedAdamW):
+    """fp32 master weights and moments in host memory, bucketed, overlapped (module doc)."""
+
+    def __init__(self, params, cfg: OptimConfig, data_group=None, pipe_group=None,
+                 world_reduce: bool = False, timers: PhaseTimers | None = None,
+                 loss_scaling: bool = False, world_group=None):
+        super().__init__(cfg, data_group, pipe_group, world_reduce, timers, world_group)
+        params = [p for p in params if p.requires_grad]
+        # decaying parameters first, so that a bucket holds at most two runs of equal decay
+        self.params = sorted(params, key=lambda p: not decays(p))
+        if not self.params:
+            raise ValueError("OffloadedAdamW: no trainable parameters")
+        dev, dtype = self.params[0].device, self.params[0].dtype
+        if any(p.device != dev or p.dtype != dtype for p in self.params):
+            raise ValueError("OffloadedAdamW: all parameters must share one device and dtype")
+        n = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(n, dtype=dtype, device=dev)
+        self.flat_grad = torch.zeros(n, dtype=dtype, device=dev)
+        pin = dev.type == "cuda"
+        self.master = torch.empty(n, dtype=torch.float32, pin_memory=pin)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+        self.offsets = []
+        off = 0
+        for p in self.params:
+            k = p.numel()
+            self.flat[off:off + k].copy_(p.detach().reshape(-1))
+            self.master[off:off + k].copy_(p.detach().reshape(-1).float())
+            p.data = self.flat[off:off + k].view_as(p)  # the model now lives in the flat buffer
+            self.offsets.append(off)
+            off += k
+        spans = [(off, off + p.numel(), cfg.weight_decay if decays(p) else 0.0)
+                 for p, off in zip(self.params, self.offsets, strict=True)]
+        self.buckets = make_buckets(spans, max(1, int(cfg.bucket_mib * 2**20) // 4))
+        self.scaler = LossScaler(loss_scaling)
+        self.last_grad_norm = float("nan")
+
+    def _gather_grads(self) -> None:
+        for p, off in zip(self.params, self.offsets, strict=True):
+            dst = self.flat_grad[off:off + p.numel()]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+                p.grad = None
 
     def _update(self, bucket, lr: float, grad_coef: float) -> None:
         """torch.optim.AdamW's single-tensor update, run by run, on the host in fp32."""

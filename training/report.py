@@ -106,17 +106,17 @@ class ProgressLog:
             self.bar = None
 
 
-def gather_phase_times(timers: PhaseTimers, wall: float, steps: int,
-                       key: int) -> dict[int, dict[str, float]]:
-    """Collective over the world. On world rank 0, for each `key` (e.g. a pipeline
-    stage), the mean over the ranks with that key of the seconds per step spent in each
+def gather_phase_times(timers: PhaseTimers, wall: float, steps: int, key: int,
+                       group: mcrdl.Group | None = None) -> dict[int, dict[str, float]]:
+    """Collective over `group` (None: the world). On its rank 0, for each `key` (e.g. a
+    pipeline stage), the mean over the ranks with that key of the seconds per step in each
     phase, ``other`` (the rest of `wall`) and the whole step (``wall``); `wall` is the
     seconds of `steps` timed steps. Empty on other ranks and when no step was timed."""
     times = timers.snapshot()
     times["other"] = max(0.0, wall - sum(v for k, v in times.items() if k != "other"))
     times["wall"] = wall
-    gathered = mcrdl.all_gather_object((key, times))
-    if mcrdl.get_rank() != 0 or steps < 1:
+    gathered = mcrdl.all_gather_object((key, times), group=group)
+    if mcrdl.get_rank(group=group) != 0 or steps < 1:
         return {}
     by_key: dict[int, list[dict[str, float]]] = {}
     for rank_key, rank_times in gathered:

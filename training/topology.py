@@ -3,13 +3,6 @@
     grid = ProcessGrid({Axis.DATA: 2, Axis.PIPE: 4})          # 8 ranks
     grid.coord(Axis.PIPE), grid.size(Axis.PIPE), grid.group(Axis.DATA)
 
-``ranks`` lays the grid on a subset of the world (grid rank i is world rank
-``ranks[i]``), e.g. to run several small grids side by side in one launch; its groups
-are still created collectively by every rank of the world, and ``rank`` is -1 on the
-ranks outside it. ``group_cache`` (a dict shared by grids built in the same order on
-every rank) reuses the group of a line of ranks another grid already made: every group
-keeps lane threads alive, and their idle wake-ups slow a 2-core machine.
-
 Axes are the members of ``Axis``; their values ("pipe", "data") are accepted wherever an
 axis is, so a grid order read from the command line names them. The options that set
 an axis's degree (``--G-inter`` for PIPE) declare it in ``training/config.py``.
@@ -19,6 +12,16 @@ ranks of one node) to the slowest; by default the order of ``sizes``. With
 ``{DATA: 2, PIPE: 4}`` ranks 0 and 1 form a data-parallel pair and ranks 0, 2, 4, 6
 a pipeline. Groups are created collectively on every rank in one fixed order, so the
 grid must be built by every rank of the world with the same arguments.
+
+A grid may span a ``world`` group instead of the whole world: its ranks are then the
+group's ranks (grid rank i is world rank ``world.ranks[i]``), so that several runs can
+train side by side in one launch, each on its own ranks (the tests batch their grids
+so: every process pays ~2 s to import torch). Creating groups stays collective over
+the whole world: every rank builds every grid and calls ``make_groups`` on each in the
+same order, and a rank outside `world` gets no groups from it. ``group_cache`` (one
+dict shared by grids built in the same order on every rank) reuses the group of a line
+of world ranks that another grid already made: every group keeps lane threads alive,
+and their idle wake-ups slow a 2-core machine.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ class ProcessGrid:
 
     def __init__(self, sizes: Mapping[Axis | str, int],
                  order: Sequence[Axis | str] | None = None, *,
+                 world: mcrdl.Group | None = None,
                  world_size: int | None = None, rank: int | None = None,
-                 ranks: Sequence[int] | None = None,
                  group_cache: dict[tuple[int, ...], mcrdl.Group] | None = None):
         sizes = {to_axis(a): n for a, n in sizes.items()}
         for axis, n in sizes.items():
@@ -78,18 +81,16 @@ class ProcessGrid:
         if sorted(order) != sorted(sizes):
             raise GridError(f"process grid: order {_names(order)} must list each axis of "
                             f"{_names(sizes)} exactly once")
-        self.world_ranks = None if ranks is None else [int(r) for r in ranks]
-        if self.world_ranks is not None:  # laid on a subset of the world (see `ranks`)
-            me = mcrdl.get_rank() if rank is None else rank
-            self.world_size = len(self.world_ranks)
-            self.rank = self.world_ranks.index(me) if me in self.world_ranks else -1
-        else:
-            self.world_size = mcrdl.get_size() if world_size is None else world_size
-            self.rank = mcrdl.get_rank() if rank is None else rank
+        self.world = world  # None: the whole mcrdl world
+        if world is not None:
+            world_size, rank = world.size, world.rank  # rank -1: not a member
+        self.world_size = mcrdl.get_size() if world_size is None else world_size
+        self.rank = mcrdl.get_rank() if rank is None else rank
         total = math.prod(sizes.values())
         if total != self.world_size:
             shown = " x ".join(f"{a}={n}" for a, n in sizes.items())
-            raise GridError(f"process grid {shown} needs {total} ranks but the world has "
+            where = "the world has" if world is None else f"its group {list(world.ranks)} has"
+            raise GridError(f"process grid {shown} needs {total} ranks but {where} "
                             f"{self.world_size}; launch with -n {total} or change the degrees "
                             f"so that their product is {self.world_size}")
         self.sizes = sizes
@@ -120,9 +121,20 @@ class ProcessGrid:
     def _rank_at(self, coords: Mapping[Axis, int]) -> int:
         return sum(c * self._stride[a] for a, c in coords.items())
 
+    @property
+    def is_member(self) -> bool:
+        """Whether this process is one of the grid's ranks (always, without a `world`)."""
+        return self.rank >= 0
+
     def coord(self, axis: Axis | str) -> int:
         """This rank's coordinate along `axis`."""
+        self._check_member()
         return self.coords_of(self.rank)[self._axis(axis)]
+
+    def _check_member(self) -> None:
+        if not self.is_member:
+            raise GridError(f"this process is not in the grid's group of world ranks "
+                            f"{list(self.world.ranks)}; only its members train on it")
 
     def size(self, axis: Axis | str) -> int:
         """The degree of `axis`."""
@@ -131,6 +143,8 @@ class ProcessGrid:
     def line(self, axis: Axis | str, rank: int | None = None) -> list[int]:
         """Ranks that differ from `rank` (default: this one) only along `axis`, in axis order."""
         axis = self._axis(axis)
+        if rank is None:
+            self._check_member()
         c = self.coords_of(self.rank if rank is None else rank)
         out = []
         for i in range(self.size(axis)):
@@ -145,21 +159,12 @@ class ProcessGrid:
         return axis
 
     # --- groups ------------------------------------------------------------------------
-    @property
-    def is_member(self) -> bool:
-        """Whether this process is one of the grid's ranks."""
-        return self.rank >= 0
-
-    def world_rank(self, rank: int) -> int:
-        """The world rank of grid rank `rank`."""
-        return rank if self.world_ranks is None else self.world_ranks[rank]
-
     def make_groups(self) -> None:
         """Create one mcrdl group per line of every axis of degree > 1 (collective over
-        the whole world, also for a grid laid on a subset of it: every rank of the world
-        calls it, in the same order, for every grid)."""
+        the whole world, members of the grid or not)."""
         if self._made_groups:
             return
+        world_ranks = self.world.ranks if self.world is not None else range(self.world_size)
         for axis in self.order:
             self._groups[axis] = None
             if self.sizes[axis] == 1:
@@ -167,12 +172,12 @@ class ProcessGrid:
             lines = sorted({tuple(self.line(axis, r)) for r in range(self.world_size)})
             mine = tuple(self.line(axis)) if self.is_member else None
             for ln in lines:
-                world = tuple(self.world_rank(r) for r in ln)
-                g = None if self._cache is None else self._cache.get(world)
+                ranks = tuple(world_ranks[r] for r in ln)
+                g = None if self._cache is None else self._cache.get(ranks)
                 if g is None:
-                    g = mcrdl.new_group(list(world))
+                    g = mcrdl.new_group(list(ranks))
                     if self._cache is not None:
-                        self._cache[world] = g
+                        self._cache[ranks] = g
                 if ln == mine:
                     self._groups[axis] = g
         self._made_groups = True
@@ -180,10 +185,13 @@ class ProcessGrid:
     def group(self, axis: Axis | str) -> mcrdl.Group | None:
         """This rank's group along `axis` (None when the axis has degree 1)."""
         axis = self._axis(axis)
+        self._check_member()
         self.make_groups()
         return self._groups[axis]
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{a}={self.sizes[a]}" for a in self.order)
+        if not self.is_member:
+            return f"ProcessGrid({axes}; not a member)"
         at = ", ".join(f"{a}={c}" for a, c in self.coords_of(self.rank).items())
         return f"ProcessGrid({axes}; rank {self.rank} at {at})"

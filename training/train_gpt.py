@@ -5,10 +5,12 @@ parallelism, on mcrdl.
     mpiexec -n 8 python -m training.train_gpt --G-x 2 --G-y 2 --G-z 2 --overlap all
     torchrun --nproc-per-node 4 -m training.train_gpt --G-inter 4
     srun -n 8 python -m training.train_gpt --config my_run.toml --steps 1000
+    mpiexec -n 8 python -m training.train_gpt --G-inter 2 --G-data 4 --dtype bf16 \
+        --samo --prune-sparsity 0.9 --prune-schedule 0,100,200     # SAMO (training/samo.py)
 
 Options (``--help``; declared in training/config.py) come from their defaults, then
 ``--config FILE`` (TOML or JSON: option names with underscores as keys, at the top level
-or in the tables [model], [data], [parallel], [optimizer], [run]), then the command
+or in the tables [model], [data], [parallel], [optimizer], [run], [samo]), then the command
 line. Rank 0 shows a progress bar (on a terminal) and one log line per
 ``--log-interval`` steps, writes ``--metrics`` (JSON lines: step, loss, lr, grad_norm,
 time_s, tokens_per_s), and at the end prints the per-phase time breakdown per pipeline
@@ -41,8 +43,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
 def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     """Train per `cfg` on this rank; returns the per-step losses (and, on rank 0, the
-    phase breakdown). Every rank of the world must call it with the same config;
-    `trainer_options` go to Trainer."""
+    phase breakdown). Every rank of the world must call it with the same config (or
+    every rank of a group, with ``grid=ProcessGrid(..., world=group)``); `trainer_options`
+    go to Trainer."""
     cfg.validate()
     if cfg.uses_4d():
         from .parallel4d.trainer import Trainer4D
@@ -90,7 +93,8 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     steps_timed = trainer.step - timed_from_step
     result.stage, result.events = trainer.stage_index, trainer.engine.events
     result.phases = report.gather_phase_times(trainer.timers, wall, steps_timed,
-                                              key=trainer.stage_index)
+                                              key=trainer.stage_index,
+                                              group=trainer.world_group)
     if result.phases and cfg.uses_4d():
         result.tokens_per_s = tokens_per_step * steps_timed / wall
         if not cfg.quiet:

@@ -18,6 +18,8 @@ from .data import Batches, load_dataset
 from .models.gpt import GPTStage, get_config
 from .optim import DataParallelAdamW, OffloadedAdamW
 from .pipeline import PipelineEngine, partition
+from .pruning import DenseMasking, Pruning, check_shard
+from .samo import SamoAdamW
 from .timers import PhaseTimers
 from .topology import Axis, ProcessGrid
 
@@ -52,10 +54,11 @@ def init_comm(cfg: TrainConfig, device: torch.device) -> str:
     return "mpi" if "mpi" in have else "gloo"
 
 
-def raise_together(error: Exception | None, context: str, group=None) -> None:
-    """Collective over `group` (None: the world): when any rank has an `error`, every rank raises
-    CheckpointError with the message of the lowest failing rank, so that no rank is left
-    waiting for the others. Errors other than CheckpointError are prefixed with
+def raise_together(error: Exception | None, context: str,
+                   group: mcrdl.Group | None = None) -> None:
+    """Collective over `group` (None: the world): when any rank has an `error`, every
+    rank raises CheckpointError with the message of the lowest failing rank, so that no
+    rank is left waiting for the others. Errors other than CheckpointError are prefixed with
     `context` and their type."""
     message = None
     if error is not None:
@@ -71,17 +74,25 @@ def raise_together(error: Exception | None, context: str, group=None) -> None:
 
 class Trainer:
     """One configured training run on this rank (stage of the model, data, optimizer,
-    pipeline engine). Every rank of the world builds it with the same config.
-    `compute_delay` (seconds per forward or backward, by stage index) and `record`
-    (keep the pipeline's events) are for tests."""
+    pipeline engine). Every rank of the world builds it with the same config, or, given
+    a `grid` spanning a group of ranks (``ProcessGrid(..., world=group)``, its groups
+    made on every rank of the world), every rank of that group: then the run's
+    "world" (rank 0's output, checkpoints, losses summed) is that group, and other runs
+    may train on other ranks at the same time. `compute_delay` (seconds per forward or
+    backward, by stage index) and `record` (keep the pipeline's events) are for tests."""
 
-    def __init__(self, cfg: TrainConfig, *, compute_delay: dict[int, float] | None = None,
-                 record: bool = False):
+    def __init__(self, cfg: TrainConfig, *, grid: ProcessGrid | None = None,
+                 compute_delay: dict[int, float] | None = None, record: bool = False):
         self.cfg = cfg
         self.device = pick_device(cfg)
         self.p2p_backend = init_comm(cfg, self.device)
-        self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
-        self.grid = ProcessGrid(cfg.degrees(), order=cfg.axis_order())
+        if grid is None:
+            grid = ProcessGrid(cfg.degrees(), order=cfg.axis_order())
+        elif grid.sizes != cfg.degrees() or not grid.is_member:
+            raise ValueError(f"Trainer: the grid {grid} is not this process's grid "
+                             f"{cfg.describe_grid()}")
+        self.grid, self.world_group = grid, grid.world
+        self.world_rank, self.world_size = grid.rank, grid.world_size
         self.pipe_group, self.data_group = self.grid.group(Axis.PIPE), self.grid.group(Axis.DATA)
         self.stage_index, self.n_stages = self.grid.coord(Axis.PIPE), self.grid.size(Axis.PIPE)
         self.data_rank, self.n_replicas = self.grid.coord(Axis.DATA), self.grid.size(Axis.DATA)
@@ -101,13 +112,23 @@ class Trainer:
                                seed=cfg.seed)
         self.timers = PhaseTimers()
         comm = dict(data_group=self.data_group, pipe_group=self.pipe_group,
-                    world_reduce=self.world_size > 1, timers=self.timers)
-        if cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
+                    world_reduce=self.world_size > 1, world_group=self.world_group,
+                    timers=self.timers)
+        self.pruning = (Pruning.from_config(cfg, self.model_stage, self.pipe_group)
+                        if cfg.prune_sparsity is not None else None)  # prunes before step 0
+        if cfg.samo:  # compressed model states over the pruning's index (training/samo.py)
+            self.optimizer = SamoAdamW(self.model_stage.named_parameters(), cfg.optim(),
+                                       index=self.pruning.index,
+                                       loss_scaling=dtype == torch.float16, **comm)
+        elif cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
             self.optimizer = OffloadedAdamW(self.model_stage.parameters(), cfg.optim(),
                                             loss_scaling=dtype == torch.float16, **comm)
         else:
             self.optimizer = DataParallelAdamW(self.model_stage.parameters(), cfg.optim(),
                                                **comm)
+        if self.pruning is not None:
+            self.pruning.attach(self.optimizer if cfg.samo else DenseMasking(
+                self.model_stage.named_parameters(), self.optimizer))
         stage_delay = (compute_delay or {}).get(self.stage_index, 0.0)
         self.engine = PipelineEngine(self.model_stage, stage_index=self.stage_index,
                                      n_stages=self.n_stages, group=self.pipe_group,
@@ -125,17 +146,21 @@ class Trainer:
                 f"{cfg.dtype}) on {self.world_size} ranks: {cfg.describe_grid()}, stages "
                 f"{self.partition}, {self.batches.n_micro} microbatches of "
                 f"{cfg.micro_batch_size} per step, p2p '{self.p2p_backend}', data: "
-                f"{self.dataset.describe()}")
+                f"{self.dataset.describe()}"
+                + (f"; {self.pruning.describe()}{', SAMO' if cfg.samo else ''}"
+                   if self.pruning else ""))
 
     def _sum_over_world(self, value: float) -> float:
         total = torch.tensor([value], dtype=torch.float64)
         if self.world_size > 1:
-            mcrdl.all_reduce("auto", total, op=mcrdl.ReduceOp.SUM)
+            mcrdl.all_reduce("auto", total, op=mcrdl.ReduceOp.SUM, group=self.world_group)
         return float(total)
 
     def train_step(self) -> tuple[float, bool]:
         """One step on every rank: (the global batch's mean loss, whether the optimizer
         applied the update; False when fp16 loss scaling skipped it)."""
+        if self.pruning is not None:
+            self.pruning.prune_if_due(self.step)
         self.engine.loss_scale = self.optimizer.scaler.scale
         local_loss = self.engine.run(self.batches.microbatches(self.step))
         applied = self.optimizer.step()
@@ -169,11 +194,14 @@ class Trainer:
                                    for k, v in self.model_stage.state_dict().items()},
                          "optimizer": self.optimizer.state_dict(), "stage": self.stage_index,
                          "units": self.partition[self.stage_index], "step": self.step}
+                if self.pruning is not None:
+                    self.pruning.add_to_shard(state)
                 shard = ckpt.save_shard(directory, self.stage_index, state)
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {directory}")
-        shards = [s for s in mcrdl.all_gather_object(shard) if s is not None]
+        raise_together(error, f"cannot save checkpoint {directory}", self.world_group)
+        shards = [s for s in mcrdl.all_gather_object(shard, group=self.world_group)
+                  if s is not None]
         if self.world_rank == 0:
             try:
                 ckpt.write_manifest(directory, ckpt.build_manifest(
@@ -182,7 +210,8 @@ class Trainer:
                     train_config=dataclasses.asdict(self.cfg), shards=shards))
             except OSError as e:
                 error = e
-        raise_together(error, f"cannot save checkpoint {directory}")  # after the manifest
+        # after the manifest
+        raise_together(error, f"cannot save checkpoint {directory}", self.world_group)
         return directory
 
     def load_checkpoint(self, spec: str) -> int:
@@ -204,10 +233,13 @@ class Trainer:
                                  partition=self.partition, model=self.model_cfg.as_dict(),
                                  optimizer=type(self.optimizer).__name__)
             shard = ckpt.load_shard(path, manifest, self.stage_index)
+            check_shard(shard, self.pruning, path, manifest["step"])
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
             error = e
-        raise_together(error, f"cannot load checkpoint {path}")
-        self.model_stage.load_state_dict(shard["model"])
+        raise_together(error, f"cannot load checkpoint {path}", self.world_group)
+        self.model_stage.load_state_dict(ckpt.shard_model(shard))
+        if self.pruning is not None:
+            self.pruning.load_shard(shard, manifest["step"])
         self.optimizer.load_state_dict(shard["optimizer"])
         self.step = manifest["step"]
         return self.step

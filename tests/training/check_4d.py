@@ -3,7 +3,7 @@
 Run under ``mpiexec -n 8``. Every grid (G_x, G_y, G_z, G_data) of issue 18's parity list
 trains 20 steps of fp32 on CPU and every step's loss is compared with the serial
 reference (tests/training/reference.py) to 1e-5 relative. Grids of fewer than 8 ranks
-run side by side on disjoint blocks of consecutive ranks (``ProcessGrid(ranks=...)``;
+run side by side on disjoint blocks of consecutive ranks (``ProcessGrid(world=group)``;
 every rank creates every grid's groups), so that the launch pays torch's import once
 per rank, not once per grid. Ranks left over in a round compute the serial references.
 
@@ -100,19 +100,19 @@ def place(size: int, slots):
     for case, first in slots:
         ranks = list(range(first, first + size))
         gx, gy, gz, gd = case[0]
-        grid = ProcessGrid({"x": gx, "y": gy, "z": gz, "data": gd},
-                           order=["x", "y", "z", "data"], ranks=ranks, group_cache=GROUPS)
-        grid.make_groups()
         if tuple(ranks) not in RUN_GROUPS:
             RUN_GROUPS[tuple(ranks)] = mcrdl.new_group(ranks)
         group = RUN_GROUPS[tuple(ranks)]
+        grid = ProcessGrid({"x": gx, "y": gy, "z": gz, "data": gd},
+                           order=["x", "y", "z", "data"], world=group, group_cache=GROUPS)
+        grid.make_groups()
         if grid.is_member:
             mine = (case, grid, group)
     return mine
 
 
 def train(cfg: TrainConfig, grid, group, **trainer_options) -> tuple[Trainer4D, list[float]]:
-    trainer = Trainer4D(cfg, grid=grid, world=group, **trainer_options)
+    trainer = Trainer4D(cfg, grid=grid, **trainer_options)
     return trainer, [trainer.train_step()[0] for _ in range(cfg.steps)]
 
 
@@ -215,7 +215,7 @@ def overlap_and_tuning(directory: str, ref: list[float]) -> None:
     losses, shown, exposed = {}, {}, {}
     for level in ("none", "oar", "oar+ors", "all"):
         cfg = config(directory, "h4", OVERLAP_STEPS, OVERLAP_GRID, overlap=level)
-        trainer = Trainer4D(cfg, grid=layout, world=group, record=True)
+        trainer = Trainer4D(cfg, grid=layout, record=True)
         rec = trainer.comms.recorder
         got = [trainer.train_step()[0]]
         rec.clear()  # step 1 recorded the gather order (no prefetch yet)
@@ -275,11 +275,11 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
                                                       enumerate(CHECKPOINT_CASES)])
     ck = os.path.join(common, "-".join(map(str, grid)))
     cfg = config(directory, shape, 20, grid, checkpoint_dir=ck, **options)
-    first = Trainer4D(cfg, grid=layout, world=group)
+    first = Trainer4D(cfg, grid=layout)
     for _ in range(10):
         first.train_step()
     saved = first.save_checkpoint()
-    resumed = Trainer4D(cfg, grid=layout, world=group)
+    resumed = Trainer4D(cfg, grid=layout)
     start = resumed.load_checkpoint("latest")
     after = [resumed.train_step()[0] for _ in range(10)]
     live = first.serial_state_dict()  # the pieces in memory, gathered (collective)
@@ -317,8 +317,7 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
                                                enumerate(CHECKPOINT_CASES)])
     mcrdl.all_gather_object(None)  # the serial.pt files are written
     moved = Trainer4D(config(directory, shape, 20, grid2,
-                             init_from=os.path.join(ck, "serial.pt")), grid=layout2,
-                      world=group2)
+                             init_from=os.path.join(ck, "serial.pt")), grid=layout2)
     moved.step = 10
     loss11 = moved.train_step()[0]
     if out is not None:

@@ -1,14 +1,19 @@
 """The serial reference of the parity tests: the whole GPT in one process, plain
-PyTorch (torch.optim.AdamW, clip_grad_norm_), the whole global batch in one forward."""
+PyTorch (torch.optim.AdamW, clip_grad_norm_), the whole global batch in one forward.
+With ``cfg.prune_sparsity`` set it is dense masked training: each pruning round of
+``cfg.prune_schedule`` selects the kept entries (training.pruning.select, over the whole
+model), zeroes the pruned weights and Adam moments, and every step zeroes the pruned
+gradients before clipping."""
 
 from __future__ import annotations
 
 import torch
 
 from training.config import TrainConfig
-from training.data import Batches, ByteCorpus
+from training.data import Batches, load_dataset
 from training.models.gpt import GPT, get_config, lm_loss
 from training.optim import param_groups
+from training.pruning import full_index, parse_schedule, pruned_mask, select
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
@@ -17,7 +22,7 @@ def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
 
 def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None):
     """(losses, model) after `steps` (default cfg.steps) steps of the serial run."""
-    dataset = dataset or ByteCorpus()
+    dataset = dataset or load_dataset("stdlib")
     mcfg = get_config(cfg.model, vocab_size=dataset.vocab_size, n_layer=cfg.n_layer,
                       n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
     oc = cfg.optim()
@@ -27,11 +32,29 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None):
                             betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
+    params = list(model.parameters())
+    rounds = ([] if cfg.prune_sparsity is None
+              else parse_schedule(cfg.prune_schedule, cfg.prune_sparsity))
+    index, pruned = full_index(params), [None] * len(params)
     losses = []
     for step in range(cfg.steps if steps is None else steps):
+        for r in (r for r in rounds if r.step == step):
+            values = [p.detach().view(-1)[i.long()] for p, i in zip(params, index, strict=True)]
+            index = select(values, index, [p.numel() for p in params], r.sparsity,
+                           cfg.prune_scope)
+            pruned = [pruned_mask(p.numel(), i) for p, i in zip(params, index, strict=True)]
+            with torch.no_grad():
+                for p, mask in zip(params, pruned, strict=True):
+                    p.view(-1).masked_fill_(mask, 0)
+                    for t in opt.state.get(p, {}).values():
+                        if t.shape == p.shape:
+                            t.view(-1).masked_fill_(mask, 0)
         x, y = data.global_batch_at(step)
         loss = lm_loss(model(x), y)
         loss.backward()
+        for p, mask in zip(params, pruned, strict=True):
+            if mask is not None:
+                p.grad.view(-1).masked_fill_(mask, 0)
         if oc.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
         for g in opt.param_groups:
@@ -40,3 +63,15 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None):
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses, model
+
+
+def serial_index(cfg: TrainConfig, vocab_size: int = 256) -> dict[str, torch.Tensor]:
+    """The mask of the first pruning round of `cfg` on the whole model, by parameter name."""
+    mcfg = get_config(cfg.model, vocab_size=vocab_size, n_layer=cfg.n_layer,
+                      n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
+    named = list(GPT(mcfg, seed=cfg.seed).named_parameters())
+    first = parse_schedule(cfg.prune_schedule, cfg.prune_sparsity)[0]
+    params = [p for _, p in named]
+    index = select([p.detach().view(-1) for p in params], full_index(params),
+                   [p.numel() for p in params], first.sparsity, cfg.prune_scope)
+    return {n: i for (n, _), i in zip(named, index, strict=True)}

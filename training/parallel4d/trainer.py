@@ -66,10 +66,12 @@ class Trainer4D:
     stage_index, n_stages = 0, 1
 
     def __init__(self, cfg: TrainConfig, *, record: bool = False, kernels=None,
-                 grid: ProcessGrid | None = None, world: mcrdl.Group | None = None):
-        """`grid` (with `world`, the group of its ranks): run on a grid laid on a subset
-        of the world (ProcessGrid ``ranks``, groups already made by every rank); by
-        default a grid over the whole world from `cfg`."""
+                 grid: ProcessGrid | None = None):
+        """`grid`: run on it, e.g. a grid spanning a group of ranks
+        (``ProcessGrid(..., world=group)``, its groups made on every rank of the world),
+        so that other runs train on other ranks at the same time; the run's "world"
+        (its step scalars, checkpoints, rank 0's output) is then that group. By default
+        a grid over the whole world from `cfg`."""
         self.cfg = cfg
         self.device = pick_device(cfg)
         init_comm(cfg, self.device)
@@ -77,7 +79,8 @@ class Trainer4D:
         extra = sorted({b for b in backends.values() if b != "auto"} - set(mcrdl.get_backends()))
         if extra:  # e.g. --axis-backends z=pccl: add the backend (collective)
             mcrdl.init(extra)
-        self.world = world
+        world = getattr(grid, "world", None)
+        self.world = self.world_group = world  # the run's ranks (None: the whole world)
         self.world_rank = mcrdl.get_rank() if world is None else world.rank
         self.world_size = mcrdl.get_size() if world is None else world.size
         torch.manual_seed(cfg.seed)
