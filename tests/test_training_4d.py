@@ -163,3 +163,26 @@ def test_matmul_tuner_takes_the_fastest_agreed_mode(monkeypatch):
     # sums: TN 1 + 9 = 10, NT 8 + 0.5 = 8.5, NN 8 + 9 = 17: NT on every rank
     assert set(decided.values()) == {"NT"} and len(decided) == 3 and not tuner.pending
     torch.testing.assert_close(tuner.forward(x, w), out, rtol=1e-6, atol=1e-6)
+
+
+def test_layers_used_on_their_own():
+    """The layers outside GPT4D (as another engine uses them, e.g. an MLP of N then T):
+    same output and gradients as torch's Linear pair; the shard gradient arrives in
+    ``weight.grad`` after ``finish_gradients``."""
+    from training.parallel4d import ParallelLinear, TensorComms
+    torch.manual_seed(0)
+    fc, proj = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+    comms = TensorComms.single()
+    n = ParallelLinear(fc.weight.data, fc.bias.data, comms, name="fc")
+    t = ParallelLinear(proj.weight.data, proj.bias.data, comms, transposed=True, name="proj")
+    x = torch.randn(3, 5, 8)
+    ours = t(torch.nn.functional.gelu(n(x)))
+    ref = proj(torch.nn.functional.gelu(fc(x)))
+    torch.testing.assert_close(ours, ref)
+    ours.square().sum().backward()
+    ref.square().sum().backward()
+    for layer in (n, t):
+        layer.finish_gradients()
+    torch.testing.assert_close(n.weight.grad.view(32, 8), fc.weight.grad)
+    torch.testing.assert_close(t.bias.grad, proj.bias.grad)
+    assert n.weight.logical_shape == (32, 8) and n.weight.dim() == 1

@@ -146,20 +146,25 @@ class GatherSchedule:
     prefetch built on it. The first forward records the order; later forwards, with
     prefetch on, issue the gather of entry i+1 as soon as entry i's weight is in hand
     (before entry i computes), so that it travels while entry i computes. Never across
-    forward passes: the optimizer changes the shards between steps."""
+    forward passes: the optimizer changes the shards between steps. Only between
+    ``begin_forward`` and ``end_forward`` (GPT4D.forward calls them); a layer used
+    outside them gathers its weight directly."""
 
     def __init__(self, prefetch: bool = False):
         self.prefetch = prefetch
         self.order: list = []
         self.recorded = False
+        self.active = False
         self.cursor = 0
         self.pending: dict[int, Pending] = {}
 
     def begin_forward(self) -> None:
         self.cursor = 0
         self.pending.clear()
+        self.active = True
 
     def end_forward(self) -> None:
+        self.active = False
         if self.order:
             self.recorded = True
         for p in self.pending.values():  # not consumed (a forward that stopped early)
@@ -168,6 +173,8 @@ class GatherSchedule:
 
     def weight(self, layer) -> torch.Tensor:
         """`layer`'s gathered weight: the prefetched one, else gathered now."""
+        if not self.active:
+            return layer.gather_weight().wait()
         i = self.cursor
         self.cursor += 1
         if not self.recorded:

@@ -182,6 +182,8 @@ class ShardedWeight(nn.Module):
         return p
 
     def weight_for_forward(self) -> torch.Tensor:
+        if self.comms.z.size == 1:  # nothing to gather, nothing to schedule
+            return self.gather_weight().wait()
         return self.comms.gathers.weight(self)
 
     def add_weight_grad(self, dw: torch.Tensor) -> None:
