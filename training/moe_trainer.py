@@ -52,11 +52,23 @@ def init_comm(backends: Backends, device: torch.device, timeout: float | None) -
     mcrdl.init(names, **({"timeout": timeout} if timeout else {}))
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (gradients of stacked experts'
+    biases are views of one storage: counted once)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 class MoETrainer:
     """A configured TED run on this rank (every rank builds it with the same config).
-    `early_stop` and `debug_checks` are passed to the model (tests)."""
+    `dataset` reuses a loaded corpus (runs in a loop: scanning the stdlib takes
+    seconds); `early_stop` and `debug_checks` are passed to the model (tests)."""
 
-    def __init__(self, cfg, *, early_stop: bool = True, debug_checks: bool | None = None):
+    def __init__(self, cfg, *, dataset=None, early_stop: bool = True,
+                 debug_checks: bool | None = None):
         self.cfg = cfg
         self.device = pick_device(cfg)
         if self.device.type != "cpu":
@@ -64,7 +76,7 @@ class MoETrainer:
         self.backends = Backends.parse(cfg.backends)
         init_comm(self.backends, self.device, cfg.timeout)
         self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
-        self.dataset = load_dataset(cfg.data, cfg.vocab_size)
+        self.dataset = dataset or load_dataset(cfg.data, cfg.vocab_size)
         self.model_cfg = base_config(cfg.model, vocab_size=self.dataset.vocab_size,
                                      n_layer=cfg.n_layer, n_head=cfg.n_head,
                                      n_embd=cfg.n_embd, block_size=cfg.block_size)
@@ -140,9 +152,8 @@ class MoETrainer:
         """Storage of this rank's parameters, gradients (after a backward, before the
         step) and optimizer states, counted tensor by tensor."""
         params = list(self.model.parameters())
-        return {"params": sum(p.untyped_storage().nbytes() for p in params),
-                "grads": sum(p.grad.untyped_storage().nbytes() for p in params
-                             if p.grad is not None),
+        return {"params": storage_bytes(params),
+                "grads": storage_bytes(p.grad for p in params if p.grad is not None),
                 "optimizer": sum(self.optimizer.state_bytes().values())}
 
     # --- checkpoints -------------------------------------------------------------------

@@ -157,7 +157,8 @@ class ParallelMoE(nn.Module):
         self.capacity = moe.capacity()
         g_t = groups.layout.g_tensor
         self.capacity_buf = buffer_capacity(self.capacity, g_t)
-        self.dtd = dtd and groups.tensor.active
+        # DTD only pays where an all_to_all carries duplicates
+        self.dtd = dtd and groups.tensor.active and groups.expert.active
         if self.dtd and self.capacity_buf % g_t:  # by construction; kept as the rule
             raise ValueError(f"DTD: expert capacity {self.capacity_buf} is not a multiple of "
                              f"G_tensor={g_t}")

@@ -28,7 +28,7 @@ scaled, and the Adam temporaries) runs T elements at a time through one reused f
 buffer of T elements, so the temporary memory of the update is 4 x T bytes instead of 4
 bytes x the shard (which for experts grows with experts x base size). Tiles cut at
 element granularity, through parameters, so no parameter escapes the bound.
-``peak_temp_bytes`` accounts the buffer; ``state_bytes()`` counts the storage of the
+``peak_temp_bytes[set]`` accounts the buffer; ``state_bytes()`` counts the storage of the
 optimizer states.
 """
 
@@ -82,7 +82,7 @@ class ZeroAdamW:
         self.step_count = 0
         self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")
-        self.peak_temp_bytes = 0
+        self.peak_temp_bytes: dict[str, int] = {s.name: 0 for s in sets}  # per set
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         for s in sets:
             if s.grad_op not in ("avg", "sum"):
@@ -181,7 +181,8 @@ class ZeroAdamW:
             return
         tile = min(s.tile or (hi - lo), hi - lo)
         buf = torch.empty(tile, dtype=torch.float32)
-        self.peak_temp_bytes = max(self.peak_temp_bytes, buf.untyped_storage().nbytes())
+        self.peak_temp_bytes[s.name] = max(self.peak_temp_bytes[s.name],
+                                           buf.untyped_storage().nbytes())
         step = self.step_count + 1
         bias1, bias2_sqrt = 1 - c.beta1 ** step, math.sqrt(1 - c.beta2 ** step)
         step_size = lr / bias1
