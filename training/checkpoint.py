@@ -18,7 +18,9 @@ ranks agree before any state changes: a truncated or corrupt shard raises
     python -m training.checkpoint consolidate runs/ckpt/step_000020 -o gpt.pt
 
 writes one ordinary PyTorch ``state_dict`` of the whole model (load it with
-``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config.
+``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config;
+for train_moe's checkpoints, the serial ``MoEGPT``'s state_dict and its model and MoE
+configs.
 """
 
 from __future__ import annotations
@@ -176,8 +178,14 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
 
 
 def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
-    """(state_dict of the whole model, model config dict) from a checkpoint's shards."""
+    """(state_dict of the whole model, model config dict) from a checkpoint's shards.
+    A TED MoE checkpoint (train_moe) gives the serial MoEGPT's state_dict and
+    ``{"model": ..., "moe": ...}`` (training/moe_trainer.py)."""
     manifest = read_manifest(directory)
+    if manifest.get("engine") == "ted":
+        from .moe_trainer import consolidate as consolidate_ted
+
+        return consolidate_ted(directory)
     state: dict[str, torch.Tensor] = {}
     for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
         shard = load_shard(directory, manifest, entry["stage"])

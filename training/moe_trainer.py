@@ -139,6 +139,17 @@ class MoETrainer:
                      "dropped": 1.0 - float(sums[2]) / float(sums[3])}
         return self.last["lm"], True
 
+    def eval_loss(self, step: int) -> float:
+        """Collective: the mean LM loss of the global batch of `step`, no gradients."""
+        micro = self.batches.microbatches(step)
+        total = torch.zeros(1, dtype=torch.float64)
+        with torch.no_grad():
+            for x, y in micro:
+                logits, stats = self.model(x)
+                total += moe_loss(logits, y, stats, self.moe_cfg)[1].item()
+        self.groups.world.all_reduce(total)
+        return float(total) / (self.world_size * len(micro))
+
     def metrics_record(self, loss: float, step_time: float, tokens: int,
                        applied: bool) -> dict:
         return {"step": self.step, "loss": loss, "aux_loss": self.last["aux"],

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
 from tests.training.reference import serial_moe_losses  # noqa: E402
-from training.data import ByteCorpus  # noqa: E402
+from training.data import load_dataset  # noqa: E402
 from training.moe import moe_loss  # noqa: E402
 from training.moe_trainer import MoETrainer  # noqa: E402
 from training.ted_model import memory_per_rank, step_comm  # noqa: E402
@@ -38,16 +38,13 @@ TOL = 1e-5
 # world -> runs: (G_tensor, G_expert, G_data_nonexp, top_k, options); experts = 4 where
 # G_expert = 4, else 2. Runs with the same "twin" key must agree bitwise.
 RUNS = {
-    2: [(1, 1, 2, 1, {}), (1, 2, 2, 1, {}), (1, 2, 2, 2, {"optimizer_tile": 1000}),
-        (2, 1, 1, 1, {}),
-        (2, 1, 1, 2, {"activation_checkpointing": True, "cac": True, "optimizer_tile": 300})],
+    2: [(1, 1, 2, 1, {}),
+        (1, 2, 2, 2, {"optimizer_tile": 1000}),
+        (2, 1, 1, 1, {"activation_checkpointing": True, "cac": True, "optimizer_tile": 300})],
     4: [(2, 2, 2, 2, {}), (2, 2, 2, 2, {"dtd": True}),
-        (2, 2, 2, 1, {"dtd": True, "activation_checkpointing": True}),
-        (2, 2, 2, 1, {"dtd": True, "activation_checkpointing": True, "cac": True}),
-        (1, 4, 4, 1, {}),
-        (1, 4, 4, 2, {"activation_checkpointing": True, "cac": True, "optimizer_tile": 500})],
-    8: [(2, 4, 4, 1, {"dtd": True}),
-        (2, 4, 4, 2, {"dtd": True, "activation_checkpointing": True, "cac": True,
+        (2, 2, 2, 2, {"dtd": True, "activation_checkpointing": True, "cac": True}),
+        (1, 4, 4, 1, {"optimizer_tile": 500})],
+    8: [(2, 4, 4, 2, {"dtd": True, "activation_checkpointing": True, "cac": True,
                       "optimizer_tile": 500})],
 }
 
@@ -146,6 +143,39 @@ def memory_checks(data, rank):
         print("moe memory OK", flush=True)
 
 
+def resume_check(data, rank):
+    """6 steps straight == 3 steps, a checkpoint, and 3 resumed steps (bitwise); the
+    checkpoint consolidates to the serial MoEGPT, whose loss is the parallel one's."""
+    root = mcrdl.broadcast_object(os.environ.get("MOE_TMP",
+                                                 f"/tmp/mcrdl-moe-resume-{os.getpid()}"))
+    kw = dict(G_tensor=2, G_expert=2, G_data=2, dtd=True, steps=6, experts=4, top_k=2)
+    straight = [loss for _, loss in run(tiny(**kw), dataset=data).losses]
+    ck = os.path.join(root, "ck")
+    first = run(tiny(**kw, checkpoint_dir=ck, stop_after=3), dataset=data)
+    second = run(tiny(**kw, checkpoint_dir=ck, resume="latest"), dataset=data)
+    assert second.start_step == 3
+    both = [loss for _, loss in first.losses + second.losses]
+    assert both == straight, (both, straight)
+    parallel_loss = second.trainer.eval_loss(6)  # collective
+    if rank == 0:
+        from training.checkpoint import consolidate
+        from training.models.gpt import GPTConfig
+        from training.moe import MoEConfig, MoEGPT
+
+        state, cfgs = consolidate(os.path.join(ck, "step_000006"))
+        serial = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
+        serial.load_state_dict(state, strict=True)
+        x, y = second.trainer.batches.global_batch_at(6)
+        with torch.no_grad():
+            logits, stats = serial(x)
+            serial_loss = moe_loss(logits, y, stats, serial.moe_cfg)[1].item()
+        assert abs(serial_loss - parallel_loss) <= 1e-5 * abs(serial_loss), (
+            serial_loss, parallel_loss)
+        print(f"moe resume OK: 3 + 3 resumed steps == 6 steps bitwise; consolidated "
+              f"{sum(t.numel() for t in state.values()):,} parameters into MoEGPT: loss "
+              f"{serial_loss:.6f}, the parallel model's {parallel_loss:.6f}", flush=True)
+
+
 def skip_check(data, rank):
     """Rank 1 skips an MoE layer's forward: rank 0's all_to_all times out, named."""
     trainer = MoETrainer(tiny(G_expert=2, G_data=2), dataset=data, debug_checks=False)
@@ -168,10 +198,16 @@ def main():
     mcrdl.init(["mpi"])
     n, rank = mcrdl.get_size(), mcrdl.get_rank()
     steps = int(os.environ.get("PARITY_STEPS", 20))
-    data = ByteCorpus()
-    refs, twins, runs, worst_all = {}, {}, 0, 0.0
-    checks = os.environ.get("MOE_CHECKS", "parity,comm,memory,skip").split(",")
-    for gt, ge, gd, k, opts in RUNS[n] if "parity" in checks else ():
+    data = load_dataset(os.environ.get("MOE_DATA", "stdlib"), 256)
+    checks = os.environ.get("MOE_CHECKS", "parity,comm,memory,resume,skip").split(",")
+    runs_here = RUNS[n] if "parity" in checks else []
+    # the serial references, one per (experts, top_k), computed by the ranks in turn
+    keys = sorted({(4 if ge == 4 else 2, k) for _, ge, _, k, _ in runs_here})
+    mine = {key: serial_moe_losses(tiny(steps=steps, experts=key[0], top_k=key[1]), data)
+            for i, key in enumerate(keys) if i % n == rank}
+    refs = {key: ref for part in mcrdl.all_gather_object(mine) for key, ref in part.items()}
+    twins, runs, worst_all = {}, 0, 0.0
+    for gt, ge, gd, k, opts in runs_here:
         t0 = time.perf_counter()
         experts = 4 if ge == 4 else 2
         cfg = tiny(steps=steps, experts=experts, top_k=k, G_tensor=gt, G_expert=ge, G_data=gd,
@@ -180,8 +216,6 @@ def main():
         if rank != 0:
             continue
         key = (experts, k)
-        if key not in refs:
-            refs[key] = serial_moe_losses(cfg, data)
         got = list(zip([loss for _, loss in res.losses], res.aux, strict=True))
         rel = [max(abs(a - b) / abs(b), abs(c - d) / abs(d))
                for (a, c), (b, d) in zip(got, refs[key], strict=True)]
@@ -214,6 +248,8 @@ def main():
         comm_checks(data, rank)
     if n == 4 and "memory" in checks:
         memory_checks(data, rank)
+    if n == 4 and "resume" in checks:
+        resume_check(data, rank)
     if n == 2 and "skip" in checks:
         skip_check(data, rank)
     mcrdl.finalize()
