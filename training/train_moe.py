@@ -133,8 +133,9 @@ def parse_args(argv: Sequence[str] | None = None) -> MoETrainConfig:
 
 
 def comm_breakdown(steps: int) -> list[dict]:
-    """Collective over the world: the logged calls per (op, backend, group size), summed
-    over ranks, as rows with calls and bytes per step (rank 0 gets them; [] elsewhere)."""
+    """Collective over the world: the logged calls per (op, backend, group size) as rows
+    with the calls and bytes per step and rank (the mean over ranks); rank 0 gets them,
+    the others []."""
     rows = mcrdl.log_summary(gather=True, quiet=True)
     if mcrdl.get_rank() != 0:
         return []
@@ -146,14 +147,16 @@ def comm_breakdown(steps: int) -> list[dict]:
         m["count"] += r["count"]
         m["bytes"] += r["bytes"]
     out = sorted(merged.values(), key=lambda m: (-m["bytes"], m["op"]))
+    per = max(1, steps) * mcrdl.get_size()
     for m in out:
-        m["calls_per_step"] = m["count"] / max(1, steps)
-        m["bytes_per_step"] = m["bytes"] / max(1, steps)
+        m["calls_per_step"] = m["count"] / per
+        m["bytes_per_step"] = m["bytes"] / per
     return out
 
 
 def print_comm(rows: list[dict], steps: int) -> None:
-    print(f"\ncommunication per step (all ranks, {steps} steps after warm-up; mcrdl logger):")
+    print(f"\ncommunication per step and rank (mean over ranks, {steps} steps after warm-up; "
+          "mcrdl's logger):")
     print(f"{'op':<18} {'backend':<8} {'ranks':>5} {'calls':>9} {'bytes':>14}")
     for r in rows:
         print(f"{r['op']:<18} {r['backend']:<8} {r['group_size']:>5} "

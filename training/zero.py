@@ -124,9 +124,10 @@ class ZeroAdamW:
 
     # --- the step -----------------------------------------------------------------------
     def _flat_grad(self, s: ParamSet) -> torch.Tensor:
-        grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(),
-                 dtype=p.dtype, device=p.device) for p in s.params]
-        flat = torch.cat(grads) if grads else torch.zeros(0)
+        with self.timers("optimizer"):
+            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(
+                     p.numel(), dtype=p.dtype, device=p.device) for p in s.params]
+            flat = torch.cat(grads) if grads else torch.zeros(0)
         if s.comm.active:
             with self.timers("collective"):
                 s.comm.all_reduce(flat, mcrdl.ReduceOp.AVG if s.grad_op == "avg"
@@ -148,15 +149,15 @@ class ZeroAdamW:
 
     def step(self) -> bool:
         lr = self.cfg.lr_at(self.step_count)
-        with self.timers("optimizer"):
-            flats = {}
-            for s in self.sets:
-                flats[s.name] = self._flat_grad(s)
-                for p in s.params:
-                    p.grad = None
-        local = torch.zeros(1, dtype=torch.float64)
+        flats = {}
         for s in self.sets:
-            local += self._sumsq(s, flats[s.name])
+            flats[s.name] = self._flat_grad(s)  # times its all_reduce as "collective"
+            for p in s.params:
+                p.grad = None
+        with self.timers("optimizer"):
+            local = torch.zeros(1, dtype=torch.float64)
+            for s in self.sets:
+                local += self._sumsq(s, flats[s.name])
         if self.world.active:
             with self.timers("collective"):
                 mcrdl.all_reduce("auto", local, op=mcrdl.ReduceOp.SUM)
