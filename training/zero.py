@@ -160,7 +160,7 @@ class ZeroAdamW:
                 local += self._sumsq(s, flats[s.name])
         if self.world.active:
             with self.timers("collective"):
-                mcrdl.all_reduce("auto", local, op=mcrdl.ReduceOp.SUM)
+                self.world.all_reduce(local)
         sumsq = float(local)
         self.last_grad_norm = math.sqrt(sumsq)
         coef = 1.0
