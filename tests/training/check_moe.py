@@ -117,6 +117,24 @@ def comm_checks(data, rank):
               f"{sum(got['ckpt-early-stop'][op][0] for op in ops)}", flush=True)
 
 
+def debug_check(data, rank):
+    """DTD's premise, checked: a router that differs on one tensor rank makes the
+    dispatch buffers differ, and debug_checks names it on every tensor rank."""
+    trainer = MoETrainer(tiny(G_tensor=2, G_expert=2, G_data=2, dtd=True), dataset=data,
+                         debug_checks=True)
+    if trainer.groups.tensor_rank == 1:
+        with torch.no_grad():
+            trainer.model.units["2"].moe.router.weight.mul_(-1.0)
+    x, _ = trainer.batches.microbatches(0)[0]
+    try:
+        trainer.model(x)
+        raise AssertionError("the debug check let different dispatch buffers through")
+    except RuntimeError as e:
+        assert "dispatch buffer differs between tensor ranks 0 and 1" in str(e), str(e)
+    if rank == 0:
+        print("moe debug check OK: a router differing on tensor rank 1 is caught", flush=True)
+
+
 def memory_checks(data, rank):
     for dtype in ("fp32", "bf16"):
         for tile in (None, 100):
@@ -246,6 +264,7 @@ def main():
               f"{worst_all:.2e}", flush=True)
     if n == 4 and "comm" in checks:
         comm_checks(data, rank)
+        debug_check(data, rank)
     if n == 4 and "memory" in checks:
         memory_checks(data, rank)
     if n == 4 and "resume" in checks:
