@@ -220,3 +220,31 @@ def test_ted_model_lists_layouts(capsys):
     assert 0.9 < n["expert"] / approx["expert"] < 1.1  # Eq. 7.3-7.4 approximate the counts
     mem = memory_per_rank(cfg, moe, layout, "bf16")
     assert mem["total"] == pytest.approx(eq72_bytes(cfg, moe, layout, "bf16"), rel=1e-3)
+
+
+def test_tiled_optimizer_peak_memory_profiled():
+    """The update's temporary memory measured by torch's allocator tracking (the
+    profiler's memory events, summed in time order): the whole shard's 4 bytes per
+    element untiled, 4 x tile tiled, plus at most a few bytes of scalar operands."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from training.collectives import Comm
+    from training.optim import OptimConfig
+    from training.zero import ParamSet, ZeroAdamW
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    n = sum(p.numel() for p in model.parameters())
+    for p in model.parameters():
+        p.tensor_dim = 0
+    for tile, want in ((None, 4 * n), (1000, 4000)):
+        opt = ZeroAdamW([ParamSet("e", list(model.parameters()), Comm(None), tile=tile)],
+                        OptimConfig(grad_clip=0), Comm(None))
+        model(torch.randn(3, 64)).sum().backward()
+        flat = opt._flat_grad(opt.sets[0])
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            opt._update(opt.sets[0], flat, 1.0, 1e-3)
+        live = peak = 0
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+            live += e.self_cpu_memory_usage
+            peak = max(peak, live)
+        assert opt.peak_temp_bytes["e"] == want and want <= peak <= want + 16, (peak, want)
+        opt.zero_grad()

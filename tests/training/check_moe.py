@@ -136,27 +136,26 @@ def debug_check(data, rank):
 
 
 def memory_checks(data, rank):
-    for dtype in ("fp32", "bf16"):
-        for tile in (None, 100):
-            cfg = tiny(G_tensor=2, G_expert=2, G_data=2, dtype=dtype, optimizer_tile=tile,
-                       experts=4)
-            trainer = MoETrainer(cfg, dataset=data, debug_checks=False)
-            x, y = trainer.batches.microbatches(0)[0]
-            logits, stats = trainer.model(x)
-            moe_loss(logits, y, stats, trainer.moe_cfg)[0].backward()
-            measured = trainer.measured_bytes()
-            g = trainer.groups
-            want = memory_per_rank(trainer.model_cfg, trainer.moe_cfg, trainer.layout, dtype,
-                                   g.data_nonexp.rank, g.data_exp.rank)
-            assert all(measured[k] == want[k] for k in measured), (measured, want)
-            trainer.optimizer.step()
-            lo, hi = trainer.optimizer.sets[1].shard  # the expert set: tiled when tile
-            temp = trainer.optimizer.peak_temp_bytes["expert"]
-            assert temp == 4 * (tile or hi - lo) and (tile is None or tile < hi - lo), (temp, tile)
-            if rank == 0:
-                print(f"moe memory {dtype} tile={tile}: rank 0 params {measured['params']:,} B, "
-                      f"grads {measured['grads']:,} B, optimizer {measured['optimizer']:,} B "
-                      f"(= model); expert optimizer temporaries {temp:,} B", flush=True)
+    for dtype, tile in (("fp32", None), ("bf16", 100)):
+        cfg = tiny(G_tensor=2, G_expert=2, G_data=2, dtype=dtype, optimizer_tile=tile,
+                   experts=4)
+        trainer = MoETrainer(cfg, dataset=data, debug_checks=False)
+        x, y = trainer.batches.microbatches(0)[0]
+        logits, stats = trainer.model(x)
+        moe_loss(logits, y, stats, trainer.moe_cfg)[0].backward()
+        measured = trainer.measured_bytes()
+        g = trainer.groups
+        want = memory_per_rank(trainer.model_cfg, trainer.moe_cfg, trainer.layout, dtype,
+                               g.data_nonexp.rank, g.data_exp.rank)
+        assert all(measured[k] == want[k] for k in measured), (measured, want)
+        trainer.optimizer.step()
+        lo, hi = trainer.optimizer.sets[1].shard  # the expert set: tiled when tile
+        temp = trainer.optimizer.peak_temp_bytes["expert"]
+        assert temp == 4 * (tile or hi - lo) and (tile is None or tile < hi - lo), (temp, tile)
+        if rank == 0:
+            print(f"moe memory {dtype} tile={tile}: rank 0 params {measured['params']:,} B, "
+                  f"grads {measured['grads']:,} B, optimizer {measured['optimizer']:,} B "
+                  f"(= model); expert optimizer temporaries {temp:,} B", flush=True)
     if rank == 0:
         print("moe memory OK", flush=True)
 
