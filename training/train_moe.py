@@ -74,7 +74,8 @@ class TEDOptions(Options):
                            minimum=1, axis=Axis.EXPERT)
     G_data: int | None = option(None, "data-parallel ranks of the non-expert parameters "
                                 "(G_data_nonexp; default world / G_tensor)", minimum=1)
-    dtd: bool = option(False, "duplicate token dropping before each all-to-all")
+    dtd: bool = option(False, "duplicate token dropping before each all-to-all (acts when "
+                       "G_tensor > 1 and G_expert > 1)")
     cac: bool = option(False, "communication-aware checkpointing (with "
                        "--activation-checkpointing)")
     optimizer_tile: int | None = option(None, "expert optimizer tile in parameters (default "
