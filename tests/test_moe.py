@@ -47,6 +47,7 @@ def test_moe_layouts(n, token_dir, tmp_path):
     assert int(m.group(1)) == n and int(m.group(2)) >= 1 and float(m.group(3)) <= 1e-5, out
     if n == 2:
         assert out.count("moe parity G_tensor") == 3 and "moe skip OK" in out, out
+        assert "moe G_expert=1 OK" in out, out
         assert "all_to_all_single" in out.split("moe skip OK")[1], out
     if n == 4:
         assert out.count("bitwise identical") == 2, out

@@ -14,8 +14,9 @@ Run under ``mpiexec -n N`` (N in 2, 4, 8), one launch per world size:
   with CAC = 1 x. Memory: parameter, gradient and optimizer-state storage per rank =
   the memory model; the tiled optimizer's temporary buffer = 4 x tile bytes.
   "moe comm OK", "moe memory OK".
-- N = 2, last: rank 1 skips an MoE layer; rank 0 gets CommTimeoutError naming
-  all_to_all_single. "moe skip OK".
+- N = 2: with G_expert = 1 no all_to_all is issued ("moe G_expert=1 OK"); last, rank 1
+  skips an MoE layer and rank 0 gets CommTimeoutError naming all_to_all_single ("moe
+  skip OK").
 """
 
 import os
@@ -269,6 +270,12 @@ def main():
     if n == 4 and "resume" in checks:
         resume_check(data, rank)
     if n == 2 and "skip" in checks:
+        for layout in ({"G_tensor": 2, "G_expert": 1, "G_data": 1},
+                       {"G_tensor": 1, "G_expert": 1, "G_data": 2}):
+            got, _ = one_micro_comm(tiny(dtd=True, **layout), data)
+            assert "all_to_all_single" not in got and "all_gather" not in got, (layout, got)
+        if rank == 0:
+            print("moe G_expert=1 OK: no all_to_all (nor DTD all_gather) at all", flush=True)
         skip_check(data, rank)
     mcrdl.finalize()
 
