@@ -2,6 +2,9 @@
 "auto" (the MCR-DL experiment: mixing backends inside one step).
 
     mpiexec -n 4 python benchmarks/moe_step.py [--layout 2,2,2] [--steps 6] [--rounds 3]
+    mpiexec -n 4 mcrdl-tune run --op all_reduce all_gather all_to_all_single \
+        --max-bytes 1M --factor 4 --output t.json && \
+        mpiexec -n 4 python benchmarks/moe_step.py --table t.json   # auto, freshly tuned
 
 Each variant is a ``--backends`` setting of training/train_moe.py (every collective
 kind on one backend, one kind on another, or "auto" for all); all run the same step
@@ -59,6 +62,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-dtd", action="store_true")
+    p.add_argument("--table", default=None, help="tuning table for \"auto\" (default: "
+                   "$MCRDL_TUNING_TABLE or the one shipped for this system)")
     a = p.parse_args()
 
     from training.data import ByteCorpus
@@ -66,7 +71,7 @@ def main() -> int:
     from training.train_moe import MoETrainConfig
 
     fixed = a.backends.split(",")
-    mcrdl.init(fixed)
+    mcrdl.init(fixed, tuning_table=a.table)
     rank = mcrdl.get_rank()
     g_t, g_e, g_d = (int(x) for x in a.layout.split(","))
     data = ByteCorpus(max_bytes=1 << 20)
