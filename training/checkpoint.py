@@ -18,7 +18,9 @@ ranks agree before any state changes: a truncated or corrupt shard raises
     python -m training.checkpoint consolidate runs/ckpt/step_000020 -o gpt.pt
 
 writes one ordinary PyTorch ``state_dict`` of the whole model (load it with
-``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config.
+``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config;
+for train_moe's checkpoints, the serial ``MoEGPT``'s state_dict and its model and MoE
+configs.
 
 A pruned run's shard also holds its mask (``"pruning"``: each tensor's int32 index of
 unpruned entries, ``training/pruning.py``); SAMO's shards store the model compressed, as
@@ -199,10 +201,16 @@ def shard_model(shard: dict) -> dict[str, torch.Tensor]:
 
 
 def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
-    """(state_dict of the whole model, model config dict) from a checkpoint's shards."""
+    """(state_dict of the whole model, model config dict) from a checkpoint's shards.
+    A TED MoE checkpoint (train_moe) gives the serial MoEGPT's state_dict and
+    ``{"model": ..., "moe": ...}`` (training/moe_trainer.py)."""
     manifest = read_manifest(directory)
     if manifest.get("engine") == "4d":
         return _consolidate_4d(directory, manifest), manifest["model"]
+    if manifest.get("engine") == "ted":
+        from .moe_trainer import consolidate as consolidate_ted
+
+        return consolidate_ted(directory)
     state: dict[str, torch.Tensor] = {}
     for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
         model = shard_model(load_shard(directory, manifest, entry["stage"]))

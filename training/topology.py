@@ -40,7 +40,9 @@ class Axis(str, Enum):
     Y = "y"          # 4D tensor parallelism: a Linear's in-features (out-features in a T-layer)
     Z = "z"          # 4D tensor parallelism: weight shards and token shards (FSDP-like)
     PIPE = "pipe"    # pipeline stages (inter-layer parallelism)
-    DATA = "data"    # data-parallel replicas
+    DATA = "data"    # data-parallel replicas (in TED: of the expert parameters, data_exp)
+    TENSOR = "tensor"  # Megatron tensor parallelism (TED's tensor groups)
+    EXPERT = "expert"  # expert parallelism: experts spread over it, tokens all-to-all'd
 
     def __str__(self) -> str:
         return self.value
@@ -103,6 +105,7 @@ class ProcessGrid:
         self._groups: dict[Axis, mcrdl.Group | None] = {}
         self._cache = group_cache
         self._made_groups = False
+        self._planes: dict[tuple[Axis, ...], mcrdl.Group | None] = {}
 
     # --- coordinates -------------------------------------------------------------------
     def coords_of(self, rank: int) -> dict[Axis, int]:
@@ -181,6 +184,34 @@ class ProcessGrid:
                 if ln == mine:
                     self._groups[axis] = g
         self._made_groups = True
+
+    def plane_group(self, axes: Sequence[Axis | str]) -> mcrdl.Group | None:
+        """This rank's group of the ranks that differ from it only along `axes` (a
+        sub-grid: TED's non-expert data group spans the expert and data axes); None
+        when it has one rank. Collective over the world: every rank calls it with the
+        same axes, in the same order as its other plane_group calls."""
+        axes = [self._axis(a) for a in axes]
+        key = tuple(sorted(axes))
+        if key in self._planes:
+            return self._planes[key]
+        self.make_groups()
+
+        def plane(rank: int) -> tuple[int, ...]:
+            members = [rank]
+            for a in axes:
+                members = [r2 for r in members for r2 in self.line(a, r)]
+            return tuple(sorted(members))
+
+        planes = sorted({plane(r) for r in range(self.world_size)})
+        mine = plane(self.rank)
+        group = None
+        for members in planes:
+            if len(members) > 1:
+                g = mcrdl.new_group(list(members))
+                if members == mine:
+                    group = g
+        self._planes[key] = group
+        return group
 
     def group(self, axis: Axis | str) -> mcrdl.Group | None:
         """This rank's group along `axis` (None when the axis has degree 1)."""

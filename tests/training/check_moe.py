@@ -1,0 +1,284 @@
+"""TED MoE training (training/train_moe.py) against the serial MoE GPT, its exact
+communication bytes and call counts, its memory, and a rank skipping an MoE call.
+
+Run under ``mpiexec -n N`` (N in 2, 4, 8), one launch per world size:
+
+- parity: trains each layout of N ranks in RUNS (20 steps of fp32, moe-tiny) and
+  compares every step's LM loss and aux loss with the serial reference
+  (tests/training/reference.py) to 1e-5 relative; runs that differ only in DTD or CAC
+  give bitwise identical losses (on mpi). "moe parity OK: world N, R runs".
+- N = 4, layout (2, 2, 2): one microbatch's forward + backward with mcrdl's logger on,
+  per collective kind: all_to_all bytes with DTD = without / G_tensor exactly, DTD's
+  all_gather bytes = training/ted_model.py's prediction, activation checkpointing
+  without CAC (torch's early stop off) = 1.5 x the calls and bytes of no checkpointing,
+  with CAC = 1 x. Memory: parameter, gradient and optimizer-state storage per rank =
+  the memory model; the tiled optimizer's temporary buffer = 4 x tile bytes.
+  "moe comm OK", "moe memory OK".
+- N = 2: with G_expert = 1 no all_to_all is issued ("moe G_expert=1 OK"); last, rank 1
+  skips an MoE layer and rank 0 gets CommTimeoutError naming all_to_all_single ("moe
+  skip OK").
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+import mcrdl  # noqa: E402
+from tests.training.reference import serial_moe_losses  # noqa: E402
+from training.data import load_dataset  # noqa: E402
+from training.moe import moe_loss  # noqa: E402
+from training.moe_trainer import MoETrainer  # noqa: E402
+from training.ted_model import memory_per_rank, step_comm  # noqa: E402
+from training.train_moe import MoETrainConfig, run  # noqa: E402
+
+TOL = 1e-5
+# world -> runs: (G_tensor, G_expert, G_data_nonexp, top_k, options); experts = 4 where
+# G_expert = 4, else 2. Runs with the same "twin" key must agree bitwise.
+RUNS = {
+    2: [(1, 1, 2, 1, {}),
+        (1, 2, 2, 2, {"optimizer_tile": 1000}),
+        (2, 1, 1, 1, {"activation_checkpointing": True, "cac": True, "optimizer_tile": 300})],
+    4: [(2, 2, 2, 2, {}), (2, 2, 2, 2, {"dtd": True}),
+        (2, 2, 2, 2, {"dtd": True, "activation_checkpointing": True, "cac": True}),
+        (1, 4, 4, 1, {"optimizer_tile": 500})],
+    8: [(2, 4, 4, 2, {"dtd": True, "activation_checkpointing": True, "cac": True,
+                      "optimizer_tile": 500})],
+}
+
+
+def tiny(**kw) -> MoETrainConfig:
+    base = dict(model="moe-tiny", steps=20, experts=2, top_k=1, capacity_factor=0.8,
+                router_group_tokens=32, moe_every=2, micro_batch_size=2, global_batch_size=8,
+                seed=7, lr=3e-3, warmup_steps=3, plot=False, progress=False, quiet=True,
+                comm_log=False, out_dir=f"/tmp/mcrdl-moe-check-{os.getpid()}")
+    return MoETrainConfig(**{**base, **kw})
+
+
+def by_op(rows) -> dict[str, tuple[int, int]]:
+    """The logger's rows (this rank, call level) as op -> (calls, bytes)."""
+    out = {}
+    for r in rows:
+        calls, nbytes = out.get(r["op"], (0, 0))
+        out[r["op"]] = (calls + r["count"], nbytes + r["bytes"])
+    return out
+
+
+def one_micro_comm(cfg, data, early_stop=True):
+    """op -> (calls, bytes) of one microbatch's forward + backward on this rank."""
+    trainer = MoETrainer(cfg, dataset=data, early_stop=early_stop, debug_checks=False)
+    x, y = trainer.batches.microbatches(0)[0]
+    mcrdl.configure(logging=True)
+    mcrdl.reset_log()
+    logits, stats = trainer.model(x)
+    moe_loss(logits, y, stats, trainer.moe_cfg)[0].backward()
+    rows = mcrdl.log_summary(quiet=True)
+    mcrdl.configure(logging=False)
+    return by_op(rows), trainer
+
+
+def comm_checks(data, rank):
+    layout = dict(G_tensor=2, G_expert=2, G_data=2)
+    runs = {"plain": ({}, True), "dtd": ({"dtd": True}, True),
+            "ckpt": ({"dtd": True, "activation_checkpointing": True}, False),
+            "ckpt-early-stop": ({"dtd": True, "activation_checkpointing": True}, True),
+            "cac": ({"dtd": True, "activation_checkpointing": True, "cac": True}, True)}
+    got = {}
+    for name, (opts, early_stop) in runs.items():
+        got[name], trainer = one_micro_comm(tiny(**layout, **opts), data, early_stop)
+    t = trainer
+    ops = ("all_reduce", "all_to_all_single", "all_gather")
+
+    def model(**kw):
+        pred = step_comm(t.model_cfg, t.moe_cfg, t.layout, micro_batch=2, optimizer=False,
+                         **kw)
+        return {op: (v["calls"], v["bytes"]) for op, v in pred.items() if v["calls"]}
+
+    a2a, a2a_dtd = got["plain"]["all_to_all_single"], got["dtd"]["all_to_all_single"]
+    assert a2a_dtd[0] == a2a[0] and a2a_dtd[1] * 2 == a2a[1], (a2a, a2a_dtd)
+    assert "all_gather" not in got["plain"], got["plain"]
+    assert got["plain"] == model(dtd=False), (got["plain"], model(dtd=False))
+    assert got["dtd"] == model(dtd=True), (got["dtd"], model(dtd=True))
+    assert got["ckpt"] == model(dtd=True, recompute=True), (got["ckpt"], model(recompute=True))
+    assert got["cac"] == got["dtd"], (got["cac"], got["dtd"])
+    for op in ops:  # recomputation repeats the forward: 1.5 x; CAC: 1 x
+        assert 2 * got["ckpt"][op][0] == 3 * got["dtd"][op][0], op
+        assert 2 * got["ckpt"][op][1] == 3 * got["dtd"][op][1], op
+    if rank == 0:
+        for name, v in got.items():
+            print(f"moe comm {name}: " + ", ".join(f"{op} {v[op][0]} calls {v[op][1]:,} B"
+                                                   for op in ops if op in v), flush=True)
+        print(f"moe comm OK: a2a bytes {a2a[1]:,} -> {a2a_dtd[1]:,} with DTD (/G_tensor=2), "
+              f"DTD all_gather {got['dtd']['all_gather'][1]:,} B as modelled; calls with "
+              f"checkpointing {sum(got['ckpt'][op][0] for op in ops)} (1.5x) -> with CAC "
+              f"{sum(got['cac'][op][0] for op in ops)} (1x); torch's early stop alone: "
+              f"{sum(got['ckpt-early-stop'][op][0] for op in ops)}", flush=True)
+
+
+def debug_check(data, rank):
+    """DTD's premise, checked: a router that differs on one tensor rank makes the
+    dispatch buffers differ, and debug_checks names it on every tensor rank."""
+    trainer = MoETrainer(tiny(G_tensor=2, G_expert=2, G_data=2, dtd=True), dataset=data,
+                         debug_checks=True)
+    if trainer.groups.tensor_rank == 1:
+        with torch.no_grad():
+            trainer.model.units["2"].moe.router.weight.mul_(-1.0)
+    x, _ = trainer.batches.microbatches(0)[0]
+    try:
+        trainer.model(x)
+        raise AssertionError("the debug check let different dispatch buffers through")
+    except RuntimeError as e:
+        assert "dispatch buffer differs between tensor ranks 0 and 1" in str(e), str(e)
+    if rank == 0:
+        print("moe debug check OK: a router differing on tensor rank 1 is caught", flush=True)
+
+
+def memory_checks(data, rank):
+    for dtype, tile in (("fp32", None), ("bf16", 100)):
+        cfg = tiny(G_tensor=2, G_expert=2, G_data=2, dtype=dtype, optimizer_tile=tile,
+                   experts=4)
+        trainer = MoETrainer(cfg, dataset=data, debug_checks=False)
+        x, y = trainer.batches.microbatches(0)[0]
+        logits, stats = trainer.model(x)
+        moe_loss(logits, y, stats, trainer.moe_cfg)[0].backward()
+        measured = trainer.measured_bytes()
+        g = trainer.groups
+        want = memory_per_rank(trainer.model_cfg, trainer.moe_cfg, trainer.layout, dtype,
+                               g.data_nonexp.rank, g.data_exp.rank)
+        assert all(measured[k] == want[k] for k in measured), (measured, want)
+        trainer.optimizer.step()
+        lo, hi = trainer.optimizer.sets[1].shard  # the expert set: tiled when tile
+        temp = trainer.optimizer.peak_temp_bytes["expert"]
+        assert temp == 4 * (tile or hi - lo) and (tile is None or tile < hi - lo), (temp, tile)
+        if rank == 0:
+            print(f"moe memory {dtype} tile={tile}: rank 0 params {measured['params']:,} B, "
+                  f"grads {measured['grads']:,} B, optimizer {measured['optimizer']:,} B "
+                  f"(= model); expert optimizer temporaries {temp:,} B", flush=True)
+    if rank == 0:
+        print("moe memory OK", flush=True)
+
+
+def resume_check(data, rank):
+    """6 steps straight == 3 steps, a checkpoint, and 3 resumed steps (bitwise); the
+    checkpoint consolidates to the serial MoEGPT, whose loss is the parallel one's."""
+    root = mcrdl.broadcast_object(os.environ.get("MOE_TMP",
+                                                 f"/tmp/mcrdl-moe-resume-{os.getpid()}"))
+    kw = dict(G_tensor=2, G_expert=2, G_data=2, dtd=True, steps=6, experts=4, top_k=2)
+    straight = [loss for _, loss in run(tiny(**kw), dataset=data).losses]
+    ck = os.path.join(root, "ck")
+    first = run(tiny(**kw, checkpoint_dir=ck, stop_after=3), dataset=data)
+    second = run(tiny(**kw, checkpoint_dir=ck, resume="latest"), dataset=data)
+    assert second.start_step == 3
+    both = [loss for _, loss in first.losses + second.losses]
+    assert both == straight, (both, straight)
+    parallel_loss = second.trainer.eval_loss(6)  # collective
+    if rank == 0:
+        from training.checkpoint import consolidate
+        from training.models.gpt import GPTConfig
+        from training.moe import MoEConfig, MoEGPT
+
+        state, cfgs = consolidate(os.path.join(ck, "step_000006"))
+        serial = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
+        serial.load_state_dict(state, strict=True)
+        x, y = second.trainer.batches.global_batch_at(6)
+        with torch.no_grad():
+            logits, stats = serial(x)
+            serial_loss = moe_loss(logits, y, stats, serial.moe_cfg)[1].item()
+        assert abs(serial_loss - parallel_loss) <= 1e-5 * abs(serial_loss), (
+            serial_loss, parallel_loss)
+        print(f"moe resume OK: 3 + 3 resumed steps == 6 steps bitwise; consolidated "
+              f"{sum(t.numel() for t in state.values()):,} parameters into MoEGPT: loss "
+              f"{serial_loss:.6f}, the parallel model's {parallel_loss:.6f}", flush=True)
+
+
+def skip_check(data, rank):
+    """Rank 1 skips an MoE layer's forward: rank 0's all_to_all times out, named."""
+    trainer = MoETrainer(tiny(G_expert=2, G_data=2), dataset=data, debug_checks=False)
+    mcrdl.init(["mpi"], timeout=3.0)
+    x, _ = trainer.batches.microbatches(0)[0]
+    moe_block = trainer.model.units["2"]
+    h = torch.zeros(x.shape[0], x.shape[1], trainer.model_cfg.n_embd)
+    if rank == 0:
+        try:
+            moe_block(h)
+            raise AssertionError("the MoE layer returned without its expert group")
+        except mcrdl.CommTimeoutError as e:
+            assert "all_to_all_single" in str(e), str(e)
+            print(f"moe skip OK: {e}", flush=True)
+    else:
+        time.sleep(4.0)
+
+
+def main():
+    mcrdl.init(["mpi"])
+    n, rank = mcrdl.get_size(), mcrdl.get_rank()
+    steps = int(os.environ.get("PARITY_STEPS", 20))
+    data = load_dataset(os.environ.get("MOE_DATA", "stdlib"), 256)
+    checks = os.environ.get("MOE_CHECKS", "parity,comm,memory,resume,skip").split(",")
+    runs_here = RUNS[n] if "parity" in checks else []
+    # the serial references, one per (experts, top_k), computed by the ranks in turn
+    keys = sorted({(4 if ge == 4 else 2, k) for _, ge, _, k, _ in runs_here})
+    mine = {key: serial_moe_losses(tiny(steps=steps, experts=key[0], top_k=key[1]), data)
+            for i, key in enumerate(keys) if i % n == rank}
+    refs = {key: ref for part in mcrdl.all_gather_object(mine) for key, ref in part.items()}
+    twins, runs, worst_all = {}, 0, 0.0
+    for gt, ge, gd, k, opts in runs_here:
+        t0 = time.perf_counter()
+        experts = 4 if ge == 4 else 2
+        cfg = tiny(steps=steps, experts=experts, top_k=k, G_tensor=gt, G_expert=ge, G_data=gd,
+                   debug_checks=True, **opts)
+        res = run(cfg, dataset=data)
+        if rank != 0:
+            continue
+        key = (experts, k)
+        got = list(zip([loss for _, loss in res.losses], res.aux, strict=True))
+        rel = [max(abs(a - b) / abs(b), abs(c - d) / abs(d))
+               for (a, c), (b, d) in zip(got, refs[key], strict=True)]
+        worst = max(rel)
+        worst_all = max(worst_all, worst)
+        runs += 1
+        label = f"G_tensor={gt} G_expert={ge} G_data={gd} top-{k} {opts or ''}"
+        print(f"moe parity {label}: {steps} steps, loss {got[0][0]:.5f} -> {got[-1][0]:.5f}, "
+              f"aux {got[-1][1]:.4f}, dropped {res.dropped[-1]:.3f}, max rel diff {worst:.2e} "
+              f"({time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        if worst > TOL:
+            for i, ((a, c), (b, d)) in enumerate(zip(got, refs[key], strict=True)):
+                print(f"  step {i + 1}: lm {a:.8f} vs {b:.8f}, aux {c:.8f} vs {d:.8f}")
+            raise SystemExit(f"moe parity FAILED: max rel diff {worst:.2e} > {TOL}")
+        assert got[-1][0] < got[0][0] - 0.1, (got[0], got[-1])  # it trains
+        # DTD and CAC move the same bytes to the same places: bitwise equal losses
+        twin = (gt, ge, gd, k, opts.get("optimizer_tile"))
+        if twin in twins:
+            first, first_opts = twins[twin]
+            assert first == got, f"{label}: losses differ bitwise from its twin"
+            changed = sorted(set(opts) ^ set(first_opts))
+            print(f"  bitwise identical to the same layout without {', '.join(changed)}")
+        else:
+            twins[twin] = (got, opts)
+    if rank == 0:
+        print(f"moe parity OK: world {n}, {runs} runs x {steps} steps, max rel diff "
+              f"{worst_all:.2e}", flush=True)
+    if n == 4 and "comm" in checks:
+        comm_checks(data, rank)
+        debug_check(data, rank)
+    if n == 4 and "memory" in checks:
+        memory_checks(data, rank)
+    if n == 4 and "resume" in checks:
+        resume_check(data, rank)
+    if n == 2 and "skip" in checks:
+        for layout in ({"G_tensor": 2, "G_expert": 1, "G_data": 1},
+                       {"G_tensor": 1, "G_expert": 1, "G_data": 2}):
+            got, _ = one_micro_comm(tiny(dtd=True, **layout), data)
+            assert "all_to_all_single" not in got and "all_gather" not in got, (layout, got)
+        if rank == 0:
+            print("moe G_expert=1 OK: no all_to_all (nor DTD all_gather) at all", flush=True)
+        skip_check(data, rank)
+    mcrdl.finalize()
+
+
+if __name__ == "__main__":
+    main()

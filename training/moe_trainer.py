@@ -1,0 +1,266 @@
+"""One rank's share of a TED MoE run (training/ted.py): groups, model, batches, ZeRO-1
+optimizer, one training step, memory accounting, and sharded checkpoints.
+
+Checkpoints (training/checkpoint.py's format and atomic writes): every rank writes its
+own file ``rank_00005.pt`` (its tensor-parallel slices, its experts, its optimizer
+shards, and the layout of each parameter), world rank 0 the manifest, written last.
+Resuming needs the same layout; ``consolidate`` merges the files into the serial
+MoEGPT's ``state_dict`` (training/moe.py), whatever the layout was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+import mcrdl
+
+from . import checkpoint as ckpt
+from .collectives import Backends
+from .config import DTYPES
+from .data import Batches, load_dataset
+from .models.gpt import CONFIGS, GPTConfig
+from .moe import MOE_BASES, moe_loss
+from .ted import TEDGPT, TEDGroups, count_parameters
+from .timers import PhaseTimers
+from .trainer import pick_device, raise_together
+from .zero import ParamSet, ZeroAdamW
+
+ENGINE = "ted"
+
+
+def base_config(name: str, **overrides) -> GPTConfig:
+    """A base shape by name (MOE_BASES, then the GPT CONFIGS), with overrides."""
+    table = {**CONFIGS, **MOE_BASES}
+    if name not in table:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(table)}")
+    return dataclasses.replace(table[name],
+                               **{k: v for k, v in overrides.items() if v is not None})
+
+
+def init_comm(backends: Backends, device: torch.device, timeout: float | None) -> None:
+    """Initialize mcrdl with the named or pinned backends (default mpi, else gloo; nccl
+    too on GPUs), unless the caller did."""
+    if mcrdl.is_initialized():
+        return
+    usable = mcrdl.available_backends()
+    names = list(backends.init) or [n for n in ("mpi",) if n in usable] or ["gloo"]
+    if device.type == "cuda" and "nccl" in usable and "nccl" not in names:
+        names.append("nccl")
+    mcrdl.init(names, **({"timeout": timeout} if timeout else {}))
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (gradients of stacked experts'
+    biases are views of one storage: counted once)."""
+    seen = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class MoETrainer:
+    """A configured TED run on this rank (every rank builds it with the same config).
+    `dataset` reuses a loaded corpus (runs in a loop: scanning the stdlib takes
+    seconds); `early_stop` and `debug_checks` are passed to the model (tests)."""
+
+    def __init__(self, cfg, *, dataset=None, early_stop: bool = True,
+                 debug_checks: bool | None = None):
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        if self.device.type != "cpu":
+            raise ValueError("train_moe runs on CPU ranks in this version (--device cpu)")
+        self.backends = Backends.parse(cfg.backends)
+        init_comm(self.backends, self.device, cfg.timeout)
+        self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
+        self.dataset = dataset or load_dataset(cfg.data, cfg.vocab_size)
+        self.model_cfg = base_config(cfg.model, vocab_size=self.dataset.vocab_size,
+                                     n_layer=cfg.n_layer, n_head=cfg.n_head,
+                                     n_embd=cfg.n_embd, block_size=cfg.block_size)
+        self.moe_cfg = cfg.moe_config()
+        self.layout = cfg.layout(self.world_size)
+        self.layout.check(self.model_cfg, self.moe_cfg, self.world_size)
+        self.groups = TEDGroups(self.layout, self.backends)
+        torch.manual_seed(cfg.seed)
+        self.model = TEDGPT(self.model_cfg, self.moe_cfg, self.groups, seed=cfg.seed,
+                            dtd=cfg.dtd, cac=cfg.cac,
+                            activation_checkpointing=cfg.activation_checkpointing,
+                            early_stop=early_stop,
+                            debug_checks=cfg.debug_checks if debug_checks is None
+                            else debug_checks)
+        self.model.to(dtype=DTYPES[cfg.dtype])
+        self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
+                               cfg.micro_batch_size, self.groups.data_rank, self.layout.g_data,
+                               seed=cfg.seed)
+        self.timers = PhaseTimers()
+        g = self.groups
+        self.optimizer = ZeroAdamW(
+            [ParamSet("nonexpert", self.model.nonexpert_parameters(), g.data_nonexp, "avg",
+                      1.0, self.layout.g_tensor),
+             # expert gradients: SUM over the expert-data group, then the mean over the
+             # G_data_nonexp batch shards (training/zero.py)
+             ParamSet("expert", self.model.expert_parameters(), g.data_exp, "sum",
+                      1.0 / self.layout.g_data, self.layout.g_tensor, cfg.optimizer_tile)],
+            cfg.optim(), g.world, self.timers)
+        self.step = 0
+        self.last = {}
+
+    def describe(self) -> str:
+        cfg, n = self.cfg, count_parameters(self.model)
+        return (f"training {cfg.model} MoE ({self.moe_cfg.experts} experts, top-{cfg.top_k}, "
+                f"capacity {self.moe_cfg.capacity()} per {cfg.router_group_tokens}-token "
+                f"group, {cfg.dtype}) on {self.world_size} ranks: {self.layout.describe()}; "
+                f"{n['nonexpert'] + n['expert']:,} parameters on this rank ({n['expert']:,} "
+                f"expert); DTD {'on' if cfg.dtd else 'off'}, CAC {'on' if cfg.cac else 'off'}"
+                f", activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}"
+                f"; collectives {self.backends.describe()}; data: {self.dataset.describe()}")
+
+    def train_step(self) -> tuple[float, bool]:
+        """One step on every rank: (the global batch's mean LM loss, True). The aux loss
+        and the dropped fraction of the step are in ``self.last``."""
+        micro = self.batches.microbatches(self.step)
+        sums = torch.zeros(4, dtype=torch.float64)  # lm, aux, kept, assigned
+        for x, y in micro:
+            with self.timers("compute"):
+                logits, stats = self.model(x)
+                loss, lm = moe_loss(logits, y, stats, self.moe_cfg)
+                (loss / len(micro)).backward()
+            sums += torch.tensor([lm.item(), stats.aux_loss.detach().item(), stats.kept,
+                                  stats.assigned], dtype=torch.float64)
+        self.optimizer.step()
+        self.step += 1
+        with self.timers("collective"):
+            self.groups.world.all_reduce(sums)
+        n = self.world_size * len(micro)  # every tensor rank holds the same copy
+        self.last = {"lm": float(sums[0]) / n, "aux": float(sums[1]) / n,
+                     "dropped": 1.0 - float(sums[2]) / float(sums[3])}
+        return self.last["lm"], True
+
+    def eval_loss(self, step: int) -> float:
+        """Collective: the mean LM loss of the global batch of `step`, no gradients."""
+        micro = self.batches.microbatches(step)
+        total = torch.zeros(1, dtype=torch.float64)
+        with torch.no_grad():
+            for x, y in micro:
+                logits, stats = self.model(x)
+                total += moe_loss(logits, y, stats, self.moe_cfg)[1].item()
+        self.groups.world.all_reduce(total)
+        return float(total) / (self.world_size * len(micro))
+
+    def metrics_record(self, loss: float, step_time: float, tokens: int,
+                       applied: bool) -> dict:
+        return {"step": self.step, "loss": loss, "aux_loss": self.last["aux"],
+                "dropped_fraction": self.last["dropped"],
+                "lr": self.cfg.optim().lr_at(self.step - 1),
+                "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
+                "tokens_per_s": tokens / step_time}
+
+    # --- memory ------------------------------------------------------------------------
+    def measured_bytes(self) -> dict[str, int]:
+        """Storage of this rank's parameters, gradients (after a backward, before the
+        step) and optimizer states, counted tensor by tensor."""
+        params = list(self.model.parameters())
+        return {"params": storage_bytes(params),
+                "grads": storage_bytes(p.grad for p in params if p.grad is not None),
+                "optimizer": sum(self.optimizer.state_bytes().values())}
+
+    # --- checkpoints -------------------------------------------------------------------
+    def _rank_state(self) -> dict:
+        layout = {n: {"tensor_dim": p.tensor_dim, "tensor_chunks": p.tensor_chunks,
+                      "expert": getattr(p, "expert", False)}
+                  for n, p in self.model.named_parameters()}
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "layout": layout, "tensor_rank": self.groups.tensor_rank,
+                "optimizer": self.optimizer.state_dict(), "step": self.step,
+                "rank": self.world_rank}
+
+    def save_checkpoint(self) -> Path:
+        """Collective: every rank writes its file, world rank 0 the manifest (last)."""
+        directory = ckpt.step_dir(self.cfg.checkpoint_dir, self.step)
+        entry, error = None, None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            name = f"rank_{self.world_rank:05d}.pt"
+            nbytes, sha = ckpt.atomic_save(self._rank_state(), directory / name)
+            # "stage" keys the file for checkpoint.load_shard: here the world rank
+            entry = {"stage": self.world_rank, "file": name, "bytes": nbytes, "sha256": sha}
+        except (OSError, RuntimeError) as e:
+            error = e
+        raise_together(error, f"cannot save checkpoint {directory}")
+        entries = mcrdl.all_gather_object(entry)
+        if self.world_rank == 0:
+            try:
+                ckpt.write_manifest(directory, {
+                    "format": ckpt.FORMAT, "engine": ENGINE, "step": self.step,
+                    "grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
+                             "G_data": self.layout.g_data},
+                    "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict(),
+                    "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
+                    "shards": entries})
+            except OSError as e:
+                error = e
+        raise_together(error, f"cannot save checkpoint {directory}")
+        return directory
+
+    def load_checkpoint(self, spec: str) -> int:
+        """Collective: load `spec` ("latest" or a path) on every rank; returns its step.
+        A missing, damaged or mismatched checkpoint raises CheckpointError everywhere."""
+        error, path, state = None, None, None
+        try:
+            path = (ckpt.latest_checkpoint(self.cfg.checkpoint_dir) if spec == "latest"
+                    else Path(spec))
+            if path is None:
+                raise ckpt.CheckpointError(
+                    f"--resume: no complete checkpoint in {self.cfg.checkpoint_dir}")
+            manifest = ckpt.read_manifest(path)
+            want = {"engine": ENGINE, "grid": {"G_tensor": self.layout.g_tensor,
+                                               "G_expert": self.layout.g_expert,
+                                               "G_data": self.layout.g_data},
+                    "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict()}
+            for key, value in want.items():
+                if manifest.get(key) != value:
+                    raise ckpt.CheckpointError(
+                        f"checkpoint {path} was written with {key}={manifest.get(key)}, this "
+                        f"run has {key}={value}; resume with the same model, MoE options and "
+                        "layout (consolidate it to change the layout)")
+            state = ckpt.load_shard(path, manifest, self.world_rank)
+        except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
+            error = e
+        raise_together(error, f"cannot load checkpoint {path}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        return self.step
+
+
+def consolidate(directory: str | Path) -> tuple[dict, dict]:
+    """(the serial MoEGPT state_dict, {"model": ..., "moe": ...}) from a TED checkpoint:
+    each tensor-parallel parameter reassembled from its tensor ranks' slices (per chunk
+    along ``tensor_dim``), each expert taken from the rank holding it."""
+    manifest = ckpt.read_manifest(directory)
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    layout: dict[str, dict] = {}
+    for entry in manifest["shards"]:
+        shard = ckpt.load_shard(directory, manifest, entry["stage"])
+        for name, t in shard["model"].items():
+            pieces.setdefault(name, {}).setdefault(shard["tensor_rank"], t)
+            layout[name] = shard["layout"].get(name, {"tensor_dim": None, "tensor_chunks": 1})
+    g_tensor = manifest["grid"]["G_tensor"]
+    out = {}
+    for name in sorted(pieces):
+        lay, by_rank = layout[name], pieces[name]
+        dim = lay["tensor_dim"]
+        if dim is None:
+            out[name] = by_rank[min(by_rank)]
+            continue
+        if sorted(by_rank) != list(range(g_tensor)):
+            raise ckpt.CheckpointError(f"{directory}: {name} lacks tensor ranks "
+                                       f"{sorted(set(range(g_tensor)) - set(by_rank))}")
+        chunks = lay["tensor_chunks"]
+        parts = [by_rank[t].chunk(chunks, dim=dim) for t in range(g_tensor)]
+        out[name] = torch.cat([torch.cat([parts[t][c] for t in range(g_tensor)], dim=dim)
+                               for c in range(chunks)], dim=dim)
+    return out, {"model": manifest["model"], "moe": manifest["moe"]}

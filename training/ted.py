@@ -1,0 +1,340 @@
+"""DeepSpeed-TED (dissertation ch. 7): an MoE GPT trained with tensor x expert x data
+parallelism, duplicate token dropping (DTD) and communication-aware checkpointing (CAC).
+
+**Groups (Eq. 7.1).** ``G = G_tensor x G_data_nonexp = G_tensor x G_expert x
+G_data_exp``. Ranks are laid out tensor-fastest: ``rank = t + G_tensor x (e + G_expert x
+d)`` with t the tensor, e the expert and d the expert-data coordinate.
+
+- tensor group (t varies): Megatron tensor parallelism of attention, dense FFNs and
+  every expert FFN; the same groups for expert and non-expert blocks;
+- non-expert data group (e and d vary, G_data_nonexp ranks): data parallelism of the
+  non-expert parameters (embeddings, attention, LayerNorms, routers, dense FFNs, head);
+- expert group (e varies): experts spread over it, tokens exchanged by all_to_all;
+- expert-data group (d varies, G_data_exp = G_data_nonexp / G_expert ranks): data
+  parallelism of the expert parameters.
+
+Each non-expert data rank trains on its own 1/G_data_nonexp of the global batch; the
+tensor ranks of one data rank hold the same tokens.
+
+**MoE layer**, per router group (training/moe.py routes): the slots of every expert
+(dispatch buffer ``(E, groups, C_buf, C)``) go by all_to_all over the expert group to
+the rank holding the expert, the local experts run (tensor-parallel FFNs, one
+all_reduce for all of them), and the reverse all_to_all brings the results back to be
+combined with the gates. Per MoE layer: 2 all_to_alls and 2 all_reduces (attention,
+experts) forward, the same backward; no all_to_all when G_expert = 1.
+
+**DTD.** After a tensor-parallel block every tensor rank holds the same dispatch buffer,
+so without DTD each token crosses the all_to_all G_tensor times. With DTD each tensor
+rank keeps only its 1/G_tensor share of the capacity dimension before each all_to_all
+(``drop_share``) and an all_gather over the tensor group rebuilds the full buffer after
+it (``gather_share``); backward the roles swap. All-to-all bytes shrink by exactly
+G_tensor. The capacity dimension of the buffers is the drop rule's capacity rounded up
+to a multiple of G_tensor (``C_buf``; the extra slots stay empty, so routing does not
+depend on the layout); DTD rejects a buffer whose capacity does not divide. Routing has
+no randomness, so the buffers agree across tensor ranks; ``debug_checks=True`` verifies
+it on every MoE call (an all_gather over the tensor group).
+
+**CAC.** With activation checkpointing, blocks run in segments of ~sqrt(N) under
+``collectives.checkpointed``; with ``cac=True`` the recomputation replays the forward
+collectives' stashed outputs instead of communicating again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .collectives import (
+    Backends,
+    Comm,
+    all_to_all,
+    checkpointed,
+    copy_to,
+    drop_share,
+    gather_share,
+    reduce_from,
+)
+from .megatron import ParallelAttention, ParallelMLP, check_tensor_split, mark_replicated
+from .models.gpt import MLP, Block, Embedding, GPTConfig, Head, checkpoint_interval
+from .moe import MoEBlock, MoEConfig, MoEStats, Routing, init_expert, make_moe_unit, route
+from .moe import to_groups as _to_groups
+from .topology import Axis, ProcessGrid
+
+
+@dataclass(frozen=True)
+class TEDLayout:
+    """(G_tensor, G_expert, G_data_nonexp) on a world of G_tensor x G_data_nonexp ranks."""
+
+    g_tensor: int = 1
+    g_expert: int = 1
+    g_data: int = 1  # G_data_nonexp
+
+    @property
+    def world_size(self) -> int:
+        return self.g_tensor * self.g_data
+
+    @property
+    def g_data_exp(self) -> int:
+        return self.g_data // self.g_expert
+
+    def check(self, model: GPTConfig | None = None, moe: MoEConfig | None = None,
+              world_size: int | None = None) -> None:
+        """ValueError naming the violated constraint."""
+        for name in ("g_tensor", "g_expert", "g_data"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('g_', 'G-')} is {v!r}; expected a positive "
+                                 "integer")
+        if self.g_data % self.g_expert:
+            raise ValueError(f"G_data_nonexp={self.g_data} is not divisible by G_expert="
+                             f"{self.g_expert}: the expert groups decompose the non-expert data "
+                             "group (G_data_exp = G_data_nonexp / G_expert, Eq. 7.1)")
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(f"G_tensor={self.g_tensor} x G_data_nonexp={self.g_data} = "
+                             f"{self.world_size} ranks, but the world has {world_size}; launch "
+                             f"with -n {self.world_size} or change --G-tensor/--G-data")
+        if moe is not None and moe.experts % self.g_expert:
+            raise ValueError(f"experts={moe.experts} is not divisible by G_expert="
+                             f"{self.g_expert}: every expert rank holds experts/G_expert "
+                             "experts; pick --G-expert dividing --experts")
+        if model is not None:
+            check_tensor_split(model.n_head, model.n_embd, self.g_tensor)
+
+    def describe(self) -> str:
+        return (f"G_tensor={self.g_tensor} x G_expert={self.g_expert} x G_data_exp="
+                f"{self.g_data_exp} (G_data_nonexp={self.g_data})")
+
+
+class TEDGroups:
+    """This rank's groups of a layout (collective over the world: every rank builds it
+    with the same layout). Comms: ``tensor``, ``expert``, ``data_exp``, ``data_nonexp``,
+    and ``world``."""
+
+    def __init__(self, layout: TEDLayout, backends: Backends | None = None, *,
+                 world_size: int | None = None, rank: int | None = None):
+        layout.check(world_size=world_size)
+        self.layout, self.backends = layout, backends or Backends()
+        self.grid = ProcessGrid({Axis.TENSOR: layout.g_tensor, Axis.EXPERT: layout.g_expert,
+                                 Axis.DATA: layout.g_data_exp},
+                                order=[Axis.TENSOR, Axis.EXPERT, Axis.DATA],
+                                world_size=world_size, rank=rank)
+        b = self.backends
+        self.tensor = Comm(self.grid.group(Axis.TENSOR), b, "tensor")
+        self.expert = Comm(self.grid.group(Axis.EXPERT), b, "expert")
+        self.data_exp = Comm(self.grid.group(Axis.DATA), b, "data_exp")
+        self.data_nonexp = Comm(self.grid.plane_group([Axis.EXPERT, Axis.DATA]), b,
+                                "data_nonexp")
+        self.world = Comm.world(b, self.grid.world_size, self.grid.rank)
+        self.rank = self.grid.rank
+        self.tensor_rank = self.grid.coord(Axis.TENSOR)
+        self.expert_rank = self.grid.coord(Axis.EXPERT)
+        self.data_rank = self.data_nonexp.rank  # the batch shard: e + G_expert x d
+
+    def local_experts(self, experts: int) -> list[int]:
+        """The global indices of the experts this rank holds."""
+        per = experts // self.layout.g_expert
+        return list(range(self.expert_rank * per, (self.expert_rank + 1) * per))
+
+
+def buffer_capacity(capacity: int, g_tensor: int) -> int:
+    """The capacity dimension of the dispatch buffers: the drop rule's capacity rounded
+    up to a multiple of G_tensor (DTD splits it over the tensor ranks)."""
+    return -(-capacity // g_tensor) * g_tensor
+
+
+class ParallelMoE(nn.Module):
+    """The MoE FFN of one block on one rank: the router (replicated), this rank's
+    experts (tensor-parallel FFNs), dispatch and combine (module docstring)."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, serial_router: nn.Module,
+                 experts: dict[int, MLP], groups: TEDGroups, *, dtd: bool = False,
+                 debug_checks: bool = False):
+        super().__init__()
+        self.moe, self.groups = moe, groups
+        self.capacity = moe.capacity()
+        g_t = groups.layout.g_tensor
+        self.capacity_buf = buffer_capacity(self.capacity, g_t)
+        # DTD only pays where an all_to_all carries duplicates
+        self.dtd = dtd and groups.tensor.active and groups.expert.active
+        if self.dtd and self.capacity_buf % g_t:  # by construction; kept as the rule
+            raise ValueError(f"DTD: expert capacity {self.capacity_buf} is not a multiple of "
+                             f"G_tensor={g_t}")
+        self.debug_checks = debug_checks
+        self.router = serial_router
+        self.experts = nn.ModuleDict({str(e): ParallelMLP(mlp, groups.tensor)
+                                      for e, mlp in experts.items()})
+        for p in self.experts.parameters():
+            p.expert = True
+
+    def _check_replicated(self, buf: torch.Tensor, what: str) -> None:
+        """Debug: `buf` is bitwise the same on every tensor rank (DTD's premise)."""
+        tensor = self.groups.tensor
+        if not tensor.active:
+            return
+        everyone = tensor.all_gather(buf.detach().contiguous().unsqueeze(0))
+        for r in range(tensor.size):
+            if not torch.equal(everyone[r], everyone[0]):
+                raise RuntimeError(f"TED debug check: the {what} differs between tensor ranks "
+                                   f"0 and {r} of world rank {self.groups.rank}'s tensor group; "
+                                   "DTD needs identical buffers (routing must not depend on "
+                                   "the tensor coordinate)")
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        E, C, d = self.moe.experts, self.capacity_buf, x.shape[-1]
+        xg = _to_groups(x, self.moe.router_group_tokens)            # (G, S, d)
+        n_groups, S, _ = xg.shape
+        r = route(self.router(xg), self.moe.top_k, self.capacity)
+        pad = C - self.capacity
+        slot_token = F.pad(r.slot_token, (0, pad), value=-1)         # (G, E, C)
+        slot_weight = F.pad(r.slot_weight, (0, pad))
+        # token S of each group is a zero row: empty slots read it and write to it
+        flat = (torch.arange(n_groups, device=x.device).view(-1, 1, 1) * (S + 1)
+                + torch.where(slot_token >= 0, slot_token, S)).view(-1)
+        xpad = F.pad(xg, (0, 0, 0, 1)).view(-1, d)
+        disp = xpad.index_select(0, flat).view(n_groups, E, C, d).transpose(0, 1)
+        disp = disp.contiguous()                                     # (E, G, C, d)
+        if self.debug_checks:
+            self._check_replicated(disp, "dispatch buffer")
+        h = self._experts(self._exchange(disp, dim=2), n_groups)     # (E, G, C, d)
+        out = h.transpose(0, 1) * slot_weight.unsqueeze(-1).to(h.dtype)  # (G, E, C, d)
+        y = torch.zeros(n_groups * (S + 1), d, dtype=x.dtype, device=x.device)
+        y = y.index_add(0, flat, out.reshape(-1, d).to(x.dtype))
+        return y.view(n_groups, S + 1, d)[:, :S].reshape(x.shape), r
+
+    def _exchange(self, buf: torch.Tensor, dim: int) -> torch.Tensor:
+        """`buf` (experts or blocks of experts first) through the all_to_all over the
+        expert group, with DTD's drop before and all_gather after it."""
+        g = self.groups
+        if self.dtd:
+            buf = drop_share(buf, dim, g.tensor)
+        buf = all_to_all(buf, g.expert)
+        if self.dtd:
+            buf = gather_share(buf, dim, g.tensor)
+        return buf
+
+    def _experts(self, recv: torch.Tensor, n_groups: int) -> torch.Tensor:
+        """Run the local experts on the received slots (G_expert sources x local experts
+        first), send the results back; returns (E, G, C, d) in the dispatch order."""
+        g = self.groups
+        g_e, n_local = g.layout.g_expert, len(self.experts)
+        C, d = recv.shape[2], recv.shape[3]
+        h = recv.view(g_e, n_local, n_groups * C, d).transpose(0, 1).reshape(n_local, -1, d)
+        h = copy_to(h, g.tensor)
+        experts = list(self.experts.values())
+        partial = torch.stack([ex.partial(h[i]) for i, ex in enumerate(experts)])
+        y = reduce_from(partial, g.tensor)                           # one all_reduce for all
+        if experts[0].c_proj.bias is not None:
+            y = y + torch.stack([ex.c_proj.bias for ex in experts]).unsqueeze(1)
+        y = y.view(n_local, g_e, n_groups, C, d).transpose(0, 1)     # (G_e, E_l, G, C, d)
+        y = y.reshape(g_e * n_local, n_groups, C, d)
+        return self._exchange(y, dim=2)
+
+
+class ParallelBlock(nn.Module):
+    """A transformer block with tensor-parallel attention and a tensor-parallel dense FFN
+    (``mlp``) or MoE FFN (``moe``)."""
+
+    def __init__(self, serial: nn.Module, cfg: GPTConfig, moe: MoEConfig, groups: TEDGroups,
+                 experts: dict[int, MLP] | None, dtd: bool, debug_checks: bool):
+        super().__init__()
+        self.ln_1, self.ln_2 = serial.ln_1, serial.ln_2
+        self.attn = ParallelAttention(serial.attn, groups.tensor)
+        if isinstance(serial, MoEBlock):
+            self.moe = ParallelMoE(cfg, moe, serial.moe.router, experts, groups, dtd=dtd,
+                                   debug_checks=debug_checks)
+        else:
+            self.mlp = ParallelMLP(serial.mlp, groups.tensor)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
+        x = x + self.attn(self.ln_1(x))
+        if hasattr(self, "moe"):
+            y, r = self.moe(self.ln_2(x))
+            return x + y, r
+        return x + self.mlp(self.ln_2(x)), None
+
+
+class TEDGPT(nn.Module):
+    """This rank's share of the MoE GPT (training/moe.py's MoEGPT) under a TED layout.
+    Parameter names are the serial model's; each parameter carries ``tensor_dim`` /
+    ``tensor_chunks`` (training/megatron.py) and expert parameters ``expert = True``.
+
+    ``activation_checkpointing`` runs the blocks in segments of checkpoint_interval(N)
+    blocks; ``cac`` stashes their forward collectives for the recomputation;
+    ``early_stop=False`` makes torch recompute whole segments (call-count baselines)."""
+
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig, groups: TEDGroups, seed: int = 0, *,
+                 dtd: bool = False, cac: bool = False, activation_checkpointing: bool = False,
+                 early_stop: bool = True, debug_checks: bool = False):
+        super().__init__()
+        groups.layout.check(cfg, moe)
+        self.cfg, self.moe_cfg, self.groups = cfg, moe, groups
+        self.dtd, self.cac = dtd, cac
+        self.activation_checkpointing, self.early_stop = activation_checkpointing, early_stop
+        local = groups.local_experts(moe.experts)
+        units = {}
+        for i in range(cfg.n_units):
+            # the serial unit without its experts; this rank's experts drawn on their own
+            serial = make_moe_unit(cfg, moe, i, seed, with_experts=False)
+            if isinstance(serial, (Embedding, Head)):
+                units[str(i)] = serial
+                continue
+            experts = None
+            if isinstance(serial, MoEBlock):
+                experts = {}
+                for e in local:
+                    experts[e] = MLP(cfg)
+                    init_expert(experts[e], cfg, seed, i, e)
+            assert isinstance(serial, (Block, MoEBlock))
+            units[str(i)] = ParallelBlock(serial, cfg, moe, groups, experts, dtd, debug_checks)
+        self.units = nn.ModuleDict(units)
+        mark_replicated(self)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        units = list(self.units.values())
+        x = units[0](idx)
+        stats = MoEStats(torch.zeros((), device=x.device))
+        blocks = units[1:-1]
+        k = checkpoint_interval(len(blocks))
+        for i in range(0, len(blocks), k):
+            seg = blocks[i:i + k]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x, aux, counts = checkpointed(_segment, x, *seg, cac=self.cac,
+                                              early_stop=self.early_stop)
+            else:
+                x, aux, counts = _segment(x, *seg)
+            stats.aux_loss = stats.aux_loss + aux
+            stats.kept += counts[0]
+            stats.assigned += counts[1]
+        return units[-1](x), stats
+
+    def expert_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if getattr(p, "expert", False)]
+
+    def nonexpert_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if not getattr(p, "expert", False)]
+
+
+def _segment(x, *blocks):
+    aux, kept, assigned = torch.zeros((), device=x.device), 0, 0
+    for b in blocks:
+        x, r = b(x)
+        if r is not None:
+            aux = aux + r.aux_loss
+            kept, assigned = kept + r.kept, assigned + r.assigned
+    return x, aux, (kept, assigned)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """This rank's parameter elements: expert and non-expert."""
+    out = {"expert": 0, "nonexpert": 0}
+    for p in model.parameters():
+        out["expert" if getattr(p, "expert", False) else "nonexpert"] += p.numel()
+    return out
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
