@@ -189,7 +189,8 @@ class ProcessGrid:
         """This rank's group of the ranks that differ from it only along `axes` (a
         sub-grid: TED's non-expert data group spans the expert and data axes); None
         when it has one rank. Collective over the world: every rank calls it with the
-        same axes, in the same order as its other plane_group calls."""
+        same axes, in the same order as its other plane_group calls (on a grid over a
+        group of ranks, non-members too; they get None)."""
         axes = [self._axis(a) for a in axes]
         key = tuple(sorted(axes))
         if key in self._planes:
@@ -202,12 +203,18 @@ class ProcessGrid:
                 members = [r2 for r in members for r2 in self.line(a, r)]
             return tuple(sorted(members))
 
+        world_ranks = self.world.ranks if self.world is not None else range(self.world_size)
         planes = sorted({plane(r) for r in range(self.world_size)})
-        mine = plane(self.rank)
+        mine = plane(self.rank) if self.is_member else None
         group = None
         for members in planes:
             if len(members) > 1:
-                g = mcrdl.new_group(list(members))
+                ranks = tuple(world_ranks[r] for r in members)
+                g = None if self._cache is None else self._cache.get(ranks)
+                if g is None:
+                    g = mcrdl.new_group(list(ranks))
+                    if self._cache is not None:
+                        self._cache[ranks] = g
                 if members == mine:
                     group = g
         self._planes[key] = group
