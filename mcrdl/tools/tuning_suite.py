@@ -218,13 +218,16 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
         if progress is not None and rank == 0:
             progress(i, len(points), f"confirming {name} ({i + 1}/{len(points)}), {s} ranks, "
                                      f"{nbytes} B")
+        here = [b for b in cfg.backends if base in backend_class(b).supported_ops()]
+        # Every rank draws the orders, members of the point's group or not, so that all
+        # ranks' generators stay in step and agree on the order of later points.
+        orders = [rng.sample(here, len(here)) for _ in range(cfg.confirm)]
         if rank >= s:
             continue
         count = nbytes // itemsize
-        here = [b for b in cfg.backends if base in backend_class(b).supported_ops()]
         measured = {b: [] for b in here}
-        for _ in range(cfg.confirm):
-            for b in rng.sample(here, len(here)):
+        for order in orders:
+            for b in order:
                 measured[b].append(measure_point(cfg, base, k, b, count, rank, s, groups[s]))
         if rank == 0:
             for b, more in measured.items():
