@@ -350,3 +350,61 @@ def test_cli_bad_arguments_name_the_option(args, option, capsys):
         main(args)
     assert e.value.code == 2
     assert option in capsys.readouterr().err
+
+
+def test_linear_layers_match_the_serial_gpt():
+    """Every nn.Linear of the serial GPT is one of ``linear_layers`` with its [n, k]
+    weight, counted once per block or once per model."""
+    from torch import nn
+
+    from training.perf_model import linear_layers
+
+    cfg = CONFIGS["tiny"]
+    found: dict[str, list[tuple[int, int]]] = {}
+    for name, module in GPT(cfg).named_modules():
+        if isinstance(module, nn.Linear):
+            key = next(layer.name for layer in linear_layers(cfg) if name.endswith(layer.name))
+            found.setdefault(key, []).append(tuple(module.weight.shape))
+    layers = {layer.name: layer for layer in linear_layers(cfg)}
+    assert set(found) == set(layers)
+    for name, shapes in found.items():
+        layer = layers[name]
+        assert shapes == [(layer.n, layer.k)] * (cfg.n_layer if layer.per_block else 1), name
+    # N and T alternate through a block, so no redistribution between them.
+    per_block = [layer.transposed for layer in linear_layers(cfg) if layer.per_block]
+    assert per_block == [False, True, False, True]
+
+
+def test_matmul_modes_benchmark_measures_the_grid_blocks():
+    """benchmarks/matmul_modes.py on the tiny GPT: one row per distinct (phase, m, n, k) of
+    the grid's local blocks (t = tokens / G_z, N-layer k / G_y and n / G_x), every mode
+    timed, the best the fastest, every mode equal to the natural one."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "matmul_modes", os.path.join(ROOT, "benchmarks", "matmul_modes.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cfg = CONFIGS["tiny"]
+    step, grid = TrainingStep(cfg, batch=4), Grid4D(2, 1, 2, 1)
+    rows = bench.measure(step, grid, torch.float32, repeats=1)
+    t = 4 * cfg.block_size // 2
+    c, v = cfg.n_embd, cfg.vocab_size
+    expected = {  # (phase, layer) -> (m, n, k) of the tuner's key
+        ("forward", "attn.c_attn"): (t, 3 * c // 2, c),
+        ("input_grad", "attn.c_attn"): (t, c, 3 * c // 2),
+        ("weight_grad", "attn.c_attn"): (3 * c // 2, c, t),
+        ("forward", "attn.c_proj"): (t, c, c // 2),  # T-layer: in-features over X
+        ("forward", "mlp.c_proj"): (t, c, 4 * c // 2),
+        ("forward", "lm_head"): (t, v // 2, c),
+    }
+    by_layer = {(r["phase"], name): r for r in rows for name in r["layers"]}
+    for key, shape in expected.items():
+        assert by_layer[key]["shape"] == shape, key
+    assert len({(r["phase"], r["shape"]) for r in rows}) == len(rows)
+    for r in rows:
+        assert set(r["gflops"]) == {"NN", "NT", "TN"} and min(r["gflops"].values()) > 0
+        assert r["best"] == max(r["gflops"], key=r["gflops"].get)
+        assert r["max_rel_diff"] <= 1e-6

@@ -69,7 +69,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .step import WORLD, Grid4D, TrainingStep, weight_blocks
+from .step import WORLD, Grid4D, TrainingStep, linear_layers, weight_blocks
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
 OPS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
@@ -130,7 +130,7 @@ def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
     """Every collective of one step of ``step`` on ``grid`` (the module docstring's
     conventions); assumes the grid fits the step (``check_grid``)."""
     cfg, mb, b = step.model, step.micro_batches, step.dtype_bytes
-    c, v, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    v, L = cfg.vocab_size, cfg.n_layer
     m = step.tokens_per_replica(grid)
     t = m // grid.z
     blocks = weight_blocks(cfg, grid)
@@ -151,16 +151,21 @@ def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
         out += [Collective(ALL_GATHER, "z", blocks[name], b, mb, "forward", name),
                 Collective(REDUCE_SCATTER, "z", blocks[name], b, mb, "backward", f"{name} grad")]
     linear = {"micro_batches": mb, "keep_weights": step.keep_weights, "dtype_bytes": b}
+    by_name = {layer.name: layer for layer in linear_layers(cfg)}
+
+    def linear_passes(name: str) -> list[Collective]:
+        layer = by_name[name]
+        return passes(linear_collectives(name, layer.k, layer.n, m, grid,
+                                         transposed=layer.transposed, **linear))
+
     out += per_block(layer_norm("ln_1"))
-    out += per_block(passes(linear_collectives("attn.c_attn", c, 3 * c, m, grid, **linear)))
-    out += per_block(passes(linear_collectives("attn.c_proj", c, c, m, grid, transposed=True,
-                                               **linear)))
+    out += per_block(linear_passes("attn.c_attn"))
+    out += per_block(linear_passes("attn.c_proj"))
     out += per_block(layer_norm("ln_2"))
-    out += per_block(passes(linear_collectives("mlp.c_fc", c, 4 * c, m, grid, **linear)))
-    out += per_block(passes(linear_collectives("mlp.c_proj", 4 * c, c, m, grid,
-                                               transposed=True, **linear)))
+    out += per_block(linear_passes("mlp.c_fc"))
+    out += per_block(linear_passes("mlp.c_proj"))
     out += layer_norm("ln_f")
-    out += passes(linear_collectives("lm_head", c, v, m, grid, **linear))
+    out += linear_passes("lm_head")
     out.append(Collective(ALL_GATHER, "x", t * v, b, mb, "forward", "logits"))
     replicated = sum(elements * count for _, elements, count in _replicated(step, grid))
     layers = {"wte.weight": 1, "wpe.weight": 1, "lm_head.weight": 1}

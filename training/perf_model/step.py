@@ -113,6 +113,35 @@ class TrainingStep:
         return self.batch // (self.micro_batches * grid.data) * self.model.block_size
 
 
+@dataclass(frozen=True)
+class LinearLayer:
+    """One Linear layer of the GPT as the 4D grid splits it: ``k`` in-features, ``n``
+    out-features; ``transposed``: a T-layer (X and Y swapped); ``per_block``: one per
+    transformer block (else once per model)."""
+
+    name: str
+    k: int
+    n: int
+    transposed: bool
+    per_block: bool
+
+    def local(self, grid: Grid4D, tokens: int) -> tuple[int, int, int]:
+        """(t, k, n) of one rank's matmul: ``tokens`` per replica split over Z, the
+        in-features over Y (T-layer: X), the out-features over X (T-layer: Y)."""
+        in_deg, out_deg = (grid.x, grid.y) if self.transposed else (grid.y, grid.x)
+        return tokens // grid.z, self.k // in_deg, self.n // out_deg
+
+
+def linear_layers(model: GPTConfig) -> list[LinearLayer]:
+    """The GPT's Linear layers in forward order, N and T alternating."""
+    c, v = model.n_embd, model.vocab_size
+    return [LinearLayer("attn.c_attn", c, 3 * c, False, True),
+            LinearLayer("attn.c_proj", c, c, True, True),
+            LinearLayer("mlp.c_fc", c, 4 * c, False, True),
+            LinearLayer("mlp.c_proj", 4 * c, c, True, True),
+            LinearLayer("lm_head", c, v, False, False)]
+
+
 def weight_blocks(model: GPTConfig, grid: Grid4D) -> dict[str, int]:
     """Elements of each weight's local [rows/G_x, cols/G_y] block (embeddings: columns
     over Y, rows whole), the block Z shards. Names as in the GPT's parameters."""
