@@ -225,3 +225,36 @@ def test_offloaded_adamw_matches_torch():
         ref.zero_grad()
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_command_exit_codes(capsys):
+    """training.command.run_command: 0 trained, 2 bad options or layout, 3 unusable
+    checkpoint, one line on stderr; other errors propagate."""
+    from training.checkpoint import CheckpointError
+    from training.command import run_command
+    from training.topology import GridError
+
+    def parse(argv):
+        if argv == ["bad"]:
+            raise ValueError("--steps 'x': expected an integer")
+        return argv[0]
+
+    def run(what):
+        raise {"grid": GridError("grid (3,1,1,1) cannot run"), "ckpt": CheckpointError(
+            "manifest.json is damaged"), "bug": KeyError("bug")}.get(what, ValueError("v"))
+
+    kw = {"layout_errors": (GridError,), "layout_errors_agree": True}
+    assert run_command(parse, lambda cfg: None, ["ok"], **kw) == 0
+    assert run_command(parse, run, ["bad"], **kw) == 2
+    assert "error: --steps 'x'" in capsys.readouterr().err
+    assert run_command(parse, run, ["grid"], **kw) == 2
+    assert capsys.readouterr().err == "error: grid (3,1,1,1) cannot run\n"
+    assert run_command(parse, run, ["ckpt"], **kw) == 3
+    assert capsys.readouterr().err == "error (rank ?): manifest.json is damaged\n"
+    with pytest.raises(ValueError):  # not a layout error of this command
+        run_command(parse, run, ["other"], **kw)
+    with pytest.raises(KeyError):
+        run_command(parse, run, ["bug"], **kw)
+    assert run_command(parse, run, ["other"], layout_errors=(ValueError,),
+                       layout_errors_agree=False) == 2
+    assert capsys.readouterr().err.endswith("error (rank ?): v\n")

@@ -96,6 +96,17 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return done[-1] if done else None
 
 
+def resume_path(spec: str, root: str | os.PathLike) -> Path:
+    """The checkpoint ``--resume SPEC`` names: ``"latest"``, the newest complete one under
+    ``root`` (CheckpointError when there is none), else the path SPEC itself."""
+    if spec != "latest":
+        return Path(spec)
+    path = latest_checkpoint(root)
+    if path is None:
+        raise CheckpointError(f"--resume: no complete checkpoint in {root}")
+    return path
+
+
 def save_shard(directory: Path, stage: int, state: dict, prefix: str = "stage") -> dict:
     """Write one stage's shard (the 4D engine: one tensor rank's, prefix "tensor") into
     `directory`; returns its manifest entry (stage = the shard's index, file, bytes,

@@ -210,11 +210,7 @@ class MoETrainer:
         A missing, damaged or mismatched checkpoint raises CheckpointError everywhere."""
         error, path, state = None, None, None
         try:
-            path = (ckpt.latest_checkpoint(self.cfg.checkpoint_dir) if spec == "latest"
-                    else Path(spec))
-            if path is None:
-                raise ckpt.CheckpointError(
-                    f"--resume: no complete checkpoint in {self.cfg.checkpoint_dir}")
+            path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
             want = {"engine": ENGINE, "grid": {"G_tensor": self.layout.g_tensor,
                                                "G_expert": self.layout.g_expert,

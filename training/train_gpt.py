@@ -25,10 +25,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import mcrdl
-
 from . import config, report
-from .checkpoint import CheckpointError
+from .command import run_command
 from .config import TrainConfig
 from .report import MetricsFile, ProgressLog, TrainResult
 from .topology import GridError
@@ -112,26 +110,10 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: 0 when trained, 2 for bad options, 3 for an unusable checkpoint."""
-    try:
-        cfg = parse_args(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        run(cfg)
-    except GridError as e:  # the same on every rank: a grid that does not fit the run
-        if not mcrdl.is_initialized() or mcrdl.get_rank() == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except CheckpointError as e:
-        print(f"error (rank {mcrdl.get_rank() if mcrdl.is_initialized() else '?'}): {e}",
-              file=sys.stderr, flush=True)
-        return 3
-    finally:
-        if mcrdl.is_initialized():
-            mcrdl.finalize()
-    return 0
+    """The command: 0 when trained, 2 for bad options, 3 for an unusable checkpoint.
+    A grid that does not fit the run is the same error on every rank."""
+    return run_command(parse_args, run, argv, layout_errors=(GridError,),
+                       layout_errors_agree=True)
 
 
 if __name__ == "__main__":

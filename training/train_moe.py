@@ -32,7 +32,7 @@ from pathlib import Path
 import mcrdl
 
 from . import config, report
-from .checkpoint import CheckpointError
+from .command import run_command
 from .config import DataOptions, ModelOptions, OptimizerOptions, Options, RunOptions, option
 from .moe import MoEConfig
 from .report import MetricsFile, ProgressLog, TrainResult
@@ -242,26 +242,10 @@ def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command: 0 when trained, 2 for bad options, 3 for an unusable checkpoint."""
-    try:
-        cfg = parse_args(argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        run(cfg)
-    except CheckpointError as e:
-        print(f"error (rank {mcrdl.get_rank() if mcrdl.is_initialized() else '?'}): {e}",
-              file=sys.stderr, flush=True)
-        return 3
-    except ValueError as e:  # a layout or model the world cannot hold, named by the check
-        print(f"error (rank {mcrdl.get_rank() if mcrdl.is_initialized() else '?'}): {e}",
-              file=sys.stderr, flush=True)
-        return 2
-    finally:
-        if mcrdl.is_initialized():
-            mcrdl.finalize()
-    return 0
+    """The command: 0 when trained, 2 for bad options, 3 for an unusable checkpoint. A
+    layout or model the world cannot hold is a ValueError named by the rank's check."""
+    return run_command(parse_args, run, argv, layout_errors=(ValueError,),
+                       layout_errors_agree=False)
 
 
 if __name__ == "__main__":

@@ -221,13 +221,7 @@ class Trainer:
         error: Exception | None = None
         path = None
         try:
-            if spec == "latest":
-                path = ckpt.latest_checkpoint(self.cfg.checkpoint_dir)
-                if path is None:
-                    raise ckpt.CheckpointError(
-                        f"--resume: no complete checkpoint in {self.cfg.checkpoint_dir}")
-            else:
-                path = Path(spec)
+            path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
             ckpt.check_resumable(manifest, path, n_stages=self.n_stages,
                                  partition=self.partition, model=self.model_cfg.as_dict(),

@@ -224,11 +224,7 @@ class Trainer4D:
         every rank before any state changes."""
         error, path, shard = None, None, None
         try:
-            path = (ckpt.latest_checkpoint(self.cfg.checkpoint_dir) if spec == "latest"
-                    else Path(spec))
-            if path is None:
-                raise ckpt.CheckpointError(
-                    f"--resume: no complete checkpoint in {self.cfg.checkpoint_dir}")
+            path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
             want = {"engine": "4d", "model": self.model_cfg.as_dict(),
                     "optimizer": type(self.optimizer).__name__,
