@@ -30,7 +30,8 @@ from mcrdl.backends.pccl import use_algorithms  # noqa: E402
 ALGOS = [("auto", "mpi"), ("ring", "ring"), ("rd", "rd"), ("auto", "gloo"), ("mpi", "rd"),
          ("rd", "mpi")]
 # larger worlds keep the launch short: pccl's own phases only (Gloo at 8 ranks on 2 cores
-# costs 100-300 ms an op; its intra-node phase is checked at 4 and 6 ranks)
+# costs 100-300 ms an op; its intra-node phase is checked at 4 ranks, and at 6 in the
+# wide sweep, MCRDL_TEST_FULL=1)
 CORE = os.environ.get("PCCL_TEST_ALGOS") == "core"
 if CORE:
     ALGOS = ALGOS[:3]
