@@ -114,6 +114,17 @@ bool python_usable() {
 #endif
 }
 
+// A thread that runs callbacks (a lane thread runs one per async op) keeps the Python
+// thread state the first one made: gil_scoped_acquire would make and clear one per
+// callback. Called with the GIL held; the state goes with the interpreter.
+void keep_thread_state() {
+  thread_local bool kept = false;
+  if (!kept) {
+    kept = true;
+    ++PyThreadState_Get()->gilstate_counter;
+  }
+}
+
 // Work.add_done_callback: `fn` is released with the GIL taken, wherever the Work drops it
 // (never once the interpreter is going away: then it is leaked).
 void add_done_callback(Work& w, py::function fn) {
@@ -125,6 +136,7 @@ void add_done_callback(Work& w, py::function fn) {
   w.on_complete([held](bool failed, ErrorKind kind, const std::string& why) {
     if (!python_usable()) return;
     py::gil_scoped_acquire gil;
+    keep_thread_state();
     try {
       (*held)(failed ? py::handle(g_errors[static_cast<int>(kind)])(why) : py::none());
     } catch (py::error_already_set& e) {
