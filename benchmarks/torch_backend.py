@@ -22,11 +22,13 @@ Per-call cost: a 16-byte all_reduce through each layer, on the same mcrdl backen
 (``--backend``, default "mpi" where it exists), timed in alternating blocks: mcrdl's
 own ``mcrdl.all_reduce``; the process group's ``allreduce`` method (what the layer
 adds: reading torch's options object, routing, the call); ``dist.all_reduce`` (plus
-torch's own Python front); torch's option reads alone (``opts.reduceOp == SUM``,
-``opts.asyncOp``: what any Python process group pays); the async forms (+ the c10d
-Work); and ``dist.all_reduce`` on the Gloo group for reference. CPU time of the calling
-thread (``time.thread_time``) is reported beside wall time: on a shared machine it is
-the steadier measure of work done per call. Figures: medians over blocks, rank 0.
+torch's own Python front); torch's option reads alone, as the layer reads them
+(``hash(opts.reduceOp)`` looked up, ``opts.asyncOp``: what any Python process group
+pays in some form); the async forms (+ the c10d Work; ``wait()``, or ``get_future().wait()``
+as DDP's buckets); and ``dist.all_reduce`` on the
+Gloo group for reference. CPU time of the calling thread (``time.thread_time``) is
+reported beside wall time: on a shared machine it is the steadier measure of work done
+per call. Figures: medians over blocks, rank 0.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 import mcrdl
+from mcrdl.torch_backend import process_group
 
 mpi4py.rc.thread_level = "multiple"  # as mcrdl needs; MPI initializes here
 MPI = importlib.import_module("mpi4py.MPI")
@@ -147,10 +150,10 @@ def per_call(gloo_group, mcrdl_group, backend: str, args) -> dict[str, dict[str,
     t = torch.ones(4)
     blocking, async_opts = dist.AllreduceOptions(), dist.AllreduceOptions()
     blocking.asyncOp = False
-    torch_sum = dist.ReduceOp.SUM
+    by_hash = process_group._BY_HASH
 
-    def options_only():
-        return blocking.reduceOp == torch_sum and blocking.asyncOp
+    def options_only():  # as the layer reads them
+        return by_hash.get(hash(blocking.reduceOp)) and blocking.asyncOp
 
     variants = {
         "mcrdl.all_reduce": lambda: mcrdl.all_reduce(backend, t),
@@ -160,6 +163,8 @@ def per_call(gloo_group, mcrdl_group, backend: str, args) -> dict[str, dict[str,
         "mcrdl.all_reduce async+wait": lambda: mcrdl.all_reduce(backend, t,
                                                                 async_op=True).wait(),
         "group.allreduce async+wait": lambda: mcrdl_group.allreduce([t], async_opts).wait(),
+        "group.allreduce async+future": lambda: mcrdl_group.allreduce(
+            [t], async_opts).get_future().wait(),
         "dist.all_reduce on gloo": lambda: dist.all_reduce(t, group=gloo_group),
     }
     samples: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in variants}
@@ -214,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 k: costs["dist.all_reduce"][k] - direct[k] for k in direct},
             "async: group - mcrdl": {
                 k: costs["group.allreduce async+wait"][k] - direct_async[k] for k in direct},
+            "future: group - mcrdl": {
+                k: costs["group.allreduce async+future"][k] - direct_async[k] for k in direct},
         }
         result["per_call"] = {"backend": backend, "us": costs, "added_us": added}
         if rank == 0:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import mcrdl
 from mcrdl.torch_backend import routing
-from mcrdl.torch_backend.process_group import McrdlWork, explicit_timeout
+from mcrdl.torch_backend.process_group import McrdlWork, _op_of, explicit_timeout
 
 from ._launch import FULL, mpiexec_or_skip, run_launcher
 from .test_mixing import _alive
@@ -103,6 +103,19 @@ def test_explicit_timeout():
     assert explicit_timeout(datetime.timedelta(seconds=7)) == 7.0
 
 
+def test_reduce_op_read_once_by_hash_matches_the_slow_way():
+    opts = dist.AllreduceOptions()
+    for op in mcrdl.ReduceOp:
+        if hasattr(dist.ReduceOp, op.name):
+            opts.reduceOp = getattr(dist.ReduceOp, op.name)
+            assert _op_of(opts, "t") is op
+            opts.reduceOp = dist.ReduceOp(getattr(dist.ReduceOp.RedOpType, op.name))
+            assert _op_of(opts, "t") is op
+    opts.reduceOp = dist._make_nccl_premul_sum(2.0)
+    with pytest.raises(mcrdl.InvalidArgumentError, match="PREMUL_SUM has no mcrdl equivalent"):
+        _op_of(opts, "t")
+
+
 class FakeWork:
     """An mcrdl Work that completes when `done` is set (or fails with `error`)."""
 
@@ -150,6 +163,12 @@ def test_work_error_reaches_the_future():
 
 
 # -- real worlds -------------------------------------------------------------------------
+
+def test_work_completion_callbacks_settle_futures():
+    out = launch("mpiexec", 2, os.path.join(HERE, "callbacks.py"), timeout=180)
+    for r in range(2):
+        assert f"rank {r}: torch backend callbacks OK" in out, out
+
 
 @pytest.mark.parametrize("launcher, n", [pytest.param("mpiexec", 1, marks=FULL),
                                          ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 4),

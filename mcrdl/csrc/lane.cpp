@@ -1,5 +1,6 @@
 #include "lane.h"
 
+#include <cxxabi.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -86,6 +87,8 @@ bool Work::progress() {
     err_ = std::string(op_) + " on backend '" + backend_ + "' failed: " + e.what();
     complete(kFailed);
   }
+  claim.unlock();
+  run_callbacks();
   return true;
 }
 
@@ -100,19 +103,77 @@ void Work::complete(int state) {
 }
 
 void Work::abandon(ErrorKind kind, const std::string& why) {
-  std::lock_guard<std::mutex> claim(claim_);
-  if (state_.load() != kPending) return;
-  err_kind_ = kind;
-  err_ = why;
-  // MPI may still write into the op's buffers (a collective cannot be cancelled): keep
-  // them alive for the rest of the process instead of freeing them.
-  static auto* graveyard = new std::vector<std::function<bool()>>();
-  static std::mutex graveyard_mu;
   {
-    std::lock_guard<std::mutex> g(graveyard_mu);
-    graveyard->push_back(std::move(test));
+    std::lock_guard<std::mutex> claim(claim_);
+    if (state_.load() != kPending) return;
+    err_kind_ = kind;
+    err_ = why;
+    // MPI may still write into the op's buffers (a collective cannot be cancelled): keep
+    // them alive for the rest of the process instead of freeing them.
+    static auto* graveyard = new std::vector<std::function<bool()>>();
+    static std::mutex graveyard_mu;
+    {
+      std::lock_guard<std::mutex> g(graveyard_mu);
+      graveyard->push_back(std::move(test));
+    }
+    complete(kFailed);
   }
-  complete(kFailed);
+  run_callbacks();
+}
+
+void Work::on_complete(Callback cb) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!callbacks_ran_) {  // pending, or its completer has not finished the callbacks
+      callbacks_.push_back(std::move(cb));
+      return;
+    }
+  }
+  call(cb);
+}
+
+void Work::run_callbacks() {
+  for (;;) {
+    std::vector<Callback> batch;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (callbacks_.empty()) {
+        callbacks_ran_ = true;
+        return;
+      }
+      batch.swap(callbacks_);
+    }
+    for (auto& cb : batch) call(cb);
+  }
+}
+
+void Work::call(Callback& cb) {
+  const bool failed = state_.load(std::memory_order_acquire) == kFailed;
+  try {
+    cb(failed, err_kind_, err_);
+  } catch (const abi::__forced_unwind&) {
+    throw;  // thread cancellation must unwind
+  } catch (...) {
+  }
+  cb = nullptr;  // release what it captured here, not when the Work goes
+}
+
+std::string Work::timeout_message(double timeout_s) const {
+  std::ostringstream s;
+  s << op_ << " on backend '" << backend_ << "' (group " << group_ << ", sequence number "
+    << seq_ << ") did not complete within " << timeout_s
+    << " s; a rank of the group may never have called it, may be stuck, or may have died "
+       "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
+  return s.str();
+}
+
+void Work::time_out(double timeout_s) {
+  if (timeout_s < 0) timeout_s = timeout_s_;
+  if (progress()) return;
+  const std::string why = timeout_message(timeout_s);
+  if (timeout_s == timeout_s_)
+    if (auto lane = lane_.lock()) lane->fail(why, nullptr);
+  throw Error(ErrorKind::Timeout, why);
 }
 
 void Work::wait(double timeout_s) {

@@ -50,6 +50,19 @@ class Work {
   void wait(double timeout_s = -1.0);
   // Fail the op without completing it (lane shut down, backend failed).
   void abandon(ErrorKind kind, const std::string& why);
+  // The op was waited on for `timeout_s` (< 0: its default timeout) by a caller that keeps
+  // the time itself (a watchdog): unless it has completed since, throw the CommTimeout-kind
+  // Error wait() throws at its deadline, and fail the lane as wait() does when that is the
+  // op's default timeout. Never blocks.
+  void time_out(double timeout_s);
+
+  // What a completion callback is told: failed, then the error's kind and message.
+  using Callback = std::function<void(bool failed, ErrorKind kind, const std::string& why)>;
+  // Run `cb` once the op has completed or failed: at once on this thread when it already
+  // has, else on the thread that completes it (a lane thread, a waiter, an is_completed
+  // poll), after the op's own locks are released. Callbacks run in registration order,
+  // one at a time; whatever one throws is dropped (a lane thread must survive it).
+  void on_complete(Callback cb);
 
   const std::string& op() const { return op_; }
   const std::string& backend() const { return backend_; }
@@ -61,6 +74,11 @@ class Work {
  private:
   enum : int { kPending = 0, kDone = 1, kFailed = 2 };
   void complete(int state);
+  // Run the callbacks registered so far, and those registered meanwhile (by the thread
+  // that completed the op, once, with no lock of the op held).
+  void run_callbacks();
+  void call(Callback& cb);
+  std::string timeout_message(double timeout_s) const;
 
   std::string op_, backend_, group_;
   uint64_t seq_;
@@ -73,6 +91,8 @@ class Work {
   std::condition_variable cv_;
   ErrorKind err_kind_ = ErrorKind::Runtime;
   std::string err_;
+  std::vector<Callback> callbacks_;  // under mu_
+  bool callbacks_ran_ = false;       // under mu_: later callbacks run at once
 };
 
 class Lane {

@@ -106,6 +106,45 @@ py::object validate_binding(const std::string& o, const py::args& a) {
   return py::none();
 }
 
+bool python_usable() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+// A thread that runs callbacks (a lane thread runs one per async op) keeps the Python
+// thread state the first one made: gil_scoped_acquire would make and clear one per
+// callback. Called with the GIL held; the state goes with the interpreter.
+void keep_thread_state() {
+  thread_local bool kept = false;
+  if (!kept) {
+    kept = true;
+    ++PyThreadState_Get()->gilstate_counter;
+  }
+}
+
+// Work.add_done_callback: `fn` is released with the GIL taken, wherever the Work drops it
+// (never once the interpreter is going away: then it is leaked).
+void add_done_callback(Work& w, py::function fn) {
+  std::shared_ptr<py::object> held(new py::object(std::move(fn)), [](py::object* f) {
+    if (!python_usable()) return;
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  w.on_complete([held](bool failed, ErrorKind kind, const std::string& why) {
+    if (!python_usable()) return;
+    py::gil_scoped_acquire gil;
+    keep_thread_state();
+    try {
+      (*held)(failed ? py::handle(g_errors[static_cast<int>(kind)])(why) : py::none());
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable("mcrdl Work completion callback");
+    }
+  });
+}
+
 }  // namespace
 
 void set_python_error(std::exception_ptr p) {
@@ -146,6 +185,16 @@ PYBIND11_MODULE(_C, m) {
            "Block until the op completed; raise CommTimeoutError after `timeout` seconds "
            "(default: the init timeout). Returns True.")
       .def("is_completed", &Work::is_completed)
+      .def("add_done_callback", &add_done_callback, py::arg("fn"),
+           "Call fn(error) once the op has completed (error None) or failed (error: the "
+           "exception wait() raises), with the GIL taken, on the thread that completes it "
+           "(at once when it has); in registration order; what fn raises goes to "
+           "sys.unraisablehook.")
+      .def("time_out", &Work::time_out, py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>(),
+           "The op was waited on for `timeout` s (default: its own timeout), timed by the "
+           "caller: unless it completed since, raise the CommTimeoutError wait() raises then "
+           "(failing the backend as wait() does under the default timeout).")
       .def_property_readonly("backend", &Work::backend)
       .def_property_readonly("op", &Work::op)
       .def_property_readonly("group", &Work::group)

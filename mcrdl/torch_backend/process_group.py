@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from .._C import Work as _CWork
 from ..errors import (
     BackendUnavailableError,
     CommTimeoutError,
@@ -61,9 +63,32 @@ _REDUCE_OPS = {getattr(dist.ReduceOp.RedOpType, op.name).value: op for op in Red
                if hasattr(dist.ReduceOp.RedOpType, op.name)}
 
 
+def _ops_by_hash() -> dict[int, ReduceOp]:
+    """hash(torch ReduceOp) -> mcrdl ReduceOp, when the hash tells the op apart (torch
+    binds ``ReduceOp.__hash__`` to the RedOpType value: one call, where ``==`` converts
+    its argument and ``.op`` builds a RedOpType); empty when it does not, and the calls
+    go the slow way (:func:`_reduce_op`). Checked, not assumed: every op's hash is the
+    same on two objects, the hashes differ, and PREMUL_SUM's (which mcrdl refuses, and
+    whose object carries a factor) is none of them."""
+    kinds = dist.ReduceOp.RedOpType
+    pairs = [(getattr(kinds, op.name), op) for op in ReduceOp if hasattr(kinds, op.name)]
+    table = {hash(dist.ReduceOp(kind)): op for kind, op in pairs}
+    premul = getattr(dist, "_make_nccl_premul_sum", None)
+    usable = (len(table) == len(pairs)
+              and all(table.get(hash(dist.ReduceOp(kind))) is op and
+                      table.get(hash(getattr(dist.ReduceOp, kind.name))) is op
+                      for kind, op in pairs)
+              and (premul is None or hash(premul(2.0)) not in table))
+    return table if usable else {}
+
+
+#: hash(opts.reduceOp) -> mcrdl ReduceOp (see _ops_by_hash); a miss goes to _reduce_op.
+_BY_HASH = _ops_by_hash()
+
+
 def _reduce_op(op: dist.ReduceOp, where: str) -> ReduceOp:
-    """mcrdl's ReduceOp of a torch one. SUM is tested first: taking a torch ReduceOp
-    apart costs more than a micro-second, most of the time budget of a small call."""
+    """mcrdl's ReduceOp of a torch one (the slow way: the hot paths look
+    ``hash(op)`` up in _BY_HASH first); raises for ops mcrdl does not have."""
     if op == _TORCH_SUM:
         return _SUM
     kind = op.op
@@ -73,6 +98,15 @@ def _reduce_op(op: dist.ReduceOp, where: str) -> ReduceOp:
         raise InvalidArgumentError(
             f"{where}: reduce op {kind.name} has no mcrdl equivalent; mcrdl reduces with "
             f"{', '.join(o.name for o in ReduceOp)} (PREMUL_SUM is NCCL's own)") from None
+
+
+def _op_of(opts, where: str) -> ReduceOp:
+    """mcrdl's ReduceOp of ``opts.reduceOp``, read once."""
+    op = opts.reduceOp
+    try:
+        return _BY_HASH[hash(op)]
+    except KeyError:
+        return _reduce_op(op, where)
 
 
 def _not_one(tensors: Sequence[torch.Tensor], where: str) -> InvalidArgumentError:
@@ -120,13 +154,84 @@ _completer: ThreadPoolExecutor | None = None
 
 
 def _completer_pool() -> ThreadPoolExecutor:
-    """Threads that complete the futures of works (get_future), one per pending future up
-    to 128: a wait never holds up another's future."""
+    """Threads that complete the futures of works that are not plain mcrdl._C.Works (or
+    that have a finish step), one per pending future up to 128: a wait never holds up
+    another's future."""
     global _completer
     with _completer_lock:
         if _completer is None:
             _completer = ThreadPoolExecutor(128, thread_name_prefix="mcrdl-torch-future")
         return _completer
+
+
+class _Watchdog:
+    """Fails the futures of works that completion callbacks settle (see
+    :meth:`McrdlWork.get_future`) once they are pending past their timeout: a callback
+    alone never comes for an op a rank never joins.
+
+    One sleeping thread per process. Works are kept per timeout in dicts, in the order
+    they were watched, which is their deadlines' order; a settled work leaves at once.
+    The thread sleeps until the first deadline (indefinitely when nothing is watched),
+    and is woken only when a work's deadline comes before its wake-up: once per busy
+    spell, not per work.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._queues: dict[float, dict[McrdlWork, float]] = {}
+        self._wake_at = float("inf")
+        self._thread: threading.Thread | None = None
+        #: mcrdl's timeout in force, for works whose group has none of its own (set by
+        #: create(); a work's own default is the one its op was posted with, the same).
+        self.default_timeout: Callable[[], float] = lambda: 300.0
+
+    def watch(self, work: McrdlWork, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            queue = self._queues.get(timeout)
+            if queue is None:
+                queue = self._queues[timeout] = {}
+            queue[work] = deadline
+            if deadline < self._wake_at:
+                self._wake_at = deadline
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, daemon=True,
+                                                    name="mcrdl-torch-watchdog")
+                    self._thread.start()
+                else:
+                    self._cond.notify()
+
+    def forget(self, work: McrdlWork, timeout: float) -> None:
+        with self._cond:
+            queue = self._queues.get(timeout)
+            if queue is not None:
+                queue.pop(work, None)
+
+    def _run(self) -> None:
+        while True:
+            due = []
+            with self._cond:
+                now = time.monotonic()
+                wake = float("inf")
+                for queue in self._queues.values():
+                    expired = []
+                    for work, deadline in queue.items():
+                        if deadline > now:
+                            wake = min(wake, deadline)
+                            break
+                        expired.append(work)
+                    for work in expired:
+                        del queue[work]
+                    due += expired
+                if not due:
+                    self._wake_at = wake
+                    self._cond.wait(None if wake == float("inf") else wake - now)
+                    continue
+            for work in due:
+                work._expire()
+
+
+_watchdog = _Watchdog()
 
 
 class McrdlWork(dist.Work):
@@ -135,15 +240,23 @@ class McrdlWork(dist.Work):
     when they are complete. Made by :meth:`of`.
 
     ``wait(timeout)`` blocks until then (timeout zero or None: the group's, else
-    mcrdl's); ``get_future()`` is completed by a thread of its own that waits, so that
-    DDP's communication hooks chain on it. Only one thread waits on the mcrdl works at a
-    time (the lock), so the finish step runs once.
+    mcrdl's). Only one thread waits on the mcrdl works at a time (the lock), so the
+    finish step runs once. A failed op's error is kept: every later ``wait`` raises it,
+    ``exception()`` returns it. A timeout is not kept (the op may still complete).
+
+    ``get_future()``: when every work is an ``mcrdl._C.Work`` and there is no finish
+    step (every single-op call, DDP's buckets among them), the works' completion
+    callbacks settle the future, on the thread that completes the last one (the
+    backend's lane thread, or a waiter), and the watchdog fails it with the
+    CommTimeoutError ``wait()`` would raise when it is pending past the timeout. Other
+    works (the Python works of extensions, debug mode) are waited on by a thread of the
+    completer pool, which settles the future.
     """
 
     # Slots: a work is made per async call, and attributes of a Python subclass of a
     # pybind class are cheaper in slots; __dict__ stays for what torch may set.
     __slots__ = ("_works", "_outputs", "_timeout", "_finish", "_what", "_lock", "_done",
-                 "_error", "_future", "__dict__")
+                 "_error", "_future", "_unsettled", "_left", "_watched", "__dict__")
 
     @classmethod
     def of(cls, works: tuple, outputs: list, timeout: float | None,
@@ -169,6 +282,24 @@ class McrdlWork(dist.Work):
         self._works = ()
         self._done = True
 
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._finish = None
+        self._works = ()
+        self._done = True
+
+    def _settle(self, seconds: float | None) -> None:
+        """Wait on the works and finish, or keep the failure; called with the lock held."""
+        try:
+            for w in self._works:
+                w.wait(seconds)
+        except CommTimeoutError:
+            raise  # the op may still complete: not kept
+        except BaseException as exc:
+            self._fail(exc)
+            return
+        self._complete()
+
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         if not self._done:
             seconds = self._timeout if timeout is None else (_seconds(timeout) or self._timeout)
@@ -181,9 +312,7 @@ class McrdlWork(dist.Work):
                     f"wait(timeout={seconds}) s; it is still pending")
             try:
                 if not self._done:
-                    for w in self._works:
-                        w.wait(seconds)
-                    self._complete()
+                    self._settle(seconds)
             finally:
                 lock.release()
         if self._error is not None:
@@ -196,9 +325,15 @@ class McrdlWork(dist.Work):
         if not self._lock.acquire(blocking=False):  # another thread is waiting on it
             return False
         try:
-            if not self._done and all(w.is_completed() for w in self._works):
-                self._complete()
-            return self._done
+            if not self._done:
+                try:
+                    if not all(w.is_completed() for w in self._works):
+                        return False
+                except BaseException as exc:  # noqa: BLE001 - a failed step: kept
+                    self._fail(exc)
+                    return True
+                self._settle(None)  # returns at once: every work is complete
+            return True
         finally:
             self._lock.release()
 
@@ -207,11 +342,58 @@ class McrdlWork(dist.Work):
             if self._future is not None:
                 return self._future
             future = self._future = torch.futures.Future()
+        works = self._works
         if self.is_completed():
-            future.set_result(self._outputs)
+            if self._error is None:
+                future.set_result(self._outputs)
+            else:
+                future.set_exception(self._error)
+        elif self._finish is None and all(type(w) is _CWork for w in works):
+            # Settled by whoever takes the one entry of _unsettled (list.pop is atomic):
+            # the last completion callback (the one that pops True off _left), a failing
+            # one, or the watchdog.
+            self._unsettled = [future]
+            self._left = [True, *(False for _ in works[1:])]
+            self._watched = self._timeout if self._timeout is not None \
+                else _watchdog.default_timeout()
+            _watchdog.watch(self, self._watched)
+            for w in works:
+                w.add_done_callback(self._on_done)
         else:
             _completer_pool().submit(self._complete_future)
         return future
+
+    def _on_done(self, error: BaseException | None) -> None:
+        """Completion callback of each mcrdl._C.Work (GIL held, any thread)."""
+        if error is not None:
+            self._settle_future(error)
+        elif self._left.pop():
+            self._done = True  # no finish step on this path, and every work is complete
+            self._settle_future(None)
+
+    def _settle_future(self, error: BaseException | None) -> None:
+        try:
+            future = self._unsettled.pop()
+        except IndexError:
+            return  # settled already
+        _watchdog.forget(self, self._watched)
+        if error is None:
+            future.set_result(self._outputs)
+        else:
+            self._error = error
+            future.set_exception(error)
+
+    def _expire(self) -> None:
+        """The watchdog's call at the deadline: the CommTimeoutError of the first work
+        still pending (wait()'s, and as wait() it fails the backend under mcrdl's
+        default timeout) goes to the future."""
+        if not self._unsettled:
+            return
+        try:
+            for w in self._works:
+                w.time_out(-1.0 if self._timeout is None else self._timeout)
+        except BaseException as exc:  # noqa: BLE001 - handed to the future's waiters
+            self._settle_future(exc)
 
     def _complete_future(self) -> None:
         try:
@@ -242,13 +424,14 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     """
 
     # Slots: the hot path reads these on every call (see McrdlWork).
-    __slots__ = ("_api", "_group", "_routes", "_timeout", "_finalize_on_shutdown", "_name",
-                 "_desc", "__dict__")
+    __slots__ = ("_api", "_all_reduce", "_group", "_routes", "_timeout",
+                 "_finalize_on_shutdown", "_name", "_desc", "__dict__")
 
     def __init__(self, front, rank: int, size: int, group, routes: dict[str, str],
                  timeout: float | None, finalize_on_shutdown: bool = False):
         super().__init__(rank, size)
         self._api = front
+        self._all_reduce = front.all_reduce  # a module function, fixed: one lookup saved
         self._group = group
         self._routes = routes
         self._timeout = timeout
@@ -320,33 +503,36 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
 
     # -- allreduce: allreduce, allreduce_coalesced -------------------------------------
     def allreduce(self, tensors, opts=None):
-        # _post written out: the small all-reduce is the call whose overhead matters.
+        # _post and _op_of written out: the small all-reduce is the call whose overhead
+        # matters. Each option is read once (a read of reduceOp builds a ReduceOp).
         if opts is None:
             opts = dist.AllreduceOptions()
         if len(tensors) != 1:
             raise _not_one(tensors, ALLREDUCE)
         op = opts.reduceOp
-        op = _SUM if op == _TORCH_SUM else _reduce_op(op, ALLREDUCE)
-        async_op = opts.asyncOp
+        try:
+            op = _BY_HASH[hash(op)]
+        except KeyError:
+            op = _reduce_op(op, ALLREDUCE)
         backend = self._routes[ALLREDUCE]
         try:
-            if not async_op and self._timeout is None:
-                self._api.all_reduce(backend, tensors[0], op, self._group, False)
+            if not opts.asyncOp:
+                if self._timeout is None:
+                    self._all_reduce(backend, tensors[0], op, self._group, False)
+                    return None
+                McrdlWork.of((self._all_reduce(backend, tensors[0], op, self._group, True),),
+                             tensors, self._timeout, None, ALLREDUCE).wait()
                 return None
-            work = McrdlWork.of((self._api.all_reduce(backend, tensors[0], op, self._group, True),),
+            return McrdlWork.of((self._all_reduce(backend, tensors[0], op, self._group, True),),
                                 tensors, self._timeout, None, ALLREDUCE)
         except MCRDLError as exc:
             raise _c10d_error(exc, ALLREDUCE, backend) from None
-        if async_op:
-            return work
-        work.wait()
-        return None
 
     def allreduce_coalesced(self, tensors, opts=None):
         """One all_reduce per dtype, of the tensors packed into one buffer."""
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
-        op = _reduce_op(opts.reduceOp, "allreduce_coalesced")
+        op = _op_of(opts, "allreduce_coalesced")
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -376,7 +562,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             opts = dist.ReduceOptions()
         tensor = _single(tensors, REDUCE)
         return self._post(REDUCE, self._api.reduce,
-                          (tensor, opts.rootRank, _reduce_op(opts.reduceOp, REDUCE)), tensors,
+                          (tensor, opts.rootRank, _op_of(opts, REDUCE)), tensors,
                           opts.asyncOp)
 
     # -- allgather: allgather, all_gather_single (_allgather_base), allgather_coalesced,
@@ -438,7 +624,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         tensor = _single(output_tensors, REDUCE_SCATTER)
         inputs = _single(input_tensors, REDUCE_SCATTER)
         return self._post(REDUCE_SCATTER, self._api.reduce_scatter,
-                          (tensor, inputs, _reduce_op(opts.reduceOp, REDUCE_SCATTER)),
+                          (tensor, inputs, _op_of(opts, REDUCE_SCATTER)),
                           output_tensors, opts.asyncOp)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -446,7 +632,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             opts = dist.ReduceScatterOptions()
         return self._post(REDUCE_SCATTER, self._api.reduce_scatter,
                           (_flat(output), _flat(input),
-                           _reduce_op(opts.reduceOp, REDUCE_SCATTER)),
+                           _op_of(opts, REDUCE_SCATTER)),
                           [output], opts.asyncOp)
 
     _reduce_scatter_base = reduce_scatter_single
@@ -454,7 +640,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
             opts = dist.ReduceScatterOptions()
-        op = _reduce_op(opts.reduceOp, REDUCE_SCATTER)
+        op = _op_of(opts, REDUCE_SCATTER)
         calls = [(_flat(o), _flat(i), op) for o, i in zip(outputs, inputs, strict=True)]
         return self._post_each(REDUCE_SCATTER, self._api.reduce_scatter, calls, list(outputs),
                                opts.asyncOp)
@@ -556,6 +742,11 @@ def _group_timeout(front, timeout: datetime.timedelta | None) -> float | None:
     return seconds
 
 
+def _runtime_timeout(front) -> float:
+    runtime = front.current_runtime()
+    return runtime.timeout if runtime is not None else front.DEFAULT_TIMEOUT
+
+
 def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
            pg_options: object) -> ProcessGroupMCRDL:
     """The creator torch calls for ``init_process_group("mcrdl")`` (the world) and for
@@ -588,6 +779,7 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
             "group when the default group is another backend's. Make 'mcrdl' the default "
             "(init_process_group('mcrdl'): its new_group runs on every rank), or use a "
             "group of every rank")
+    _watchdog.default_timeout = lambda: _runtime_timeout(front)
     where = "init_process_group('mcrdl')" if group is None else f"new_group({ranks})"
     routes = _group_routes(pg_options, front, where)
     pg = ProcessGroupMCRDL(front, options.group_rank, options.group_size, group, routes,
