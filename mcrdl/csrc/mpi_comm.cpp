@@ -2,6 +2,16 @@
 // MPI call on a communicator owned by this backend, then driven to completion by the
 // caller (blocking ops, with a deadline) or by the backend's lane thread (async ops).
 //
+// A blocking call (async_op=False) of a collective may instead run as the blocking MPI
+// collective: MPICH's blocking small collectives take its shared-memory fast path and
+// are several times faster than the nonblocking ones, which in turn win at some larger
+// sizes. BlockingChoice holds, per op, which variant each size runs (set from Python:
+// the tuning table, else mcrdl/tuning/mpi_blocking.json, MCRDL_MPI_BLOCKING overriding).
+// Ordering: every op of a communicator, either variant, is issued under post_mu_, so
+// the MPI issue order is the order of the calls; a blocking collective keeps the lock
+// until it returns. Async ops are posted at once (the lane only tests them), so none is
+// ever queued behind a blocking call. Timeouts: the watchdog (watchdog.h).
+//
 // Types MPI lacks (float16, bfloat16) move as 16-bit words and reduce in float32.
 // bool reduces as uint8 0/1 with bitwise ops (SUM/MAX = or, PRODUCT/MIN = and).
 #include <mpi.h>
@@ -11,10 +21,17 @@
 #include <ATen/ops/empty.h>
 
 #include <climits>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include <pybind11/stl.h>
 
 #include "launch_work.h"
 #include "mpi_util.h"
 #include "pyargs.h"
+#include "watchdog.h"
 
 namespace mcrdl {
 
@@ -84,6 +101,40 @@ std::vector<mcount> to_mcounts(const Counts& c, const char* op, int64_t scale = 
   return v;
 }
 
+// The collectives that have a blocking variant (names as in mcrdl.ops).
+enum BlockOp : int {
+  kAllReduce, kReduce, kBcast, kAllGather, kGather, kScatter, kReduceScatter, kAllToAllSingle,
+  kBarrier, kBlockOps
+};
+const char* const kBlockOpNames[kBlockOps] = {"all_reduce", "reduce", "bcast", "all_gather",
+                                              "gather", "scatter", "reduce_scatter",
+                                              "all_to_all_single", "barrier"};
+
+// Per op, which variant a blocking call of each size runs: steps (largest size in
+// bytes, blocking?) in increasing size; sizes past the last step run nonblocking. Sizes
+// are the tuning table's (mcrdl.ops nbytes: all_gather and reduce_scatter count the
+// whole gathered / reduced buffer, barrier 0).
+struct BlockingChoice {
+  std::vector<std::pair<int64_t, bool>> steps[kBlockOps];
+  bool use(BlockOp op, int64_t nbytes) const {
+    for (const auto& [hi, blocking] : steps[op])
+      if (nbytes <= hi) return blocking;
+    return false;
+  }
+};
+
+// Up to this size a blocking MPI call holds the GIL when this is the process's only
+// Python thread: releasing and retaking it costs more than such a call's wait. With
+// other Python threads it is always released (one of them may be what a peer waits for:
+// tensor fusion's worker, a thread of the application).
+constexpr int64_t kHoldGilBytes = 64 << 10;
+
+bool only_python_thread() {
+  PyThreadState* ts = PyThreadState_Get();
+  PyThreadState* head = PyInterpreterState_ThreadHead(PyThreadState_GetInterpreter(ts));
+  return head == ts && PyThreadState_Next(head) == nullptr;
+}
+
 // Everything a posted op needs until it completes: requests, count arrays, buffers.
 struct InFlight {
   std::vector<MPI_Request> reqs;
@@ -98,20 +149,110 @@ struct InFlight {
 
 }  // namespace
 
+// A communicator's issue thread: runs, in order, the ops that must not be issued from
+// the caller's thread: async calls of the blocking variant (a blocking MPI call must not
+// block an async caller) and every op of the communicator issued while such calls are
+// queued or running (MPI matches collectives in issue order, and a blocking collective
+// never matches a nonblocking one, so every rank must issue the same variant, async or
+// not, in the same order). Its thread starts on first use and holds the Issuer, so a call
+// stuck in MPI never touches a freed object.
+class Issuer : public std::enable_shared_from_this<Issuer> {
+ public:
+  // Called with the communicator's post lock held: no task queued or running.
+  bool idle() const { return pending_.load(std::memory_order_acquire) == 0; }
+
+  // Called with the post lock held (tasks run in the order they were pushed).
+  void push(std::function<void()> task) {
+    pending_.fetch_add(1, std::memory_order_acq_rel);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back(std::move(task));
+      if (!started_) {
+        started_ = true;
+        std::thread([self = shared_from_this()] { self->loop(); }).detach();
+      }
+    }
+    cv_.notify_one();
+  }
+
+  // Let the thread end once its queue is empty.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [this] { return stop_ || !q_.empty(); });
+        if (q_.empty()) return;
+        task = std::move(q_.front());
+        q_.pop_front();
+      }
+      task();  // never throws: a task keeps its MPI error code for its Work
+      task = nullptr;
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::atomic<int64_t> pending_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  bool started_ = false, stop_ = false;
+};
+
+// An op issued by the Issuer: its MPI error code once issued.
+struct Issued {
+  std::atomic<bool> done{false};
+  int rc = MPI_SUCCESS;
+};
+
 class MpiComm {
  public:
   MpiComm(uint64_t handle, int rank, int size, std::string group, std::shared_ptr<Lane> lane,
           double timeout_s, std::string backend)
       : rank_(rank), size_(size), group_(std::move(group)), backend_(std::move(backend)),
-        lane_(std::move(lane)), timeout_s_(timeout_s) {
+        lane_(std::move(lane)), timeout_s_(timeout_s),
+        issuer_(std::make_shared<Issuer>()) {
     comm_ = comm_from_handle<MPI_Comm>(handle);
     check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   }
+  ~MpiComm() { issuer_->stop(); }
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   uint64_t seq() const { return seq_; }
   void set_timeout(double t) { timeout_s_ = t; }
+
+  // set_blocking(op, steps): which variant calls of `op` run, by size; `steps` are
+  // (largest bytes, blocking) pairs in increasing size, -1 bytes meaning no limit.
+  void set_blocking(const std::string& op, const std::vector<std::pair<int64_t, bool>>& steps) {
+    int i = block_op(op);
+    std::vector<std::pair<int64_t, bool>> v;
+    int64_t last = -2;
+    for (auto [hi, b] : steps) {
+      if (hi < 0) hi = INT64_MAX;
+      if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
+      v.emplace_back(hi, b);
+      last = hi;
+    }
+    std::lock_guard<std::mutex> g(post_mu_);
+    blocking_.steps[i] = std::move(v);
+  }
+
+  // Whether a call of `op` of `nbytes` runs the blocking MPI collective.
+  bool uses_blocking(const std::string& op, int64_t nbytes) const {
+    return blocking_.use(static_cast<BlockOp>(block_op(op)), nbytes);
+  }
 
   py::object all_reduce(py::handle tensor, int rop, bool async_op) {
     c10::NoGradGuard ng;
@@ -119,21 +260,27 @@ class MpiComm {
     validate_all_reduce(t, rop);
     check_device("all_reduce", t);
     ReducePlan p = reduce_plan(t.scalar_type(), rop);
-    auto s = std::make_shared<InFlight>();
     at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
-    s->keep = {t, buf};
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("all_reduce");
-    check_mpi(MPIC(MPI_Iallreduce)(MPI_IN_PLACE, buf.data_ptr(), to_mcount(buf.numel(), "all_reduce"),
-                                   p.type, p.op, comm_, s->req()),
-              "MPI_Iallreduce");
+    const mcount n = to_mcount(buf.numel(), "all_reduce");
+    std::function<void()> finish;
     if (p.average || p.upcast)
-      w->finish = [t, buf, p, n = size_] {
+      finish = [t, buf, p, size = size_] {
         c10::NoGradGuard ng;
-        if (p.average) buf.div_(n);
+        if (p.average) buf.div_(size);
         if (p.upcast) t.copy_(buf);
       };
-    return launch(w, s, async_op, g);
+    if (blocking_.use(kAllReduce, t.nbytes()))
+      return run_blocking("all_reduce", "MPI_Allreduce", t.nbytes(), async_op, std::move(finish),
+                          [buf, n, p, c = comm_] {
+                            return MPIC(MPI_Allreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type,
+                                                       p.op, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {t, buf};
+    return post("all_reduce", "MPI_Iallreduce", s, async_op, std::move(finish),
+                [buf, n, p, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type, p.op, c, r);
+                });
   }
 
   py::object reduce(py::handle tensor, py::handle dst_, int rop, bool async_op) {
@@ -143,23 +290,32 @@ class MpiComm {
     validate_reduce(t, dst, rop, size_);
     check_device("reduce", t);
     ReducePlan p = reduce_plan(t.scalar_type(), rop);
-    auto s = std::make_shared<InFlight>();
     at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
-    s->keep = {t, buf};
-    bool root = dst == rank_;
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("reduce");
-    check_mpi(MPIC(MPI_Ireduce)(root ? MPI_IN_PLACE : buf.data_ptr(), root ? buf.data_ptr() : nullptr,
-                                to_mcount(buf.numel(), "reduce"), p.type, p.op, (int)dst, comm_,
-                                s->req()),
-              "MPI_Ireduce");
+    const bool root = dst == rank_;
+    const mcount n = to_mcount(buf.numel(), "reduce");
+    std::function<void()> finish;
     if (root && (p.average || p.upcast))
-      w->finish = [t, buf, p, n = size_] {
+      finish = [t, buf, p, size = size_] {
         c10::NoGradGuard ng;
-        if (p.average) buf.div_(n);
+        if (p.average) buf.div_(size);
         if (p.upcast) t.copy_(buf);
       };
-    return launch(w, s, async_op, g);
+    const int d = static_cast<int>(dst);
+    if (blocking_.use(kReduce, t.nbytes()))
+      return run_blocking("reduce", "MPI_Reduce", t.nbytes(), async_op, std::move(finish),
+                          [buf, n, p, root, d, c = comm_] {
+                            return MPIC(MPI_Reduce)(root ? MPI_IN_PLACE : buf.data_ptr(),
+                                                    root ? buf.data_ptr() : nullptr, n, p.type,
+                                                    p.op, d, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {t, buf};
+    return post("reduce", "MPI_Ireduce", s, async_op, std::move(finish),
+                [buf, n, p, root, d, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ireduce)(root ? MPI_IN_PLACE : buf.data_ptr(),
+                                           root ? buf.data_ptr() : nullptr, n, p.type, p.op, d, c,
+                                           r);
+                });
   }
 
   py::object bcast(py::handle tensor, py::handle src_, bool async_op) {
@@ -167,14 +323,20 @@ class MpiComm {
     int64_t src = to_int(src_, "bcast", "src");
     validate_bcast(t, src, size_);
     check_device("bcast", t);
+    const mcount n = to_mcount(t.numel(), "bcast");
+    const MPI_Datatype dt = move_type(t.scalar_type());
+    const int root = static_cast<int>(src);
+    if (blocking_.use(kBcast, t.nbytes()))
+      return run_blocking("bcast", "MPI_Bcast", t.nbytes(), async_op, {},
+                          [t, n, dt, root, c = comm_] {
+                            return MPIC(MPI_Bcast)(t.data_ptr(), n, dt, root, c);
+                          });
     auto s = std::make_shared<InFlight>();
     s->keep = {t};
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("bcast");
-    check_mpi(MPIC(MPI_Ibcast)(t.data_ptr(), to_mcount(t.numel(), "bcast"), move_type(t.scalar_type()),
-                               (int)src, comm_, s->req()),
-              "MPI_Ibcast");
-    return launch(w, s, async_op, g);
+    return post("bcast", "MPI_Ibcast", s, async_op, {},
+                [t, n, dt, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ibcast)(t.data_ptr(), n, dt, root, c, r);
+                });
   }
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
@@ -183,18 +345,25 @@ class MpiComm {
     BlockArg out = to_blocks(output, "all_gather", "output", false);
     validate_all_gather(out, in, size_);
     check_device("all_gather", in);
-    auto s = std::make_shared<InFlight>();
     at::Tensor recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor;
     if (overlaps(in, recv)) in = in.clone();
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), "all_gather");
+    std::function<void()> finish;
+    if (out.is_list) finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
+    const int64_t nbytes = in.nbytes() * size_;
+    if (blocking_.use(kAllGather, nbytes))
+      return run_blocking("all_gather", "MPI_Allgather", nbytes, async_op, std::move(finish),
+                          [in, recv, n, dt, c = comm_] {
+                            return MPIC(MPI_Allgather)(in.data_ptr(), n, dt, recv.data_ptr(), n,
+                                                       dt, c);
+                          });
+    auto s = std::make_shared<InFlight>();
     s->keep = {in, recv};
-    MPI_Datatype dt = move_type(in.scalar_type());
-    mcount n = to_mcount(in.numel(), "all_gather");
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("all_gather");
-    check_mpi(MPIC(MPI_Iallgather)(in.data_ptr(), n, dt, recv.data_ptr(), n, dt, comm_, s->req()),
-              "MPI_Iallgather");
-    if (out.is_list) w->finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    return launch(w, s, async_op, g);
+    return post("all_gather", "MPI_Iallgather", s, async_op, std::move(finish),
+                [in, recv, n, dt, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallgather)(in.data_ptr(), n, dt, recv.data_ptr(), n, dt, c, r);
+                });
   }
 
   py::object gather(py::handle output, py::handle input, py::handle dst_, bool async_op) {
@@ -204,24 +373,32 @@ class MpiComm {
     BlockArg out = to_blocks(output, "gather", "output", true);
     validate_gather(out, in, dst, rank_, size_);
     check_device("gather", in);
-    bool root = dst == rank_;
-    auto s = std::make_shared<InFlight>();
+    const bool root = dst == rank_;
     at::Tensor recv;
     if (root) {
       recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor;
       if (overlaps(in, recv)) in = in.clone();
     }
-    s->keep = {in, recv};
-    MPI_Datatype dt = move_type(in.scalar_type());
-    mcount n = to_mcount(in.numel(), "gather");
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("gather");
-    check_mpi(MPIC(MPI_Igather)(in.data_ptr(), n, dt, root ? recv.data_ptr() : nullptr, n, dt, (int)dst,
-                                comm_, s->req()),
-              "MPI_Igather");
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), "gather");
+    const int d = static_cast<int>(dst);
+    std::function<void()> finish;
     if (root && out.is_list)
-      w->finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    return launch(w, s, async_op, g);
+      finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
+    const int64_t nbytes = in.nbytes() * size_;
+    if (blocking_.use(kGather, nbytes))
+      return run_blocking("gather", "MPI_Gather", nbytes, async_op, std::move(finish),
+                          [in, recv, n, dt, d, root, c = comm_] {
+                            return MPIC(MPI_Gather)(in.data_ptr(), n, dt,
+                                                    root ? recv.data_ptr() : nullptr, n, dt, d, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {in, recv};
+    return post("gather", "MPI_Igather", s, async_op, std::move(finish),
+                [in, recv, n, dt, d, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Igather)(in.data_ptr(), n, dt, root ? recv.data_ptr() : nullptr,
+                                           n, dt, d, c, r);
+                });
   }
 
   py::object scatter(py::handle output, py::handle input, py::handle src_, bool async_op) {
@@ -231,22 +408,29 @@ class MpiComm {
     BlockArg in = to_blocks(input, "scatter", "input", true);
     validate_scatter(out, in, src, rank_, size_);
     check_device("scatter", out);
-    bool root = src == rank_;
-    auto s = std::make_shared<InFlight>();
+    const bool root = src == rank_;
     at::Tensor send;
     if (root) {
       send = in.is_list ? flat_cat(in.list) : in.tensor;
       if (overlaps(send, out)) send = send.clone();
     }
+    const MPI_Datatype dt = move_type(out.scalar_type());
+    const mcount n = to_mcount(out.numel(), "scatter");
+    const int sr = static_cast<int>(src);
+    const int64_t nbytes = out.nbytes() * size_;
+    if (blocking_.use(kScatter, nbytes))
+      return run_blocking("scatter", "MPI_Scatter", nbytes, async_op, {},
+                          [out, send, n, dt, sr, root, c = comm_] {
+                            return MPIC(MPI_Scatter)(root ? send.data_ptr() : nullptr, n, dt,
+                                                     out.data_ptr(), n, dt, sr, c);
+                          });
+    auto s = std::make_shared<InFlight>();
     s->keep = {out, send};
-    MPI_Datatype dt = move_type(out.scalar_type());
-    mcount n = to_mcount(out.numel(), "scatter");
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("scatter");
-    check_mpi(MPIC(MPI_Iscatter)(root ? send.data_ptr() : nullptr, n, dt, out.data_ptr(), n, dt, (int)src,
-                                 comm_, s->req()),
-              "MPI_Iscatter");
-    return launch(w, s, async_op, g);
+    return post("scatter", "MPI_Iscatter", s, async_op, {},
+                [out, send, n, dt, sr, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iscatter)(root ? send.data_ptr() : nullptr, n, dt,
+                                            out.data_ptr(), n, dt, sr, c, r);
+                });
   }
 
   py::object reduce_scatter(py::handle output, py::handle input, int rop, bool async_op) {
@@ -260,21 +444,28 @@ class MpiComm {
     if (p.upcast) send = send.to(at::kFloat);
     else if (overlaps(send, out)) send = send.clone();
     at::Tensor recv = p.upcast ? at::empty({out.numel()}, out.options().dtype(at::kFloat)) : out;
-    auto s = std::make_shared<InFlight>();
-    s->keep = {send, recv, out};
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("reduce_scatter");
-    check_mpi(MPIC(MPI_Ireduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
-                                              to_mcount(out.numel(), "reduce_scatter"), p.type, p.op,
-                                              comm_, s->req()),
-              "MPI_Ireduce_scatter_block");
+    const mcount n = to_mcount(out.numel(), "reduce_scatter");
+    std::function<void()> finish;
     if (p.average || p.upcast)
-      w->finish = [out, recv, p, n = size_] {
+      finish = [out, recv, p, size = size_] {
         c10::NoGradGuard ng;
-        if (p.average) recv.div_(n);
+        if (p.average) recv.div_(size);
         if (p.upcast) out.view({-1}).copy_(recv);
       };
-    return launch(w, s, async_op, g);
+    const int64_t nbytes = out.nbytes() * size_;
+    if (blocking_.use(kReduceScatter, nbytes))
+      return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", nbytes, async_op,
+                          std::move(finish), [send, recv, n, p, c = comm_] {
+                            return MPIC(MPI_Reduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
+                                                                  n, p.type, p.op, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {send, recv, out};
+    return post("reduce_scatter", "MPI_Ireduce_scatter_block", s, async_op, std::move(finish),
+                [send, recv, n, p, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ireduce_scatter_block)(send.data_ptr(), recv.data_ptr(), n,
+                                                         p.type, p.op, c, r);
+                });
   }
 
   py::object all_to_all_single(py::handle output, py::handle input, py::handle out_splits_,
@@ -292,25 +483,27 @@ class MpiComm {
       for (int64_t d = 1; d < t.dim(); ++d) r *= t.size(d);
       return r;
     };
+    const MPI_Datatype dt = move_type(in.scalar_type());
     auto s = std::make_shared<InFlight>();
     s->keep = {in, out};
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
     if (!in_splits && !out_splits && in.numel() == out.numel()) {
-      mcount n = to_mcount(in.numel() / size_, op);
-      check_mpi(MPIC(MPI_Ialltoall)(in.data_ptr(), n, dt, out.data_ptr(), n, dt, comm_, s->req()),
-                "MPI_Ialltoall");
-    } else {
-      s->c1 = to_mcounts(is, op, row(in));
-      s->c2 = to_mcounts(os, op, row(out));
-      s->d1 = packed_disps(s->c1);
-      s->d2 = packed_disps(s->c2);
-      check_mpi(MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
-                                     s->c2.data(), s->d2.data(), dt, comm_, s->req()),
-                "MPI_Ialltoallv");
+      const mcount n = to_mcount(in.numel() / size_, op);
+      if (blocking_.use(kAllToAllSingle, in.nbytes()))
+        return run_blocking(op, "MPI_Alltoall", in.nbytes(), async_op, {},
+                            [in, out, n, dt, c = comm_] {
+                              return MPIC(MPI_Alltoall)(in.data_ptr(), n, dt, out.data_ptr(), n,
+                                                        dt, c);
+                            });
+      return post(op, "MPI_Ialltoall", s, async_op, {},
+                  [in, out, n, dt, c = comm_](MPI_Request* r) {
+                    return MPIC(MPI_Ialltoall)(in.data_ptr(), n, dt, out.data_ptr(), n, dt, c, r);
+                  });
     }
-    return launch(w, s, async_op, g);
+    s->c1 = to_mcounts(is, op, row(in));
+    s->c2 = to_mcounts(os, op, row(out));
+    s->d1 = packed_disps(s->c1);
+    s->d2 = packed_disps(s->c2);
+    return post(op, "MPI_Ialltoallv", s, async_op, {}, alltoallv(s, in, out, dt));
   }
 
   py::object all_to_all(py::handle output_list, py::handle input_list, bool async_op) {
@@ -333,14 +526,10 @@ class MpiComm {
     s->c2 = to_mcounts(rc, op);
     s->d1 = packed_disps(s->c1);
     s->d2 = packed_disps(s->c2);
-    MPI_Datatype dt = move_type(send.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Ialltoallv)(send.data_ptr(), s->c1.data(), s->d1.data(), dt, recv.data_ptr(),
-                                   s->c2.data(), s->d2.data(), dt, comm_, s->req()),
-              "MPI_Ialltoallv");
-    w->finish = [recv, outs] { c10::NoGradGuard ng; scatter_into(recv, outs); };
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(send.scalar_type());
+    return post(op, "MPI_Ialltoallv", s, async_op,
+                [recv, outs] { c10::NoGradGuard ng; scatter_into(recv, outs); },
+                alltoallv(s, send, recv, dt));
   }
 
   py::object gatherv(py::handle output, py::handle input, py::handle counts_, py::handle displs_,
@@ -354,20 +543,20 @@ class MpiComm {
     auto displs = to_counts(displs_, op, "displs", true);
     Counts d = validate_gatherv(out, in, counts, displs, dst, rank_, size_);
     check_device(op, in);
-    bool root = dst == rank_;
+    const bool root = dst == rank_;
     if (root && overlaps(in, *out)) in = in.clone();
     auto s = std::make_shared<InFlight>();
     s->keep = {in, out_storage};
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Igatherv)(in.data_ptr(), to_mcount(in.numel(), op), dt,
-                                 root ? out->data_ptr() : nullptr, s->c1.data(), s->d1.data(), dt,
-                                 (int)dst, comm_, s->req()),
-              "MPI_Igatherv");
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), op);
+    void* rbuf = root ? out->data_ptr() : nullptr;
+    return post(op, "MPI_Igatherv", s, async_op, {},
+                [s, in, n, dt, rbuf, d = static_cast<int>(dst), c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Igatherv)(in.data_ptr(), n, dt, rbuf, s->c1.data(), s->d1.data(),
+                                            dt, d, c, r);
+                });
   }
 
   py::object scatterv(py::handle output, py::handle input, py::handle counts_, py::handle displs_,
@@ -381,20 +570,20 @@ class MpiComm {
     auto displs = to_counts(displs_, op, "displs", true);
     Counts d = validate_scatterv(out, in, counts, displs, src, rank_, size_);
     check_device(op, out);
-    bool root = src == rank_;
+    const bool root = src == rank_;
     if (root && overlaps(*in, out)) in_storage = in->clone(), in = &in_storage;
     auto s = std::make_shared<InFlight>();
     s->keep = {out, in_storage};
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
-    MPI_Datatype dt = move_type(out.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Iscatterv)(root ? in->data_ptr() : nullptr, s->c1.data(), s->d1.data(), dt,
-                                  out.data_ptr(), to_mcount(out.numel(), op), dt, (int)src, comm_,
-                                  s->req()),
-              "MPI_Iscatterv");
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(out.scalar_type());
+    const mcount n = to_mcount(out.numel(), op);
+    void* sbuf = root ? in->data_ptr() : nullptr;
+    return post(op, "MPI_Iscatterv", s, async_op, {},
+                [s, out, n, dt, sbuf, sr = static_cast<int>(src), c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iscatterv)(sbuf, s->c1.data(), s->d1.data(), dt, out.data_ptr(),
+                                             n, dt, sr, c, r);
+                });
   }
 
   py::object all_gatherv(py::handle output, py::handle input, py::handle counts_,
@@ -411,13 +600,13 @@ class MpiComm {
     s->keep = {in, out};
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Iallgatherv)(in.data_ptr(), to_mcount(in.numel(), op), dt, out.data_ptr(),
-                                    s->c1.data(), s->d1.data(), dt, comm_, s->req()),
-              "MPI_Iallgatherv");
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), op);
+    return post(op, "MPI_Iallgatherv", s, async_op, {},
+                [s, in, out, n, dt, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallgatherv)(in.data_ptr(), n, dt, out.data_ptr(), s->c1.data(),
+                                               s->d1.data(), dt, c, r);
+                });
   }
 
   py::object all_to_allv(py::handle output, py::handle input, py::handle scounts_,
@@ -439,13 +628,8 @@ class MpiComm {
     s->c2 = to_mcounts(rc, op);
     s->d1 = to_disps(sd);
     s->d2 = to_disps(rd);
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
-                                   s->c2.data(), s->d2.data(), dt, comm_, s->req()),
-              "MPI_Ialltoallv");
-    return launch(w, s, async_op, g);
+    return post(op, "MPI_Ialltoallv", s, async_op, {},
+                alltoallv(s, in, out, move_type(in.scalar_type())));
   }
 
   py::object send(py::handle tensor, py::handle dst, py::handle tag, bool async_op) {
@@ -457,11 +641,11 @@ class MpiComm {
   }
 
   py::object barrier(bool async_op) {
-    auto s = std::make_shared<InFlight>();
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("barrier");
-    check_mpi(MPI_Ibarrier(comm_, s->req()), "MPI_Ibarrier");
-    return launch(w, s, async_op, g);
+    if (blocking_.use(kBarrier, 0))
+      return run_blocking("barrier", "MPI_Barrier", 0, async_op, {},
+                          [c = comm_] { return MPI_Barrier(c); });
+    return post("barrier", "MPI_Ibarrier", std::make_shared<InFlight>(), async_op, {},
+                [c = comm_](MPI_Request* r) { return MPI_Ibarrier(c, r); });
   }
 
  private:
@@ -475,6 +659,15 @@ class MpiComm {
     return d;
   }
 
+  // MPI_Ialltoallv of `in` into `out` with the counts and displacements in `s`.
+  std::function<int(MPI_Request*)> alltoallv(std::shared_ptr<InFlight> s, const at::Tensor& in,
+                                             const at::Tensor& out, MPI_Datatype dt) const {
+    return [s, in, out, dt, c = comm_](MPI_Request* r) {
+      return MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
+                                  s->c2.data(), s->d2.data(), dt, c, r);
+    };
+  }
+
   py::object p2p(bool sending, py::handle tensor, py::handle peer_, py::handle tag_,
                  bool async_op) {
     const char* op = sending ? "send" : "recv";
@@ -485,17 +678,17 @@ class MpiComm {
     check_device(op, t);
     auto s = std::make_shared<InFlight>();
     s->keep = {t};
-    mcount n = to_mcount(t.numel(), op);
-    MPI_Datatype dt = move_type(t.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
+    const mcount n = to_mcount(t.numel(), op);
+    const MPI_Datatype dt = move_type(t.scalar_type());
+    const int pr = static_cast<int>(peer), tg = static_cast<int>(tag);
     if (sending)
-      check_mpi(MPIC(MPI_Isend)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
-                "MPI_Isend");
-    else
-      check_mpi(MPIC(MPI_Irecv)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
-                "MPI_Irecv");
-    return launch(w, s, async_op, g);
+      return post(op, "MPI_Isend", s, async_op, {},
+                  [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
+                    return MPIC(MPI_Isend)(t.data_ptr(), n, dt, pr, tg, c, r);
+                  });
+    return post(op, "MPI_Irecv", s, async_op, {}, [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
+      return MPIC(MPI_Irecv)(t.data_ptr(), n, dt, pr, tg, c, r);
+    });
   }
 
   void check_device(const char* op, const at::Tensor& t) const {
@@ -508,21 +701,101 @@ class MpiComm {
                                                    ": " + why);
   }
 
+  static int block_op(const std::string& op) {
+    for (int i = 0; i < kBlockOps; ++i)
+      if (op == kBlockOpNames[i]) return i;
+    throw_invalid("set_blocking: '" + op + "' has no blocking variant");
+  }
+
+  // The post lock, taken with the GIL held: when a blocking collective of another thread
+  // holds it, wait without the GIL (that thread may need it, or a peer may need ours).
+  std::unique_lock<std::mutex> lock_post() {
+    std::unique_lock<std::mutex> g(post_mu_, std::try_to_lock);
+    if (!g.owns_lock()) {
+      py::gil_scoped_release nogil;
+      g.lock();
+    }
+    return g;
+  }
+
   std::shared_ptr<Work> make_work(const char* op) {
     if (!lane_->healthy()) lane_->throw_unhealthy(op);
     return std::make_shared<Work>(op, backend_, group_, ++seq_, timeout_s_, lane_);
   }
 
-  // Called with the post lock held (ops are posted in issue order); releases it before
-  // waiting, so another thread can post while this one waits.
-  py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<InFlight> s, bool async_op,
-                    std::unique_lock<std::mutex>& posted) {
-    posted.unlock();
-    w->test = [s, op = w->op()] {
+  // The nonblocking variant: `post_fn(request)` posts the op (returning its MPI error
+  // code) from this thread, or from the issue thread when it has ops queued (issue
+  // order); the caller (blocking) or the lane (async) then drives the Work.
+  py::object post(const char* op, const char* mpi_name, std::shared_ptr<InFlight> s,
+                  bool async_op, std::function<void()> finish,
+                  std::function<int(MPI_Request*)> post_fn) {
+    auto g = lock_post();
+    auto w = make_work(op);
+    w->finish = std::move(finish);
+    auto test = [s, op = w->op()] {
       int flag = 0;
       check_mpi(MPI_Testall((int)s->reqs.size(), s->reqs.data(), &flag, MPI_STATUSES_IGNORE),
                 op.c_str());
       return flag != 0;
+    };
+    if (issuer_->idle()) {
+      check_mpi(post_fn(s->req()), mpi_name);
+      g.unlock();
+      w->test = std::move(test);
+    } else {
+      auto is = std::make_shared<Issued>();
+      issuer_->push([s, is, post_fn = std::move(post_fn)] {
+        is->rc = post_fn(s->req());
+        is->done.store(true, std::memory_order_release);
+      });
+      g.unlock();
+      w->test = [is, mpi_name, test = std::move(test)] {
+        if (!is->done.load(std::memory_order_acquire)) return false;
+        check_mpi(is->rc, mpi_name);
+        return test();
+      };
+    }
+    return launch_work(lane_, w, async_op);
+  }
+
+  // The blocking variant: `call()` runs the blocking MPI collective (returning its MPI
+  // error code) under the watchdog. A blocking call with nothing queued runs it on this
+  // thread, holding the post lock (issue order) and, for small calls in a process with
+  // one Python thread, the GIL; otherwise the issue thread runs it and a Work tracks it.
+  template <typename Call>
+  py::object run_blocking(const char* op, const char* mpi_name, int64_t nbytes, bool async_op,
+                          std::function<void()> finish, Call&& call) {
+    auto g = lock_post();
+    if (!async_op && issuer_->idle()) {
+      if (!lane_->healthy()) lane_->throw_unhealthy(op);
+      int rc;
+      {
+        WatchGuard watch(op, &backend_, &group_, ++seq_, timeout_s_);
+        if (nbytes <= kHoldGilBytes && only_python_thread()) {
+          rc = call();
+        } else {
+          py::gil_scoped_release nogil;
+          rc = call();
+        }
+      }
+      g.unlock();
+      check_mpi(rc, mpi_name);
+      if (finish) finish();
+      return py::none();
+    }
+    auto w = make_work(op);
+    w->finish = std::move(finish);
+    auto is = std::make_shared<Issued>();
+    // No watchdog here: the Work's bounded wait raises CommTimeoutError as for any async op.
+    issuer_->push([is, call = std::forward<Call>(call)] {
+      is->rc = call();
+      is->done.store(true, std::memory_order_release);
+    });
+    g.unlock();
+    w->test = [is, mpi_name] {
+      if (!is->done.load(std::memory_order_acquire)) return false;
+      check_mpi(is->rc, mpi_name);
+      return true;
     };
     return launch_work(lane_, w, async_op);
   }
@@ -534,6 +807,8 @@ class MpiComm {
   double timeout_s_;
   uint64_t seq_ = 0;
   std::mutex post_mu_;
+  BlockingChoice blocking_;
+  std::shared_ptr<Issuer> issuer_;
 };
 
 std::string mpi_library_version() {
@@ -545,6 +820,10 @@ std::string mpi_library_version() {
 
 void bind_mpi(py::module_& m) {
   using py::arg;
+  m.def("timeout_message", &timeout_message, arg("op"), arg("backend"), arg("group"), arg("seq"),
+        arg("timeout"),
+        "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
+        "(what the blocking path's watchdog prints before MPI_Abort).");
   m.def("mpi_library_version", &mpi_library_version,
         "Version string of the MPI library this extension was linked against.");
   py::class_<MpiComm>(m, "MpiComm")
@@ -555,6 +834,11 @@ void bind_mpi(py::module_& m) {
       .def_property_readonly("size", &MpiComm::size)
       .def_property_readonly("seq", &MpiComm::seq)
       .def("set_timeout", &MpiComm::set_timeout)
+      .def("set_blocking", &MpiComm::set_blocking, arg("op"), arg("steps"),
+           "Which variant blocking calls of `op` run: (largest bytes, blocking) steps in "
+           "increasing size, -1 bytes for no limit; larger sizes run nonblocking.")
+      .def("uses_blocking", &MpiComm::uses_blocking, arg("op"), arg("nbytes"),
+           "Whether a blocking call of `op` of `nbytes` runs the blocking MPI collective.")
       .def("all_reduce", &MpiComm::all_reduce)
       .def("reduce", &MpiComm::reduce)
       .def("bcast", &MpiComm::bcast)
