@@ -51,6 +51,8 @@ def idle_sleep(ranks_on_node: int) -> bool:
 BLOCKING_OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter",
                 "reduce_scatter", "all_to_all_single", "barrier")
 BLOCKING_MODES = ("auto", "never", "always")
+#: The ops MPIBackend runs as METH_FASTCALL functions (csrc/mpi_comm.cpp, kFastDefs).
+FAST_OPS = ("all_reduce", "bcast", "all_gather", "reduce_scatter", "barrier")
 
 
 def blocking_mode() -> str:
@@ -153,7 +155,13 @@ class MPIBackend(MPILaneBackend):
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
         self._mpi_comms: dict[int, object] = {}
+        # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
+        # front calls them directly; what they do not handle goes to the methods below.
+        fast = _C.mpi_fast_ops({op: getattr(self, op) for op in FAST_OPS})
+        self._add_fast = fast.pop("__add__")
+        self.__dict__.update(fast)
         self._world = self._make(ctx.world, self._MPI.COMM_WORLD.Dup())
+        self._add_fast(None, self._world)
 
     def _make(self, group: Group, comm) -> _C.MpiComm:
         self._mpi_comms[group.id] = comm
@@ -161,6 +169,7 @@ class MPIBackend(MPILaneBackend):
                        self._lane, self.ctx.timeout, self.name)
         self._choose_blocking(c)
         self._comms[group.id] = c
+        self._add_fast(group, c)
         return c
 
     def _choose_blocking(self, c: _C.MpiComm) -> None:

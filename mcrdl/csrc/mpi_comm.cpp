@@ -7,10 +7,9 @@
 // are several times faster than the nonblocking ones, which in turn win at some larger
 // sizes. BlockingChoice holds, per op, which variant each size runs (set from Python:
 // the tuning table, else mcrdl/tuning/mpi_blocking.json, MCRDL_MPI_BLOCKING overriding).
-// Ordering: every op of a communicator, either variant, is issued under post_mu_, so
-// the MPI issue order is the order of the calls; a blocking collective keeps the lock
-// until it returns. Async ops are posted at once (the lane only tests them), so none is
-// ever queued behind a blocking call. Timeouts: the watchdog (watchdog.h).
+// Ordering: every op of a communicator, either variant, is issued in the order of the
+// calls (under post_mu_, or by the communicator's Issuer thread while it has ops queued
+// or a blocking call runs). Timeouts: the watchdog (watchdog.h).
 //
 // Types MPI lacks (float16, bfloat16) move as 16-bit words and reduce in float32.
 // bool reduces as uint8 0/1 with bitwise ops (SUM/MAX = or, PRODUCT/MIN = and).
@@ -25,6 +24,7 @@
 #include <deque>
 #include <functional>
 #include <thread>
+#include <unordered_map>
 
 #include <pybind11/stl.h>
 
@@ -123,18 +123,6 @@ struct BlockingChoice {
   }
 };
 
-// Up to this size a blocking MPI call holds the GIL when this is the process's only
-// Python thread: releasing and retaking it costs more than such a call's wait. With
-// other Python threads it is always released (one of them may be what a peer waits for:
-// tensor fusion's worker, a thread of the application).
-constexpr int64_t kHoldGilBytes = 64 << 10;
-
-bool only_python_thread() {
-  PyThreadState* ts = PyThreadState_Get();
-  PyThreadState* head = PyInterpreterState_ThreadHead(PyThreadState_GetInterpreter(ts));
-  return head == ts && PyThreadState_Next(head) == nullptr;
-}
-
 // Everything a posted op needs until it completes: requests, count arrays, buffers.
 struct InFlight {
   std::vector<MPI_Request> reqs;
@@ -158,8 +146,27 @@ struct InFlight {
 // stuck in MPI never touches a freed object.
 class Issuer : public std::enable_shared_from_this<Issuer> {
  public:
-  // Called with the communicator's post lock held: no task queued or running.
+  // Called with the communicator's post lock held: no task queued or running, and no
+  // blocking call running on a caller's thread.
   bool idle() const { return pending_.load(std::memory_order_acquire) == 0; }
+
+  // A blocking collective runs on a caller's thread (begun with the post lock held, when
+  // idle): ops issued meanwhile queue here and run after it. The post lock itself is not
+  // held during the call: a thread posting an async op must never wait for other ranks
+  // (the peer it waits for may need that very op, or a later one of this thread).
+  void begin_direct() {
+    pending_.fetch_add(1, std::memory_order_acq_rel);
+    std::lock_guard<std::mutex> g(mu_);
+    direct_ = true;
+  }
+  void end_direct() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      direct_ = false;
+    }
+    pending_.fetch_sub(1, std::memory_order_acq_rel);  // after direct_: idle again
+    cv_.notify_one();
+  }
 
   // Called with the post lock held (tasks run in the order they were pushed).
   void push(std::function<void()> task) {
@@ -190,7 +197,7 @@ class Issuer : public std::enable_shared_from_this<Issuer> {
       std::function<void()> task;
       {
         std::unique_lock<std::mutex> g(mu_);
-        cv_.wait(g, [this] { return stop_ || !q_.empty(); });
+        cv_.wait(g, [this] { return !direct_ && (stop_ || !q_.empty()); });
         if (q_.empty()) return;
         task = std::move(q_.front());
         q_.pop_front();
@@ -205,7 +212,7 @@ class Issuer : public std::enable_shared_from_this<Issuer> {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> q_;
-  bool started_ = false, stop_ = false;
+  bool started_ = false, stop_ = false, direct_ = false;
 };
 
 // An op issued by the Issuer: its MPI error code once issued.
@@ -270,7 +277,7 @@ class MpiComm {
         if (p.upcast) t.copy_(buf);
       };
     if (blocking_.use(kAllReduce, t.nbytes()))
-      return run_blocking("all_reduce", "MPI_Allreduce", t.nbytes(), async_op, std::move(finish),
+      return run_blocking("all_reduce", "MPI_Allreduce", async_op, std::move(finish),
                           [buf, n, p, c = comm_] {
                             return MPIC(MPI_Allreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type,
                                                        p.op, c);
@@ -302,7 +309,7 @@ class MpiComm {
       };
     const int d = static_cast<int>(dst);
     if (blocking_.use(kReduce, t.nbytes()))
-      return run_blocking("reduce", "MPI_Reduce", t.nbytes(), async_op, std::move(finish),
+      return run_blocking("reduce", "MPI_Reduce", async_op, std::move(finish),
                           [buf, n, p, root, d, c = comm_] {
                             return MPIC(MPI_Reduce)(root ? MPI_IN_PLACE : buf.data_ptr(),
                                                     root ? buf.data_ptr() : nullptr, n, p.type,
@@ -327,7 +334,7 @@ class MpiComm {
     const MPI_Datatype dt = move_type(t.scalar_type());
     const int root = static_cast<int>(src);
     if (blocking_.use(kBcast, t.nbytes()))
-      return run_blocking("bcast", "MPI_Bcast", t.nbytes(), async_op, {},
+      return run_blocking("bcast", "MPI_Bcast", async_op, {},
                           [t, n, dt, root, c = comm_] {
                             return MPIC(MPI_Bcast)(t.data_ptr(), n, dt, root, c);
                           });
@@ -353,7 +360,7 @@ class MpiComm {
     if (out.is_list) finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
     const int64_t nbytes = in.nbytes() * size_;
     if (blocking_.use(kAllGather, nbytes))
-      return run_blocking("all_gather", "MPI_Allgather", nbytes, async_op, std::move(finish),
+      return run_blocking("all_gather", "MPI_Allgather", async_op, std::move(finish),
                           [in, recv, n, dt, c = comm_] {
                             return MPIC(MPI_Allgather)(in.data_ptr(), n, dt, recv.data_ptr(), n,
                                                        dt, c);
@@ -387,7 +394,7 @@ class MpiComm {
       finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
     const int64_t nbytes = in.nbytes() * size_;
     if (blocking_.use(kGather, nbytes))
-      return run_blocking("gather", "MPI_Gather", nbytes, async_op, std::move(finish),
+      return run_blocking("gather", "MPI_Gather", async_op, std::move(finish),
                           [in, recv, n, dt, d, root, c = comm_] {
                             return MPIC(MPI_Gather)(in.data_ptr(), n, dt,
                                                     root ? recv.data_ptr() : nullptr, n, dt, d, c);
@@ -419,7 +426,7 @@ class MpiComm {
     const int sr = static_cast<int>(src);
     const int64_t nbytes = out.nbytes() * size_;
     if (blocking_.use(kScatter, nbytes))
-      return run_blocking("scatter", "MPI_Scatter", nbytes, async_op, {},
+      return run_blocking("scatter", "MPI_Scatter", async_op, {},
                           [out, send, n, dt, sr, root, c = comm_] {
                             return MPIC(MPI_Scatter)(root ? send.data_ptr() : nullptr, n, dt,
                                                      out.data_ptr(), n, dt, sr, c);
@@ -454,7 +461,7 @@ class MpiComm {
       };
     const int64_t nbytes = out.nbytes() * size_;
     if (blocking_.use(kReduceScatter, nbytes))
-      return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", nbytes, async_op,
+      return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", async_op,
                           std::move(finish), [send, recv, n, p, c = comm_] {
                             return MPIC(MPI_Reduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
                                                                   n, p.type, p.op, c);
@@ -489,7 +496,7 @@ class MpiComm {
     if (!in_splits && !out_splits && in.numel() == out.numel()) {
       const mcount n = to_mcount(in.numel() / size_, op);
       if (blocking_.use(kAllToAllSingle, in.nbytes()))
-        return run_blocking(op, "MPI_Alltoall", in.nbytes(), async_op, {},
+        return run_blocking(op, "MPI_Alltoall", async_op, {},
                             [in, out, n, dt, c = comm_] {
                               return MPIC(MPI_Alltoall)(in.data_ptr(), n, dt, out.data_ptr(), n,
                                                         dt, c);
@@ -642,7 +649,7 @@ class MpiComm {
 
   py::object barrier(bool async_op) {
     if (blocking_.use(kBarrier, 0))
-      return run_blocking("barrier", "MPI_Barrier", 0, async_op, {},
+      return run_blocking("barrier", "MPI_Barrier", async_op, {},
                           [c = comm_] { return MPI_Barrier(c); });
     return post("barrier", "MPI_Ibarrier", std::make_shared<InFlight>(), async_op, {},
                 [c = comm_](MPI_Request* r) { return MPI_Ibarrier(c, r); });
@@ -760,25 +767,27 @@ class MpiComm {
 
   // The blocking variant: `call()` runs the blocking MPI collective (returning its MPI
   // error code) under the watchdog. A blocking call with nothing queued runs it on this
-  // thread, holding the post lock (issue order) and, for small calls in a process with
-  // one Python thread, the GIL; otherwise the issue thread runs it and a Work tracks it.
+  // thread (ops issued meanwhile queue behind it: Issuer::begin_direct); otherwise the
+  // issue thread runs it and a Work tracks it.
   template <typename Call>
-  py::object run_blocking(const char* op, const char* mpi_name, int64_t nbytes, bool async_op,
+  py::object run_blocking(const char* op, const char* mpi_name, bool async_op,
                           std::function<void()> finish, Call&& call) {
     auto g = lock_post();
     if (!async_op && issuer_->idle()) {
       if (!lane_->healthy()) lane_->throw_unhealthy(op);
+      const uint64_t seq = ++seq_;
+      issuer_->begin_direct();
+      g.unlock();
       int rc;
       {
-        WatchGuard watch(op, &backend_, &group_, ++seq_, timeout_s_);
-        if (nbytes <= kHoldGilBytes && only_python_thread()) {
-          rc = call();
-        } else {
-          py::gil_scoped_release nogil;
-          rc = call();
-        }
+        WatchGuard watch(op, &backend_, &group_, seq, timeout_s_);
+        // Always without the GIL: a thread of this process may need it for a peer to reach
+        // this call (tensor fusion's timer thread takes it to flush a round), and C++ threads
+        // that take it now and then are invisible until they do.
+        py::gil_scoped_release nogil;
+        rc = call();
       }
-      g.unlock();
+      issuer_->end_direct();
       check_mpi(rc, mpi_name);
       if (finish) finish();
       return py::none();
@@ -811,6 +820,98 @@ class MpiComm {
   std::shared_ptr<Issuer> issuer_;
 };
 
+// The mpi backend's operations as METH_FASTCALL functions (MPIBackend installs them over
+// its Python methods): a call goes from the front's generated function straight here,
+// without a Python frame of the backend or pybind11's argument dispatch (~0.2 us each,
+// the whole budget of a small blocking call). Calls with keywords, and calls on groups
+// the table does not hold (non-members, foreign objects: errors to report), go to the
+// backend's Python method.
+struct FastOps {
+  std::vector<std::pair<py::object, MpiComm*>> comms;  // group (None: world) -> its comm
+  std::unordered_map<std::string, py::object> slow;    // op -> the Python method
+};
+
+FastOps* fast_ops(PyObject* capsule) {
+  return static_cast<FastOps*>(PyCapsule_GetPointer(capsule, "mcrdl.FastOps"));
+}
+
+MpiComm* fast_comm(FastOps* f, PyObject* group) {
+  for (auto& [g, c] : f->comms)
+    if (g.ptr() == group) return c;
+  return nullptr;
+}
+
+template <typename Call>
+PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames,
+                    const char* op, Py_ssize_t want, Call&& call) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  FastOps* f = fast_ops(self);
+  MpiComm* c = (nargs == want && !kwnames) ? fast_comm(f, args[want - 2]) : nullptr;
+  if (!c) return PyObject_Vectorcall(f->slow.at(op).ptr(), args, nargsf, kwnames);
+  try {
+    return call(*c, args, PyObject_IsTrue(args[want - 1]) == 1).release().ptr();
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyObject* fast_all_reduce(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "all_reduce", 4, [](MpiComm& c, PyObject* const* a, bool as) {
+    return c.all_reduce(a[0], static_cast<int>(to_int(a[1], "all_reduce", "op")), as);
+  });
+}
+PyObject* fast_bcast(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "bcast", 4, [](MpiComm& c, PyObject* const* a, bool as) {
+    return c.bcast(a[0], a[1], as);
+  });
+}
+PyObject* fast_all_gather(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "all_gather", 4, [](MpiComm& c, PyObject* const* a, bool as) {
+    return c.all_gather(a[0], a[1], as);
+  });
+}
+PyObject* fast_reduce_scatter(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "reduce_scatter", 5,
+                   [](MpiComm& c, PyObject* const* a, bool as) {
+                     return c.reduce_scatter(
+                         a[0], a[1], static_cast<int>(to_int(a[2], "reduce_scatter", "op")), as);
+                   });
+}
+PyObject* fast_barrier(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "barrier", 2, [](MpiComm& c, PyObject* const*, bool as) {
+    return c.barrier(as);
+  });
+}
+
+PyMethodDef kFastDefs[] = {
+    {"all_reduce", (PyCFunction)(void (*)())fast_all_reduce, METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"bcast", (PyCFunction)(void (*)())fast_bcast, METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"all_gather", (PyCFunction)(void (*)())fast_all_gather, METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"reduce_scatter", (PyCFunction)(void (*)())fast_reduce_scatter, METH_FASTCALL | METH_KEYWORDS,
+     nullptr},
+    {"barrier", (PyCFunction)(void (*)())fast_barrier, METH_FASTCALL | METH_KEYWORDS, nullptr},
+};
+
+// mpi_fast_ops(slow): {op: fast function} for the ops of kFastDefs, each falling back to
+// slow[op]; register communicators with the returned dict's "__add__"(group, comm).
+py::dict mpi_fast_ops(py::dict slow) {
+  auto* f = new FastOps();
+  py::capsule cap(f, "mcrdl.FastOps", [](PyObject* o) {
+    delete static_cast<FastOps*>(PyCapsule_GetPointer(o, "mcrdl.FastOps"));
+  });
+  py::dict out;
+  for (auto& def : kFastDefs) {
+    f->slow[def.ml_name] = slow[def.ml_name];
+    out[def.ml_name] = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, cap.ptr(), nullptr));
+  }
+  out["__add__"] = py::cpp_function([f, cap](py::object group, py::object comm) {
+    (void)cap;
+    f->comms.emplace_back(group, comm.cast<MpiComm*>());
+  });
+  return out;
+}
+
 std::string mpi_library_version() {
   char buf[MPI_MAX_LIBRARY_VERSION_STRING];
   int len = 0;
@@ -824,6 +925,9 @@ void bind_mpi(py::module_& m) {
         arg("timeout"),
         "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
         "(what the blocking path's watchdog prints before MPI_Abort).");
+  m.def("mpi_fast_ops", &mpi_fast_ops, arg("slow"),
+        "{op: METH_FASTCALL function} of the mpi backend's hot ops, each falling back to "
+        "slow[op]; '__add__'(group, comm) registers a communicator (group None: the world).");
   m.def("mpi_library_version", &mpi_library_version,
         "Version string of the MPI library this extension was linked against.");
   py::class_<MpiComm>(m, "MpiComm")
