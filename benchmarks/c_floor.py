@@ -9,8 +9,10 @@ beside this Python, as setup.py finds it), runs it and this script's rank part u
 ``mpiexec -n N`` for each N, and prints one table per world size. Times are the median
 over trials of the per-trial maximum over ranks of the mean time per call (float32,
 sizes as the tuning table counts them: all_gather's output, reduce_scatter's input).
-Columns: C blocking, C nonblocking, mcrdl (``mcrdl.<op>("mpi", ...)`` with the variant
-its measurements choose), mcrdl minus C blocking, mcrdl over the better C variant.
+Columns: C blocking, C nonblocking, the same with MPI initialized with
+MPI_THREAD_MULTIPLE ("MT": mcrdl's lanes need it, and MPICH's small collectives are
+much slower under it), mcrdl (``mcrdl.<op>("mpi", ...)`` with the variant its
+measurements choose), mcrdl minus C blocking (MT), mcrdl over the better C variant (MT).
 ``--variants`` adds mcrdl with each variant forced (the data of
 mcrdl/tuning/mpi_blocking.json).
 """
@@ -140,25 +142,30 @@ def main(argv=None) -> None:
             c = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
                                      check=True, capture_output=True, text=True,
                                      env=env).stdout)
+            cmt = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
+                                       check=True, capture_output=True, text=True,
+                                       env=dict(env, C_FLOOR_THREAD_MULTIPLE="1")).stdout)
             m = parse(subprocess.run(
                 [_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__),
                  "--rank-part", "--trials", str(a.trials), "--sizes", *sizes,
                  *(["--variants"] if a.variants else [])],
                 check=True, capture_output=True, text=True, env=env).stdout)
-            head = ["op", "bytes", "C blocking us", "C nonblocking us", "mcrdl us",
-                    "mcrdl - C blk us", "mcrdl / best C"]
+            head = ["op", "bytes", "C blocking us", "C nonblocking us", "C MT blocking us",
+                    "C MT nonblocking us", "mcrdl us", "mcrdl - C MT blk us",
+                    "mcrdl / best C MT"]
             if a.variants:
                 head += ["mcrdl blk us", "mcrdl nonblk us"]
             print(f"\n{n} ranks (median of {a.trials} trials of the max over ranks)")
             print("| " + " | ".join(head) + " |")
             print("|" + "---|" * len(head))
             for key in c:
-                if key not in m:
+                if key not in m or key not in cmt:
                     continue
                 cb, cn = c[key]
+                tb, tn = cmt[key]
                 mt = m[key]
-                cells = [key[0], str(key[1]), us(cb), us(cn), us(mt[0]),
-                         f"{(mt[0] - cb) * 1e6:+.2f}", f"{mt[0] / min(cb, cn):.2f}"]
+                cells = [key[0], str(key[1]), us(cb), us(cn), us(tb), us(tn), us(mt[0]),
+                         f"{(mt[0] - tb) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}"]
                 if a.variants:
                     cells += [us(mt[1]), us(mt[2])]
                 print("| " + " | ".join(cells) + " |", flush=True)
