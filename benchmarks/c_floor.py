@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 
-OPS = ("all_reduce", "all_gather", "bcast", "reduce_scatter", "barrier")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -52,6 +51,8 @@ def build(out_dir: str) -> str:
 
 
 def parse(out: str) -> dict:
+    from mcrdl.ops import OPS
+
     rows = {}
     for line in out.splitlines():
         f = line.split()
@@ -62,7 +63,7 @@ def parse(out: str) -> dict:
 
 # -- the rank part (under mpiexec) --------------------------------------------------------
 
-def rank_part(sizes: list[int], trials: int, variants: bool) -> None:
+def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool) -> None:
     import torch
 
     import mcrdl
@@ -71,20 +72,27 @@ def rank_part(sizes: list[int], trials: int, variants: bool) -> None:
     mcrdl.init(["mpi"])
     rank, n = mcrdl.get_rank(), mcrdl.get_size()
     comm = mcrdl.api.current_runtime().backend("mpi")._world
-    chosen = {op: [] for op in OPS}
     tmax = torch.zeros(1, dtype=torch.float64)
 
     def measure(op: str, nbytes: int) -> float:
         count = nbytes // 4
         a, b = torch.zeros(max(count, 1)), torch.zeros(max(count, 1))
         per = count // n
-        fn = {
-            "all_reduce": lambda: mcrdl.all_reduce("mpi", a),
-            "all_gather": lambda: mcrdl.all_gather("mpi", b[:per * n], a[:per]),
-            "bcast": lambda: mcrdl.bcast("mpi", a, src=0),
-            "reduce_scatter": lambda: mcrdl.reduce_scatter("mpi", b[:per], a[:per * n]),
-            "barrier": lambda: mcrdl.barrier("mpi"),
-        }[op]
+        if op == "all_reduce":
+            def fn():
+                mcrdl.all_reduce("mpi", a)
+        elif op == "all_gather":
+            def fn():
+                mcrdl.all_gather("mpi", b[:per * n], a[:per])
+        elif op == "bcast":
+            def fn():
+                mcrdl.bcast("mpi", a, src=0)
+        elif op == "reduce_scatter":
+            def fn():
+                mcrdl.reduce_scatter("mpi", b[:per], a[:per * n])
+        else:
+            def fn():
+                mcrdl.barrier("mpi")
         it = iters_for(nbytes)
         for _ in range(it // 10 + 1):
             fn()
@@ -100,7 +108,7 @@ def rank_part(sizes: list[int], trials: int, variants: bool) -> None:
         return statistics.median(ts)
 
     from mcrdl.backends import mpi as mpi_backend
-    for op in OPS:
+    for op in ops:
         for nbytes in ([0] if op == "barrier" else sizes):
             if op in ("all_gather", "reduce_scatter") and nbytes < 4 * n:
                 continue
@@ -111,7 +119,6 @@ def rank_part(sizes: list[int], trials: int, variants: bool) -> None:
                     comm.set_blocking(op, [(-1, forced)])
                     row.append(measure(op, nbytes))
                 comm.set_blocking(op, steps)
-            chosen[op].append(comm.uses_blocking(op, nbytes))
             if rank == 0:
                 print(op, nbytes, *(f"{t:.9g}" for t in row), flush=True)
     mcrdl.finalize()
@@ -130,9 +137,10 @@ def main(argv=None) -> None:
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--variants", action="store_true")
     p.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ops", nargs="+", help=argparse.SUPPRESS)  # the rank part's, from C
     a = p.parse_args(argv)
     if a.rank_part:
-        rank_part(a.sizes, a.trials, a.variants)
+        rank_part(a.ops, a.sizes, a.trials, a.variants)
         return
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sizes = [str(s) for s in a.sizes]
@@ -148,6 +156,7 @@ def main(argv=None) -> None:
             m = parse(subprocess.run(
                 [_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__),
                  "--rank-part", "--trials", str(a.trials), "--sizes", *sizes,
+                 "--ops", *dict.fromkeys(op for op, _ in c),
                  *(["--variants"] if a.variants else [])],
                 check=True, capture_output=True, text=True, env=env).stdout)
             head = ["op", "bytes", "C blocking us", "C nonblocking us", "C MT blocking us",

@@ -23,6 +23,7 @@ from .. import _C
 from ..bootstrap import mpi_module
 from ..groups import Group, bad_group_error
 from ..launch import usable_cores
+from ..ops import OPS
 from .base import Backend, Capabilities, InitContext
 
 
@@ -48,11 +49,8 @@ def idle_sleep(ranks_on_node: int) -> bool:
 
 
 #: The collectives with a blocking variant (csrc/mpi_comm.cpp, BlockOp).
-BLOCKING_OPS = ("all_reduce", "reduce", "bcast", "all_gather", "gather", "scatter",
-                "reduce_scatter", "all_to_all_single", "barrier")
+BLOCKING_OPS = tuple(op for op in OPS if _C.MpiComm.has_blocking(op))
 BLOCKING_MODES = ("auto", "never", "always")
-#: The ops MPIBackend runs as METH_FASTCALL functions (csrc/mpi_comm.cpp, kFastDefs).
-FAST_OPS = ("all_reduce", "bcast", "all_gather", "reduce_scatter", "barrier")
 
 
 def blocking_mode() -> str:
@@ -157,7 +155,7 @@ class MPIBackend(MPILaneBackend):
         self._mpi_comms: dict[int, object] = {}
         # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
         # front calls them directly; what they do not handle goes to the methods below.
-        fast = _C.mpi_fast_ops({op: getattr(self, op) for op in FAST_OPS})
+        fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
         self._add_fast = fast.pop("__add__")
         self.__dict__.update(fast)
         self._world = self._make(ctx.world, self._MPI.COMM_WORLD.Dup())

@@ -101,14 +101,25 @@ std::vector<mcount> to_mcounts(const Counts& c, const char* op, int64_t scale = 
   return v;
 }
 
-// The collectives that have a blocking variant (names as in mcrdl.ops).
+// The collectives that have a blocking variant (by their mcrdl.ops names: block_op).
 enum BlockOp : int {
   kAllReduce, kReduce, kBcast, kAllGather, kGather, kScatter, kReduceScatter, kAllToAllSingle,
   kBarrier, kBlockOps
 };
-const char* const kBlockOpNames[kBlockOps] = {"all_reduce", "reduce", "bcast", "all_gather",
-                                              "gather", "scatter", "reduce_scatter",
-                                              "all_to_all_single", "barrier"};
+
+// The BlockOp of an operation name; -1 when it has no blocking variant.
+int block_op_of(const std::string& op) {
+  if (op == "all_reduce") return kAllReduce;
+  if (op == "reduce") return kReduce;
+  if (op == "bcast") return kBcast;
+  if (op == "all_gather") return kAllGather;
+  if (op == "gather") return kGather;
+  if (op == "scatter") return kScatter;
+  if (op == "reduce_scatter") return kReduceScatter;
+  if (op == "all_to_all_single") return kAllToAllSingle;
+  if (op == "barrier") return kBarrier;
+  return -1;
+}
 
 // Per op, which variant a blocking call of each size runs: steps (largest size in
 // bytes, blocking?) in increasing size; sizes past the last step run nonblocking. Sizes
@@ -709,9 +720,9 @@ class MpiComm {
   }
 
   static int block_op(const std::string& op) {
-    for (int i = 0; i < kBlockOps; ++i)
-      if (op == kBlockOpNames[i]) return i;
-    throw_invalid("set_blocking: '" + op + "' has no blocking variant");
+    const int i = block_op_of(op);
+    if (i < 0) throw_invalid("set_blocking: '" + op + "' has no blocking variant");
+    return i;
   }
 
   // The post lock, taken with the GIL held: when a blocking collective of another thread
@@ -938,6 +949,8 @@ void bind_mpi(py::module_& m) {
       .def_property_readonly("size", &MpiComm::size)
       .def_property_readonly("seq", &MpiComm::seq)
       .def("set_timeout", &MpiComm::set_timeout)
+      .def_static("has_blocking", [](const std::string& op) { return block_op_of(op) >= 0; },
+                  arg("op"), "Whether operation `op` has a blocking variant (set_blocking).")
       .def("set_blocking", &MpiComm::set_blocking, arg("op"), arg("steps"),
            "Which variant blocking calls of `op` run: (largest bytes, blocking) steps in "
            "increasing size, -1 bytes for no limit; larger sizes run nonblocking.")
