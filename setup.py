@@ -70,7 +70,8 @@ def _mpi_flags() -> tuple[list[str], list[str], list[str], list[str]]:
 
 inc, libdirs, libs, link = _mpi_flags()
 sources = [os.path.join("mcrdl", "csrc", f) for f in
-           ("module.cpp", "lane.cpp", "validate.cpp", "mpi_comm.cpp", "pccl.cpp", "fusion.cpp")]
+           ("module.cpp", "lane.cpp", "validate.cpp", "mpi_comm.cpp", "pccl.cpp", "fusion.cpp",
+            "watchdog.cpp")]
 
 setup(
     ext_modules=[

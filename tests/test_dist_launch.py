@@ -62,18 +62,22 @@ def _kill_tree(proc: subprocess.Popen) -> None:
         time.sleep(2 if sig == signal.SIGTERM else 0)
 
 
-@pytest.mark.parametrize(("nprocs", "debug"),
-                         [(1, "0"), (2, "0"), (3, "0"), pytest.param(4, "0", marks=FULL),
-                          (5, "0"), (3, "1")])
-def test_dist_conformance(nprocs, debug):
+@pytest.mark.parametrize(("nprocs", "debug", "mpi_blocking"),
+                         [(1, "0", "auto"), (2, "0", "always"), (2, "0", "never"),
+                          (3, "0", "auto"), pytest.param(4, "0", "auto", marks=FULL),
+                          (5, "0", "auto"), (3, "1", "auto")])
+def test_dist_conformance(nprocs, debug, mpi_blocking):
     """`mpiexec -n N python -m pytest tests/dist` exits 0; once more in debug mode
-    (MCRDL_DEBUG=1), whose agreement checks must pass every correct call unchanged."""
+    (MCRDL_DEBUG=1), whose agreement checks must pass every correct call unchanged. At 2
+    ranks the mpi backend runs every blocking call as the blocking MPI collective
+    (MCRDL_MPI_BLOCKING=always), then none (never); elsewhere by its measurements."""
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip(f"no mpiexec in {os.path.join(sys.prefix, 'bin')} nor on PATH")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDRA_", "PYTEST_"))}
-    env.update(MCRDL_TIMEOUT="60", MCRDL_DIST_TEST="1", MCRDL_DEBUG=debug)
+    env.update(MCRDL_TIMEOUT="60", MCRDL_DIST_TEST="1", MCRDL_DEBUG=debug,
+               MCRDL_MPI_BLOCKING=mpi_blocking)
     env.setdefault("OMP_NUM_THREADS", "1")  # 2 cores shared by up to 5 ranks
     cmd = [mpiexec, "-n", str(nprocs), sys.executable, "-m", "pytest", str(TESTS / "dist"),
            "-p", "no:cacheprovider", "-q"]

@@ -44,7 +44,9 @@ def test_opposite_issue_and_wait_orders_do_not_deadlock(n):
 def test_collective_one_rank_never_joins_times_out(backend, debug):
     """In debug mode the error also names the rank that never arrived."""
     limit = 3.0
-    out = launch(3, "timeout.py", backend, limit, env={"MCRDL_DEBUG": debug}, timeout=120)
+    # The nonblocking path's contract; the blocking MPI path's is in test_blocking.py.
+    out = launch(3, "timeout.py", backend, limit,
+                 env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never"}, timeout=120)
     for r in (1, 2):
         m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
         assert m, out
@@ -59,7 +61,10 @@ def test_fused_call_one_rank_never_joins_times_out(backend):
     """Tensor fusion: the round's agreement times out instead of hanging; the (backend,
     group) then refuses fused calls."""
     limit = 3.0
-    out = launch(3, "timeout.py", backend, limit, "fusion", timeout=120)
+    # The agreement is a small blocking all_reduce: on the blocking MPI path its timeout
+    # ends the job (test_blocking.py); this checks the nonblocking path's contract.
+    out = launch(3, "timeout.py", backend, limit, "fusion", env={"MCRDL_MPI_BLOCKING": "never"},
+                 timeout=120)
     for r in (1, 2):
         m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
         assert m, out

@@ -5,16 +5,25 @@ the world, or a Split per group), posted from the caller's thread in issue order
 Blocking ops are driven to completion by the caller under the timeout; async ops by
 the backend's lane thread, so they progress while the caller computes or waits on
 another backend. CPU tensors are used in place (zero-copy).
+
+A blocking call of a collective may run as the blocking MPI collective instead (much
+faster for small messages with MPICH): which one, per (op, group size, bytes), comes
+from :func:`blocking_steps` (docs/api.md, MCRDL_MPI_BLOCKING). Its timeout is then kept
+by a watchdog that ends the job with MPI_Abort (csrc/watchdog.h).
 """
 
 from __future__ import annotations
 
+import json
 import os
+from functools import cache
+from importlib import resources
 
 from .. import _C
 from ..bootstrap import mpi_module
 from ..groups import Group, bad_group_error
 from ..launch import usable_cores
+from ..ops import OPS
 from .base import Backend, Capabilities, InitContext
 
 
@@ -37,6 +46,45 @@ def idle_sleep(ranks_on_node: int) -> bool:
             raise ValueError(f"MCRDL_IDLE_SLEEP must be 0 or 1, got {v!r}")
         return v == "1"
     return ranks_on_node > usable_cores()
+
+
+#: The collectives with a blocking variant (csrc/mpi_comm.cpp, BlockOp).
+BLOCKING_OPS = tuple(op for op in OPS if _C.MpiComm.has_blocking(op))
+BLOCKING_MODES = ("auto", "never", "always")
+
+
+def blocking_mode() -> str:
+    """MCRDL_MPI_BLOCKING: "auto" (default: by the measurements), "never" (always post the
+    nonblocking call and wait on it) or "always" (the blocking MPI collective)."""
+    v = os.environ.get("MCRDL_MPI_BLOCKING", "") or "auto"
+    if v not in BLOCKING_MODES:
+        raise ValueError(f"MCRDL_MPI_BLOCKING must be one of {', '.join(BLOCKING_MODES)}, "
+                         f"got {v!r}")
+    return v
+
+
+@cache
+def shipped_blocking() -> dict:
+    """mcrdl/tuning/mpi_blocking.json: per op and group size, the (largest bytes,
+    blocking) steps measured on the reference machine (benchmarks/c_floor.py)."""
+    doc = json.loads(resources.files("mcrdl.tuning").joinpath("mpi_blocking.json").read_text())
+    return {op: {int(g): [(int(b), bool(v)) for b, v in steps] for g, steps in by_g.items()}
+            for op, by_g in doc["ops"].items()}
+
+
+def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = None) -> list:
+    """The (largest bytes, blocking) steps of `op` at `group_size` (-1 bytes: no limit):
+    `mode` "always"/"never" fix the variant; "auto" takes `table` (op -> group size ->
+    steps, from a tuning table), else the shipped measurements, at the nearest measured
+    group size (the largest one not above `group_size`, else the smallest)."""
+    if mode != "auto":
+        return [(-1, mode == "always")]
+    for source in (table or {}, shipped_blocking()):
+        by_g = source.get(op)
+        if by_g:
+            below = [g for g in by_g if g <= group_size]
+            return by_g[max(below) if below else min(by_g)]
+    return [(-1, False)]
 
 
 class MPILaneBackend(Backend):
@@ -105,14 +153,31 @@ class MPIBackend(MPILaneBackend):
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
         self._mpi_comms: dict[int, object] = {}
+        # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
+        # front calls them directly; what they do not handle goes to the methods below.
+        fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
+        self._add_fast = fast.pop("__add__")
+        self.__dict__.update(fast)
         self._world = self._make(ctx.world, self._MPI.COMM_WORLD.Dup())
+        self._add_fast(None, self._world)
 
     def _make(self, group: Group, comm) -> _C.MpiComm:
         self._mpi_comms[group.id] = comm
         c = _C.MpiComm(comm.handle, comm.Get_rank(), comm.Get_size(), group.describe(),
                        self._lane, self.ctx.timeout, self.name)
+        self._choose_blocking(c)
         self._comms[group.id] = c
+        self._add_fast(group, c)
         return c
+
+    def _choose_blocking(self, c: _C.MpiComm) -> None:
+        """Which variant blocking calls of `c` run. Debug mode keeps the nonblocking
+        path: its checks rely on every wait being bounded and raising CommTimeoutError."""
+        from ..runtime import debug_enabled
+
+        mode = "never" if debug_enabled() else blocking_mode()
+        for op in BLOCKING_OPS:
+            c.set_blocking(op, blocking_steps(op, c.size, mode))
 
     def add_group(self, group: Group) -> None:
         MPI = self._MPI

@@ -2,6 +2,15 @@
 // MPI call on a communicator owned by this backend, then driven to completion by the
 // caller (blocking ops, with a deadline) or by the backend's lane thread (async ops).
 //
+// A blocking call (async_op=False) of a collective may instead run as the blocking MPI
+// collective: MPICH's blocking small collectives take its shared-memory fast path and
+// are several times faster than the nonblocking ones, which in turn win at some larger
+// sizes. BlockingChoice holds, per op, which variant each size runs (set from Python:
+// the tuning table, else mcrdl/tuning/mpi_blocking.json, MCRDL_MPI_BLOCKING overriding).
+// Ordering: every op of a communicator, either variant, is issued in the order of the
+// calls (under post_mu_, or by the communicator's Issuer thread while it has ops queued
+// or a blocking call runs). Timeouts: the watchdog (watchdog.h).
+//
 // Types MPI lacks (float16, bfloat16) move as 16-bit words and reduce in float32.
 // bool reduces as uint8 0/1 with bitwise ops (SUM/MAX = or, PRODUCT/MIN = and).
 #include <mpi.h>
@@ -11,10 +20,18 @@
 #include <ATen/ops/empty.h>
 
 #include <climits>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <thread>
+#include <unordered_map>
+
+#include <pybind11/stl.h>
 
 #include "launch_work.h"
 #include "mpi_util.h"
 #include "pyargs.h"
+#include "watchdog.h"
 
 namespace mcrdl {
 
@@ -84,6 +101,39 @@ std::vector<mcount> to_mcounts(const Counts& c, const char* op, int64_t scale = 
   return v;
 }
 
+// The collectives that have a blocking variant (by their mcrdl.ops names: block_op).
+enum BlockOp : int {
+  kAllReduce, kReduce, kBcast, kAllGather, kGather, kScatter, kReduceScatter, kAllToAllSingle,
+  kBarrier, kBlockOps
+};
+
+// The BlockOp of an operation name; -1 when it has no blocking variant.
+int block_op_of(const std::string& op) {
+  if (op == "all_reduce") return kAllReduce;
+  if (op == "reduce") return kReduce;
+  if (op == "bcast") return kBcast;
+  if (op == "all_gather") return kAllGather;
+  if (op == "gather") return kGather;
+  if (op == "scatter") return kScatter;
+  if (op == "reduce_scatter") return kReduceScatter;
+  if (op == "all_to_all_single") return kAllToAllSingle;
+  if (op == "barrier") return kBarrier;
+  return -1;
+}
+
+// Per op, which variant a blocking call of each size runs: steps (largest size in
+// bytes, blocking?) in increasing size; sizes past the last step run nonblocking. Sizes
+// are the tuning table's (mcrdl.ops nbytes: all_gather and reduce_scatter count the
+// whole gathered / reduced buffer, barrier 0).
+struct BlockingChoice {
+  std::vector<std::pair<int64_t, bool>> steps[kBlockOps];
+  bool use(BlockOp op, int64_t nbytes) const {
+    for (const auto& [hi, blocking] : steps[op])
+      if (nbytes <= hi) return blocking;
+    return false;
+  }
+};
+
 // Everything a posted op needs until it completes: requests, count arrays, buffers.
 struct InFlight {
   std::vector<MPI_Request> reqs;
@@ -98,20 +148,129 @@ struct InFlight {
 
 }  // namespace
 
+// A communicator's issue thread: runs, in order, the ops that must not be issued from
+// the caller's thread: async calls of the blocking variant (a blocking MPI call must not
+// block an async caller) and every op of the communicator issued while such calls are
+// queued or running (MPI matches collectives in issue order, and a blocking collective
+// never matches a nonblocking one, so every rank must issue the same variant, async or
+// not, in the same order). Its thread starts on first use and holds the Issuer, so a call
+// stuck in MPI never touches a freed object.
+class Issuer : public std::enable_shared_from_this<Issuer> {
+ public:
+  // Called with the communicator's post lock held: no task queued or running, and no
+  // blocking call running on a caller's thread.
+  bool idle() const { return pending_.load(std::memory_order_acquire) == 0; }
+
+  // A blocking collective runs on a caller's thread (begun with the post lock held, when
+  // idle): ops issued meanwhile queue here and run after it. The post lock itself is not
+  // held during the call: a thread posting an async op must never wait for other ranks
+  // (the peer it waits for may need that very op, or a later one of this thread).
+  void begin_direct() {
+    pending_.fetch_add(1, std::memory_order_acq_rel);
+    std::lock_guard<std::mutex> g(mu_);
+    direct_ = true;
+  }
+  void end_direct() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      direct_ = false;
+    }
+    pending_.fetch_sub(1, std::memory_order_acq_rel);  // after direct_: idle again
+    cv_.notify_one();
+  }
+
+  // Called with the post lock held (tasks run in the order they were pushed).
+  void push(std::function<void()> task) {
+    pending_.fetch_add(1, std::memory_order_acq_rel);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      q_.push_back(std::move(task));
+      if (!started_) {
+        started_ = true;
+        std::thread([self = shared_from_this()] { self->loop(); }).detach();
+      }
+    }
+    cv_.notify_one();
+  }
+
+  // Let the thread end once its queue is empty.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [this] { return !direct_ && (stop_ || !q_.empty()); });
+        if (q_.empty()) return;
+        task = std::move(q_.front());
+        q_.pop_front();
+      }
+      task();  // never throws: a task keeps its MPI error code for its Work
+      task = nullptr;
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+
+  std::atomic<int64_t> pending_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> q_;
+  bool started_ = false, stop_ = false, direct_ = false;
+};
+
+// An op issued by the Issuer: its MPI error code once issued.
+struct Issued {
+  std::atomic<bool> done{false};
+  int rc = MPI_SUCCESS;
+};
+
 class MpiComm {
  public:
   MpiComm(uint64_t handle, int rank, int size, std::string group, std::shared_ptr<Lane> lane,
           double timeout_s, std::string backend)
       : rank_(rank), size_(size), group_(std::move(group)), backend_(std::move(backend)),
-        lane_(std::move(lane)), timeout_s_(timeout_s) {
+        lane_(std::move(lane)), timeout_s_(timeout_s),
+        issuer_(std::make_shared<Issuer>()) {
     comm_ = comm_from_handle<MPI_Comm>(handle);
     check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
   }
+  ~MpiComm() { issuer_->stop(); }
+  MpiComm(const MpiComm&) = delete;
+  MpiComm& operator=(const MpiComm&) = delete;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   uint64_t seq() const { return seq_; }
   void set_timeout(double t) { timeout_s_ = t; }
+
+  // set_blocking(op, steps): which variant calls of `op` run, by size; `steps` are
+  // (largest bytes, blocking) pairs in increasing size, -1 bytes meaning no limit.
+  void set_blocking(const std::string& op, const std::vector<std::pair<int64_t, bool>>& steps) {
+    int i = block_op(op);
+    std::vector<std::pair<int64_t, bool>> v;
+    int64_t last = -2;
+    for (auto [hi, b] : steps) {
+      if (hi < 0) hi = INT64_MAX;
+      if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
+      v.emplace_back(hi, b);
+      last = hi;
+    }
+    std::lock_guard<std::mutex> g(post_mu_);
+    blocking_.steps[i] = std::move(v);
+  }
+
+  // Whether a call of `op` of `nbytes` runs the blocking MPI collective.
+  bool uses_blocking(const std::string& op, int64_t nbytes) const {
+    return blocking_.use(static_cast<BlockOp>(block_op(op)), nbytes);
+  }
 
   py::object all_reduce(py::handle tensor, int rop, bool async_op) {
     c10::NoGradGuard ng;
@@ -119,21 +278,27 @@ class MpiComm {
     validate_all_reduce(t, rop);
     check_device("all_reduce", t);
     ReducePlan p = reduce_plan(t.scalar_type(), rop);
-    auto s = std::make_shared<InFlight>();
     at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
-    s->keep = {t, buf};
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("all_reduce");
-    check_mpi(MPIC(MPI_Iallreduce)(MPI_IN_PLACE, buf.data_ptr(), to_mcount(buf.numel(), "all_reduce"),
-                                   p.type, p.op, comm_, s->req()),
-              "MPI_Iallreduce");
+    const mcount n = to_mcount(buf.numel(), "all_reduce");
+    std::function<void()> finish;
     if (p.average || p.upcast)
-      w->finish = [t, buf, p, n = size_] {
+      finish = [t, buf, p, size = size_] {
         c10::NoGradGuard ng;
-        if (p.average) buf.div_(n);
+        if (p.average) buf.div_(size);
         if (p.upcast) t.copy_(buf);
       };
-    return launch(w, s, async_op, g);
+    if (blocking_.use(kAllReduce, t.nbytes()))
+      return run_blocking("all_reduce", "MPI_Allreduce", async_op, std::move(finish),
+                          [buf, n, p, c = comm_] {
+                            return MPIC(MPI_Allreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type,
+                                                       p.op, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {t, buf};
+    return post("all_reduce", "MPI_Iallreduce", s, async_op, std::move(finish),
+                [buf, n, p, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type, p.op, c, r);
+                });
   }
 
   py::object reduce(py::handle tensor, py::handle dst_, int rop, bool async_op) {
@@ -143,23 +308,32 @@ class MpiComm {
     validate_reduce(t, dst, rop, size_);
     check_device("reduce", t);
     ReducePlan p = reduce_plan(t.scalar_type(), rop);
-    auto s = std::make_shared<InFlight>();
     at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
-    s->keep = {t, buf};
-    bool root = dst == rank_;
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("reduce");
-    check_mpi(MPIC(MPI_Ireduce)(root ? MPI_IN_PLACE : buf.data_ptr(), root ? buf.data_ptr() : nullptr,
-                                to_mcount(buf.numel(), "reduce"), p.type, p.op, (int)dst, comm_,
-                                s->req()),
-              "MPI_Ireduce");
+    const bool root = dst == rank_;
+    const mcount n = to_mcount(buf.numel(), "reduce");
+    std::function<void()> finish;
     if (root && (p.average || p.upcast))
-      w->finish = [t, buf, p, n = size_] {
+      finish = [t, buf, p, size = size_] {
         c10::NoGradGuard ng;
-        if (p.average) buf.div_(n);
+        if (p.average) buf.div_(size);
         if (p.upcast) t.copy_(buf);
       };
-    return launch(w, s, async_op, g);
+    const int d = static_cast<int>(dst);
+    if (blocking_.use(kReduce, t.nbytes()))
+      return run_blocking("reduce", "MPI_Reduce", async_op, std::move(finish),
+                          [buf, n, p, root, d, c = comm_] {
+                            return MPIC(MPI_Reduce)(root ? MPI_IN_PLACE : buf.data_ptr(),
+                                                    root ? buf.data_ptr() : nullptr, n, p.type,
+                                                    p.op, d, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {t, buf};
+    return post("reduce", "MPI_Ireduce", s, async_op, std::move(finish),
+                [buf, n, p, root, d, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ireduce)(root ? MPI_IN_PLACE : buf.data_ptr(),
+                                           root ? buf.data_ptr() : nullptr, n, p.type, p.op, d, c,
+                                           r);
+                });
   }
 
   py::object bcast(py::handle tensor, py::handle src_, bool async_op) {
@@ -167,14 +341,20 @@ class MpiComm {
     int64_t src = to_int(src_, "bcast", "src");
     validate_bcast(t, src, size_);
     check_device("bcast", t);
+    const mcount n = to_mcount(t.numel(), "bcast");
+    const MPI_Datatype dt = move_type(t.scalar_type());
+    const int root = static_cast<int>(src);
+    if (blocking_.use(kBcast, t.nbytes()))
+      return run_blocking("bcast", "MPI_Bcast", async_op, {},
+                          [t, n, dt, root, c = comm_] {
+                            return MPIC(MPI_Bcast)(t.data_ptr(), n, dt, root, c);
+                          });
     auto s = std::make_shared<InFlight>();
     s->keep = {t};
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("bcast");
-    check_mpi(MPIC(MPI_Ibcast)(t.data_ptr(), to_mcount(t.numel(), "bcast"), move_type(t.scalar_type()),
-                               (int)src, comm_, s->req()),
-              "MPI_Ibcast");
-    return launch(w, s, async_op, g);
+    return post("bcast", "MPI_Ibcast", s, async_op, {},
+                [t, n, dt, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ibcast)(t.data_ptr(), n, dt, root, c, r);
+                });
   }
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
@@ -183,18 +363,25 @@ class MpiComm {
     BlockArg out = to_blocks(output, "all_gather", "output", false);
     validate_all_gather(out, in, size_);
     check_device("all_gather", in);
-    auto s = std::make_shared<InFlight>();
     at::Tensor recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor;
     if (overlaps(in, recv)) in = in.clone();
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), "all_gather");
+    std::function<void()> finish;
+    if (out.is_list) finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
+    const int64_t nbytes = in.nbytes() * size_;
+    if (blocking_.use(kAllGather, nbytes))
+      return run_blocking("all_gather", "MPI_Allgather", async_op, std::move(finish),
+                          [in, recv, n, dt, c = comm_] {
+                            return MPIC(MPI_Allgather)(in.data_ptr(), n, dt, recv.data_ptr(), n,
+                                                       dt, c);
+                          });
+    auto s = std::make_shared<InFlight>();
     s->keep = {in, recv};
-    MPI_Datatype dt = move_type(in.scalar_type());
-    mcount n = to_mcount(in.numel(), "all_gather");
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("all_gather");
-    check_mpi(MPIC(MPI_Iallgather)(in.data_ptr(), n, dt, recv.data_ptr(), n, dt, comm_, s->req()),
-              "MPI_Iallgather");
-    if (out.is_list) w->finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    return launch(w, s, async_op, g);
+    return post("all_gather", "MPI_Iallgather", s, async_op, std::move(finish),
+                [in, recv, n, dt, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallgather)(in.data_ptr(), n, dt, recv.data_ptr(), n, dt, c, r);
+                });
   }
 
   py::object gather(py::handle output, py::handle input, py::handle dst_, bool async_op) {
@@ -204,24 +391,32 @@ class MpiComm {
     BlockArg out = to_blocks(output, "gather", "output", true);
     validate_gather(out, in, dst, rank_, size_);
     check_device("gather", in);
-    bool root = dst == rank_;
-    auto s = std::make_shared<InFlight>();
+    const bool root = dst == rank_;
     at::Tensor recv;
     if (root) {
       recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor;
       if (overlaps(in, recv)) in = in.clone();
     }
-    s->keep = {in, recv};
-    MPI_Datatype dt = move_type(in.scalar_type());
-    mcount n = to_mcount(in.numel(), "gather");
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("gather");
-    check_mpi(MPIC(MPI_Igather)(in.data_ptr(), n, dt, root ? recv.data_ptr() : nullptr, n, dt, (int)dst,
-                                comm_, s->req()),
-              "MPI_Igather");
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), "gather");
+    const int d = static_cast<int>(dst);
+    std::function<void()> finish;
     if (root && out.is_list)
-      w->finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    return launch(w, s, async_op, g);
+      finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
+    const int64_t nbytes = in.nbytes() * size_;
+    if (blocking_.use(kGather, nbytes))
+      return run_blocking("gather", "MPI_Gather", async_op, std::move(finish),
+                          [in, recv, n, dt, d, root, c = comm_] {
+                            return MPIC(MPI_Gather)(in.data_ptr(), n, dt,
+                                                    root ? recv.data_ptr() : nullptr, n, dt, d, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {in, recv};
+    return post("gather", "MPI_Igather", s, async_op, std::move(finish),
+                [in, recv, n, dt, d, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Igather)(in.data_ptr(), n, dt, root ? recv.data_ptr() : nullptr,
+                                           n, dt, d, c, r);
+                });
   }
 
   py::object scatter(py::handle output, py::handle input, py::handle src_, bool async_op) {
@@ -231,22 +426,29 @@ class MpiComm {
     BlockArg in = to_blocks(input, "scatter", "input", true);
     validate_scatter(out, in, src, rank_, size_);
     check_device("scatter", out);
-    bool root = src == rank_;
-    auto s = std::make_shared<InFlight>();
+    const bool root = src == rank_;
     at::Tensor send;
     if (root) {
       send = in.is_list ? flat_cat(in.list) : in.tensor;
       if (overlaps(send, out)) send = send.clone();
     }
+    const MPI_Datatype dt = move_type(out.scalar_type());
+    const mcount n = to_mcount(out.numel(), "scatter");
+    const int sr = static_cast<int>(src);
+    const int64_t nbytes = out.nbytes() * size_;
+    if (blocking_.use(kScatter, nbytes))
+      return run_blocking("scatter", "MPI_Scatter", async_op, {},
+                          [out, send, n, dt, sr, root, c = comm_] {
+                            return MPIC(MPI_Scatter)(root ? send.data_ptr() : nullptr, n, dt,
+                                                     out.data_ptr(), n, dt, sr, c);
+                          });
+    auto s = std::make_shared<InFlight>();
     s->keep = {out, send};
-    MPI_Datatype dt = move_type(out.scalar_type());
-    mcount n = to_mcount(out.numel(), "scatter");
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("scatter");
-    check_mpi(MPIC(MPI_Iscatter)(root ? send.data_ptr() : nullptr, n, dt, out.data_ptr(), n, dt, (int)src,
-                                 comm_, s->req()),
-              "MPI_Iscatter");
-    return launch(w, s, async_op, g);
+    return post("scatter", "MPI_Iscatter", s, async_op, {},
+                [out, send, n, dt, sr, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iscatter)(root ? send.data_ptr() : nullptr, n, dt,
+                                            out.data_ptr(), n, dt, sr, c, r);
+                });
   }
 
   py::object reduce_scatter(py::handle output, py::handle input, int rop, bool async_op) {
@@ -260,21 +462,28 @@ class MpiComm {
     if (p.upcast) send = send.to(at::kFloat);
     else if (overlaps(send, out)) send = send.clone();
     at::Tensor recv = p.upcast ? at::empty({out.numel()}, out.options().dtype(at::kFloat)) : out;
-    auto s = std::make_shared<InFlight>();
-    s->keep = {send, recv, out};
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("reduce_scatter");
-    check_mpi(MPIC(MPI_Ireduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
-                                              to_mcount(out.numel(), "reduce_scatter"), p.type, p.op,
-                                              comm_, s->req()),
-              "MPI_Ireduce_scatter_block");
+    const mcount n = to_mcount(out.numel(), "reduce_scatter");
+    std::function<void()> finish;
     if (p.average || p.upcast)
-      w->finish = [out, recv, p, n = size_] {
+      finish = [out, recv, p, size = size_] {
         c10::NoGradGuard ng;
-        if (p.average) recv.div_(n);
+        if (p.average) recv.div_(size);
         if (p.upcast) out.view({-1}).copy_(recv);
       };
-    return launch(w, s, async_op, g);
+    const int64_t nbytes = out.nbytes() * size_;
+    if (blocking_.use(kReduceScatter, nbytes))
+      return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", async_op,
+                          std::move(finish), [send, recv, n, p, c = comm_] {
+                            return MPIC(MPI_Reduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
+                                                                  n, p.type, p.op, c);
+                          });
+    auto s = std::make_shared<InFlight>();
+    s->keep = {send, recv, out};
+    return post("reduce_scatter", "MPI_Ireduce_scatter_block", s, async_op, std::move(finish),
+                [send, recv, n, p, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ireduce_scatter_block)(send.data_ptr(), recv.data_ptr(), n,
+                                                         p.type, p.op, c, r);
+                });
   }
 
   py::object all_to_all_single(py::handle output, py::handle input, py::handle out_splits_,
@@ -292,25 +501,27 @@ class MpiComm {
       for (int64_t d = 1; d < t.dim(); ++d) r *= t.size(d);
       return r;
     };
+    const MPI_Datatype dt = move_type(in.scalar_type());
     auto s = std::make_shared<InFlight>();
     s->keep = {in, out};
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
     if (!in_splits && !out_splits && in.numel() == out.numel()) {
-      mcount n = to_mcount(in.numel() / size_, op);
-      check_mpi(MPIC(MPI_Ialltoall)(in.data_ptr(), n, dt, out.data_ptr(), n, dt, comm_, s->req()),
-                "MPI_Ialltoall");
-    } else {
-      s->c1 = to_mcounts(is, op, row(in));
-      s->c2 = to_mcounts(os, op, row(out));
-      s->d1 = packed_disps(s->c1);
-      s->d2 = packed_disps(s->c2);
-      check_mpi(MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
-                                     s->c2.data(), s->d2.data(), dt, comm_, s->req()),
-                "MPI_Ialltoallv");
+      const mcount n = to_mcount(in.numel() / size_, op);
+      if (blocking_.use(kAllToAllSingle, in.nbytes()))
+        return run_blocking(op, "MPI_Alltoall", async_op, {},
+                            [in, out, n, dt, c = comm_] {
+                              return MPIC(MPI_Alltoall)(in.data_ptr(), n, dt, out.data_ptr(), n,
+                                                        dt, c);
+                            });
+      return post(op, "MPI_Ialltoall", s, async_op, {},
+                  [in, out, n, dt, c = comm_](MPI_Request* r) {
+                    return MPIC(MPI_Ialltoall)(in.data_ptr(), n, dt, out.data_ptr(), n, dt, c, r);
+                  });
     }
-    return launch(w, s, async_op, g);
+    s->c1 = to_mcounts(is, op, row(in));
+    s->c2 = to_mcounts(os, op, row(out));
+    s->d1 = packed_disps(s->c1);
+    s->d2 = packed_disps(s->c2);
+    return post(op, "MPI_Ialltoallv", s, async_op, {}, alltoallv(s, in, out, dt));
   }
 
   py::object all_to_all(py::handle output_list, py::handle input_list, bool async_op) {
@@ -333,14 +544,10 @@ class MpiComm {
     s->c2 = to_mcounts(rc, op);
     s->d1 = packed_disps(s->c1);
     s->d2 = packed_disps(s->c2);
-    MPI_Datatype dt = move_type(send.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Ialltoallv)(send.data_ptr(), s->c1.data(), s->d1.data(), dt, recv.data_ptr(),
-                                   s->c2.data(), s->d2.data(), dt, comm_, s->req()),
-              "MPI_Ialltoallv");
-    w->finish = [recv, outs] { c10::NoGradGuard ng; scatter_into(recv, outs); };
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(send.scalar_type());
+    return post(op, "MPI_Ialltoallv", s, async_op,
+                [recv, outs] { c10::NoGradGuard ng; scatter_into(recv, outs); },
+                alltoallv(s, send, recv, dt));
   }
 
   py::object gatherv(py::handle output, py::handle input, py::handle counts_, py::handle displs_,
@@ -354,20 +561,20 @@ class MpiComm {
     auto displs = to_counts(displs_, op, "displs", true);
     Counts d = validate_gatherv(out, in, counts, displs, dst, rank_, size_);
     check_device(op, in);
-    bool root = dst == rank_;
+    const bool root = dst == rank_;
     if (root && overlaps(in, *out)) in = in.clone();
     auto s = std::make_shared<InFlight>();
     s->keep = {in, out_storage};
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Igatherv)(in.data_ptr(), to_mcount(in.numel(), op), dt,
-                                 root ? out->data_ptr() : nullptr, s->c1.data(), s->d1.data(), dt,
-                                 (int)dst, comm_, s->req()),
-              "MPI_Igatherv");
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), op);
+    void* rbuf = root ? out->data_ptr() : nullptr;
+    return post(op, "MPI_Igatherv", s, async_op, {},
+                [s, in, n, dt, rbuf, d = static_cast<int>(dst), c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Igatherv)(in.data_ptr(), n, dt, rbuf, s->c1.data(), s->d1.data(),
+                                            dt, d, c, r);
+                });
   }
 
   py::object scatterv(py::handle output, py::handle input, py::handle counts_, py::handle displs_,
@@ -381,20 +588,20 @@ class MpiComm {
     auto displs = to_counts(displs_, op, "displs", true);
     Counts d = validate_scatterv(out, in, counts, displs, src, rank_, size_);
     check_device(op, out);
-    bool root = src == rank_;
+    const bool root = src == rank_;
     if (root && overlaps(*in, out)) in_storage = in->clone(), in = &in_storage;
     auto s = std::make_shared<InFlight>();
     s->keep = {out, in_storage};
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
-    MPI_Datatype dt = move_type(out.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Iscatterv)(root ? in->data_ptr() : nullptr, s->c1.data(), s->d1.data(), dt,
-                                  out.data_ptr(), to_mcount(out.numel(), op), dt, (int)src, comm_,
-                                  s->req()),
-              "MPI_Iscatterv");
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(out.scalar_type());
+    const mcount n = to_mcount(out.numel(), op);
+    void* sbuf = root ? in->data_ptr() : nullptr;
+    return post(op, "MPI_Iscatterv", s, async_op, {},
+                [s, out, n, dt, sbuf, sr = static_cast<int>(src), c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iscatterv)(sbuf, s->c1.data(), s->d1.data(), dt, out.data_ptr(),
+                                             n, dt, sr, c, r);
+                });
   }
 
   py::object all_gatherv(py::handle output, py::handle input, py::handle counts_,
@@ -411,13 +618,13 @@ class MpiComm {
     s->keep = {in, out};
     s->c1 = to_mcounts(counts, op);
     s->d1 = to_disps(d);
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Iallgatherv)(in.data_ptr(), to_mcount(in.numel(), op), dt, out.data_ptr(),
-                                    s->c1.data(), s->d1.data(), dt, comm_, s->req()),
-              "MPI_Iallgatherv");
-    return launch(w, s, async_op, g);
+    const MPI_Datatype dt = move_type(in.scalar_type());
+    const mcount n = to_mcount(in.numel(), op);
+    return post(op, "MPI_Iallgatherv", s, async_op, {},
+                [s, in, out, n, dt, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallgatherv)(in.data_ptr(), n, dt, out.data_ptr(), s->c1.data(),
+                                               s->d1.data(), dt, c, r);
+                });
   }
 
   py::object all_to_allv(py::handle output, py::handle input, py::handle scounts_,
@@ -439,13 +646,8 @@ class MpiComm {
     s->c2 = to_mcounts(rc, op);
     s->d1 = to_disps(sd);
     s->d2 = to_disps(rd);
-    MPI_Datatype dt = move_type(in.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
-    check_mpi(MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
-                                   s->c2.data(), s->d2.data(), dt, comm_, s->req()),
-              "MPI_Ialltoallv");
-    return launch(w, s, async_op, g);
+    return post(op, "MPI_Ialltoallv", s, async_op, {},
+                alltoallv(s, in, out, move_type(in.scalar_type())));
   }
 
   py::object send(py::handle tensor, py::handle dst, py::handle tag, bool async_op) {
@@ -457,11 +659,11 @@ class MpiComm {
   }
 
   py::object barrier(bool async_op) {
-    auto s = std::make_shared<InFlight>();
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work("barrier");
-    check_mpi(MPI_Ibarrier(comm_, s->req()), "MPI_Ibarrier");
-    return launch(w, s, async_op, g);
+    if (blocking_.use(kBarrier, 0))
+      return run_blocking("barrier", "MPI_Barrier", async_op, {},
+                          [c = comm_] { return MPI_Barrier(c); });
+    return post("barrier", "MPI_Ibarrier", std::make_shared<InFlight>(), async_op, {},
+                [c = comm_](MPI_Request* r) { return MPI_Ibarrier(c, r); });
   }
 
  private:
@@ -475,6 +677,15 @@ class MpiComm {
     return d;
   }
 
+  // MPI_Ialltoallv of `in` into `out` with the counts and displacements in `s`.
+  std::function<int(MPI_Request*)> alltoallv(std::shared_ptr<InFlight> s, const at::Tensor& in,
+                                             const at::Tensor& out, MPI_Datatype dt) const {
+    return [s, in, out, dt, c = comm_](MPI_Request* r) {
+      return MPIC(MPI_Ialltoallv)(in.data_ptr(), s->c1.data(), s->d1.data(), dt, out.data_ptr(),
+                                  s->c2.data(), s->d2.data(), dt, c, r);
+    };
+  }
+
   py::object p2p(bool sending, py::handle tensor, py::handle peer_, py::handle tag_,
                  bool async_op) {
     const char* op = sending ? "send" : "recv";
@@ -485,17 +696,17 @@ class MpiComm {
     check_device(op, t);
     auto s = std::make_shared<InFlight>();
     s->keep = {t};
-    mcount n = to_mcount(t.numel(), op);
-    MPI_Datatype dt = move_type(t.scalar_type());
-    std::unique_lock<std::mutex> g(post_mu_);
-    auto w = make_work(op);
+    const mcount n = to_mcount(t.numel(), op);
+    const MPI_Datatype dt = move_type(t.scalar_type());
+    const int pr = static_cast<int>(peer), tg = static_cast<int>(tag);
     if (sending)
-      check_mpi(MPIC(MPI_Isend)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
-                "MPI_Isend");
-    else
-      check_mpi(MPIC(MPI_Irecv)(t.data_ptr(), n, dt, (int)peer, (int)tag, comm_, s->req()),
-                "MPI_Irecv");
-    return launch(w, s, async_op, g);
+      return post(op, "MPI_Isend", s, async_op, {},
+                  [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
+                    return MPIC(MPI_Isend)(t.data_ptr(), n, dt, pr, tg, c, r);
+                  });
+    return post(op, "MPI_Irecv", s, async_op, {}, [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
+      return MPIC(MPI_Irecv)(t.data_ptr(), n, dt, pr, tg, c, r);
+    });
   }
 
   void check_device(const char* op, const at::Tensor& t) const {
@@ -508,21 +719,103 @@ class MpiComm {
                                                    ": " + why);
   }
 
+  static int block_op(const std::string& op) {
+    const int i = block_op_of(op);
+    if (i < 0) throw_invalid("set_blocking: '" + op + "' has no blocking variant");
+    return i;
+  }
+
+  // The post lock, taken with the GIL held: when a blocking collective of another thread
+  // holds it, wait without the GIL (that thread may need it, or a peer may need ours).
+  std::unique_lock<std::mutex> lock_post() {
+    std::unique_lock<std::mutex> g(post_mu_, std::try_to_lock);
+    if (!g.owns_lock()) {
+      py::gil_scoped_release nogil;
+      g.lock();
+    }
+    return g;
+  }
+
   std::shared_ptr<Work> make_work(const char* op) {
     if (!lane_->healthy()) lane_->throw_unhealthy(op);
     return std::make_shared<Work>(op, backend_, group_, ++seq_, timeout_s_, lane_);
   }
 
-  // Called with the post lock held (ops are posted in issue order); releases it before
-  // waiting, so another thread can post while this one waits.
-  py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<InFlight> s, bool async_op,
-                    std::unique_lock<std::mutex>& posted) {
-    posted.unlock();
-    w->test = [s, op = w->op()] {
+  // The nonblocking variant: `post_fn(request)` posts the op (returning its MPI error
+  // code) from this thread, or from the issue thread when it has ops queued (issue
+  // order); the caller (blocking) or the lane (async) then drives the Work.
+  py::object post(const char* op, const char* mpi_name, std::shared_ptr<InFlight> s,
+                  bool async_op, std::function<void()> finish,
+                  std::function<int(MPI_Request*)> post_fn) {
+    auto g = lock_post();
+    auto w = make_work(op);
+    w->finish = std::move(finish);
+    auto test = [s, op = w->op()] {
       int flag = 0;
       check_mpi(MPI_Testall((int)s->reqs.size(), s->reqs.data(), &flag, MPI_STATUSES_IGNORE),
                 op.c_str());
       return flag != 0;
+    };
+    if (issuer_->idle()) {
+      check_mpi(post_fn(s->req()), mpi_name);
+      g.unlock();
+      w->test = std::move(test);
+    } else {
+      auto is = std::make_shared<Issued>();
+      issuer_->push([s, is, post_fn = std::move(post_fn)] {
+        is->rc = post_fn(s->req());
+        is->done.store(true, std::memory_order_release);
+      });
+      g.unlock();
+      w->test = [is, mpi_name, test = std::move(test)] {
+        if (!is->done.load(std::memory_order_acquire)) return false;
+        check_mpi(is->rc, mpi_name);
+        return test();
+      };
+    }
+    return launch_work(lane_, w, async_op);
+  }
+
+  // The blocking variant: `call()` runs the blocking MPI collective (returning its MPI
+  // error code) under the watchdog. A blocking call with nothing queued runs it on this
+  // thread (ops issued meanwhile queue behind it: Issuer::begin_direct); otherwise the
+  // issue thread runs it and a Work tracks it.
+  template <typename Call>
+  py::object run_blocking(const char* op, const char* mpi_name, bool async_op,
+                          std::function<void()> finish, Call&& call) {
+    auto g = lock_post();
+    if (!async_op && issuer_->idle()) {
+      if (!lane_->healthy()) lane_->throw_unhealthy(op);
+      const uint64_t seq = ++seq_;
+      issuer_->begin_direct();
+      g.unlock();
+      int rc;
+      {
+        WatchGuard watch(op, &backend_, &group_, seq, timeout_s_);
+        // Always without the GIL: a thread of this process may need it for a peer to reach
+        // this call (tensor fusion's timer thread takes it to flush a round), and C++ threads
+        // that take it now and then are invisible until they do.
+        py::gil_scoped_release nogil;
+        rc = call();
+      }
+      issuer_->end_direct();
+      check_mpi(rc, mpi_name);
+      if (finish) finish();
+      return py::none();
+    }
+    auto w = make_work(op);
+    w->finish = std::move(finish);
+    auto is = std::make_shared<Issued>();
+    // No watchdog here: the Work's bounded wait raises CommTimeoutError as for any async op.
+    issuer_->push([is, call = std::forward<Call>(call)] {
+      is->rc = call();
+      is->done.store(true, std::memory_order_release);
+    });
+    g.unlock();
+    w->test = [is, mpi_name] {
+      if (!is->done.load(std::memory_order_acquire)) return false;
+      check_mpi(is->rc, mpi_name);
+      return true;
     };
     return launch_work(lane_, w, async_op);
   }
@@ -534,7 +827,101 @@ class MpiComm {
   double timeout_s_;
   uint64_t seq_ = 0;
   std::mutex post_mu_;
+  BlockingChoice blocking_;
+  std::shared_ptr<Issuer> issuer_;
 };
+
+// The mpi backend's operations as METH_FASTCALL functions (MPIBackend installs them over
+// its Python methods): a call goes from the front's generated function straight here,
+// without a Python frame of the backend or pybind11's argument dispatch (~0.2 us each,
+// the whole budget of a small blocking call). Calls with keywords, and calls on groups
+// the table does not hold (non-members, foreign objects: errors to report), go to the
+// backend's Python method.
+struct FastOps {
+  std::vector<std::pair<py::object, MpiComm*>> comms;  // group (None: world) -> its comm
+  std::unordered_map<std::string, py::object> slow;    // op -> the Python method
+};
+
+FastOps* fast_ops(PyObject* capsule) {
+  return static_cast<FastOps*>(PyCapsule_GetPointer(capsule, "mcrdl.FastOps"));
+}
+
+MpiComm* fast_comm(FastOps* f, PyObject* group) {
+  for (auto& [g, c] : f->comms)
+    if (g.ptr() == group) return c;
+  return nullptr;
+}
+
+template <typename Call>
+PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames,
+                    const char* op, Py_ssize_t want, Call&& call) {
+  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  FastOps* f = fast_ops(self);
+  MpiComm* c = (nargs == want && !kwnames) ? fast_comm(f, args[want - 2]) : nullptr;
+  if (!c) return PyObject_Vectorcall(f->slow.at(op).ptr(), args, nargsf, kwnames);
+  try {
+    return call(*c, args, PyObject_IsTrue(args[want - 1]) == 1).release().ptr();
+  } catch (...) {
+    set_python_error(std::current_exception());
+    return nullptr;
+  }
+}
+
+PyObject* fast_all_reduce(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "all_reduce", 4, [](MpiComm& c, PyObject* const* a, bool as) {
+    return c.all_reduce(a[0], static_cast<int>(to_int(a[1], "all_reduce", "op")), as);
+  });
+}
+PyObject* fast_bcast(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "bcast", 4, [](MpiComm& c, PyObject* const* a, bool as) {
+    return c.bcast(a[0], a[1], as);
+  });
+}
+PyObject* fast_all_gather(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "all_gather", 4, [](MpiComm& c, PyObject* const* a, bool as) {
+    return c.all_gather(a[0], a[1], as);
+  });
+}
+PyObject* fast_reduce_scatter(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "reduce_scatter", 5,
+                   [](MpiComm& c, PyObject* const* a, bool as) {
+                     return c.reduce_scatter(
+                         a[0], a[1], static_cast<int>(to_int(a[2], "reduce_scatter", "op")), as);
+                   });
+}
+PyObject* fast_barrier(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
+  return fast_call(self, a, n, kw, "barrier", 2, [](MpiComm& c, PyObject* const*, bool as) {
+    return c.barrier(as);
+  });
+}
+
+PyMethodDef kFastDefs[] = {
+    {"all_reduce", (PyCFunction)(void (*)())fast_all_reduce, METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"bcast", (PyCFunction)(void (*)())fast_bcast, METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"all_gather", (PyCFunction)(void (*)())fast_all_gather, METH_FASTCALL | METH_KEYWORDS, nullptr},
+    {"reduce_scatter", (PyCFunction)(void (*)())fast_reduce_scatter, METH_FASTCALL | METH_KEYWORDS,
+     nullptr},
+    {"barrier", (PyCFunction)(void (*)())fast_barrier, METH_FASTCALL | METH_KEYWORDS, nullptr},
+};
+
+// mpi_fast_ops(slow): {op: fast function} for the ops of kFastDefs, each falling back to
+// slow[op]; register communicators with the returned dict's "__add__"(group, comm).
+py::dict mpi_fast_ops(py::dict slow) {
+  auto* f = new FastOps();
+  py::capsule cap(f, "mcrdl.FastOps", [](PyObject* o) {
+    delete static_cast<FastOps*>(PyCapsule_GetPointer(o, "mcrdl.FastOps"));
+  });
+  py::dict out;
+  for (auto& def : kFastDefs) {
+    f->slow[def.ml_name] = slow[def.ml_name];
+    out[def.ml_name] = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, cap.ptr(), nullptr));
+  }
+  out["__add__"] = py::cpp_function([f, cap](py::object group, py::object comm) {
+    (void)cap;
+    f->comms.emplace_back(group, comm.cast<MpiComm*>());
+  });
+  return out;
+}
 
 std::string mpi_library_version() {
   char buf[MPI_MAX_LIBRARY_VERSION_STRING];
@@ -545,6 +932,13 @@ std::string mpi_library_version() {
 
 void bind_mpi(py::module_& m) {
   using py::arg;
+  m.def("timeout_message", &timeout_message, arg("op"), arg("backend"), arg("group"), arg("seq"),
+        arg("timeout"),
+        "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
+        "(what the blocking path's watchdog prints before MPI_Abort).");
+  m.def("mpi_fast_ops", &mpi_fast_ops, arg("slow"),
+        "{op: METH_FASTCALL function} of the mpi backend's hot ops, each falling back to "
+        "slow[op]; '__add__'(group, comm) registers a communicator (group None: the world).");
   m.def("mpi_library_version", &mpi_library_version,
         "Version string of the MPI library this extension was linked against.");
   py::class_<MpiComm>(m, "MpiComm")
@@ -555,6 +949,13 @@ void bind_mpi(py::module_& m) {
       .def_property_readonly("size", &MpiComm::size)
       .def_property_readonly("seq", &MpiComm::seq)
       .def("set_timeout", &MpiComm::set_timeout)
+      .def_static("has_blocking", [](const std::string& op) { return block_op_of(op) >= 0; },
+                  arg("op"), "Whether operation `op` has a blocking variant (set_blocking).")
+      .def("set_blocking", &MpiComm::set_blocking, arg("op"), arg("steps"),
+           "Which variant blocking calls of `op` run: (largest bytes, blocking) steps in "
+           "increasing size, -1 bytes for no limit; larger sizes run nonblocking.")
+      .def("uses_blocking", &MpiComm::uses_blocking, arg("op"), arg("nbytes"),
+           "Whether a blocking call of `op` of `nbytes` runs the blocking MPI collective.")
       .def("all_reduce", &MpiComm::all_reduce)
       .def("reduce", &MpiComm::reduce)
       .def("bcast", &MpiComm::bcast)

@@ -1,0 +1,105 @@
+#include "watchdog.h"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdio>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+namespace mcrdl {
+
+std::string timeout_message(const std::string& op, const std::string& backend,
+                            const std::string& group, uint64_t seq, double timeout_s) {
+  std::ostringstream s;
+  s << op << " on backend '" << backend << "' (group " << group << ", sequence number " << seq
+    << ") did not complete within " << timeout_s
+    << " s; a rank of the group may never have called it, may be stuck, or may have died "
+       "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
+  return s.str();
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How often the watchdog looks at the slots: a stuck call ends the job between its
+// timeout and its timeout plus this period.
+constexpr auto kPeriod = std::chrono::milliseconds(200);
+
+struct Registry {
+  std::mutex mu;
+  std::vector<WatchSlot*> slots;  // never freed: a thread's slot outlives the thread
+};
+
+// Never destroyed: the detached watchdog thread may still read it during process exit.
+Registry& registry() {
+  static auto* r = new Registry();
+  return *r;
+}
+
+[[noreturn]] void fire(const char* op, const std::string& backend,
+                       const std::string& group, uint64_t seq, double timeout_s) {
+  std::string msg = timeout_message(op, backend, group, seq, timeout_s);
+  std::fprintf(stderr,
+               "mcrdl: CommTimeoutError: %s\nmcrdl: a blocking MPI call cannot be interrupted; "
+               "ending the job with MPI_Abort\n",
+               msg.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::abort();  // MPI_Abort does not return
+}
+
+void watch() {
+  struct Seen {
+    uint64_t gen = 0;
+    Clock::time_point since;
+  };
+  std::vector<Seen> seen;
+  std::vector<WatchSlot*> slots;
+  for (;;) {
+    std::this_thread::sleep_for(kPeriod);
+    {
+      std::lock_guard<std::mutex> g(registry().mu);
+      slots = registry().slots;
+    }
+    seen.resize(slots.size());
+    const auto now = Clock::now();
+    for (size_t i = 0; i < slots.size(); ++i) {
+      WatchSlot& s = *slots[i];
+      const uint64_t g1 = s.gen.load(std::memory_order_acquire);
+      if (!(g1 & 1)) continue;
+      if (seen[i].gen != g1) {  // a call armed since the last look: its clock starts now
+        seen[i] = {g1, now};
+        continue;
+      }
+      const char* op = s.op.load(std::memory_order_relaxed);
+      const std::string* backend = s.backend.load(std::memory_order_relaxed);
+      const std::string* group = s.group.load(std::memory_order_relaxed);
+      const uint64_t seq = s.seq.load(std::memory_order_relaxed);
+      const double timeout_s = s.timeout_s.load(std::memory_order_relaxed);
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (s.gen.load(std::memory_order_relaxed) != g1) continue;  // it completed meanwhile
+      if (now - seen[i].since < std::chrono::duration<double>(timeout_s)) continue;
+      fire(op, *backend, *group, seq, timeout_s);
+    }
+  }
+}
+
+}  // namespace
+
+WatchSlot& watch_slot() {
+  thread_local WatchSlot* slot = [] {
+    auto* s = new WatchSlot();
+    static std::once_flag started;
+    std::call_once(started, [] { std::thread(watch).detach(); });
+    std::lock_guard<std::mutex> g(registry().mu);
+    registry().slots.push_back(s);
+    return s;
+  }();
+  return *slot;
+}
+
+}  // namespace mcrdl

@@ -1,0 +1,57 @@
+// The watchdog of blocking MPI calls. A blocking MPI collective cannot be interrupted, so
+// the timeout contract (API.md "Timeouts") is kept from outside the call: the calling
+// thread arms its slot before entering MPI and disarms it after; a watchdog thread that
+// finds one call armed past its timeout prints, on that rank, the CommTimeoutError text
+// the nonblocking path raises and ends the job with MPI_Abort (as NCCL's watchdog does
+// under torch). Arming costs a few plain stores: no lock, no clock read.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+namespace mcrdl {
+
+// The text of the CommTimeoutError of an op that did not complete within timeout_s.
+// Work::wait (lane.cpp) raises the same text; tests/test_blocking.py checks they agree.
+std::string timeout_message(const std::string& op, const std::string& backend,
+                            const std::string& group, uint64_t seq, double timeout_s);
+
+// One thread's blocking call, seqlock-style: `gen` is odd while a call is armed; the
+// fields are written only while it is even, and the watchdog reads them only when `gen`
+// is odd and unchanged around the read.
+struct WatchSlot {
+  std::atomic<uint64_t> gen{0};
+  std::atomic<const char*> op{nullptr};
+  std::atomic<const std::string*> backend{nullptr}, group{nullptr};
+  std::atomic<uint64_t> seq{0};
+  std::atomic<double> timeout_s{0.0};
+};
+
+// The calling thread's slot (registered, and the watchdog thread started, on first use).
+WatchSlot& watch_slot();
+
+// Arms the calling thread's slot for the lifetime of the guard. The strings must outlive it.
+class WatchGuard {
+ public:
+  WatchGuard(const char* op, const std::string* backend, const std::string* group, uint64_t seq,
+             double timeout_s)
+      : s_(watch_slot()) {
+    s_.op.store(op, std::memory_order_relaxed);
+    s_.backend.store(backend, std::memory_order_relaxed);
+    s_.group.store(group, std::memory_order_relaxed);
+    s_.seq.store(seq, std::memory_order_relaxed);
+    s_.timeout_s.store(timeout_s, std::memory_order_relaxed);
+    s_.gen.store(s_.gen.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  }
+  ~WatchGuard() {
+    s_.gen.store(s_.gen.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+  }
+  WatchGuard(const WatchGuard&) = delete;
+  WatchGuard& operator=(const WatchGuard&) = delete;
+
+ private:
+  WatchSlot& s_;
+};
+
+}  // namespace mcrdl

@@ -1,0 +1,38 @@
+"""The blocking MPI path's timeout (run under mpiexec -n N, N >= 2): rank 0 never joins a
+small blocking all_reduce. Under MCRDL_MPI_BLOCKING=always the other ranks' watchdog
+prints the CommTimeoutError text and ends the job with MPI_Abort; under "never" they
+raise CommTimeoutError (its text printed, to compare). "async" waits on an async op
+instead, which raises CommTimeoutError in every mode. Usage: blocking_timeout.py
+TIMEOUT_S [async]"""
+
+import os
+import sys
+import time
+
+import torch
+
+import mcrdl
+
+limit = float(sys.argv[1])
+use_async = sys.argv[2:] == ["async"]
+mcrdl.init(["mpi"], timeout=limit)
+rank = mcrdl.get_rank()
+print(f"rank {rank}: pid {os.getpid()}", flush=True)
+mcrdl.all_reduce("mpi", torch.ones(4))  # a healthy op first: sequence number 1
+if rank != 0:
+    print(f"rank {rank}: calling at {time.time():.3f}", flush=True)
+    start = time.monotonic()
+    try:
+        if use_async:
+            mcrdl.all_reduce("mpi", torch.ones(4), async_op=True).wait()
+        else:
+            mcrdl.all_reduce("mpi", torch.ones(4))
+        raise AssertionError("all_reduce without rank 0 returned")
+    except mcrdl.CommTimeoutError as e:
+        print(f"rank {rank}: raised after {time.monotonic() - start:.2f} s: "
+              f"CommTimeoutError: {e}", flush=True)
+else:
+    time.sleep(limit + 8)
+    print("rank 0: skipped the collective", flush=True)
+mcrdl.finalize()
+print(f"rank {rank}: finalized", flush=True)

@@ -1,0 +1,110 @@
+"""The mpi backend's blocking MPI path (issue 22): the variant choice, and its timeout
+contract (a watchdog ends the job with MPI_Abort, printing the CommTimeoutError text)."""
+
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from mcrdl import _C
+from mcrdl.backends import mpi
+
+from ._launch import mpiexec_or_skip, run_launcher
+from .test_mixing import _alive
+
+HERE = os.path.join(os.path.dirname(__file__), "mixing")
+
+
+def test_blocking_mode_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("MCRDL_MPI_BLOCKING", raising=False)
+    assert mpi.blocking_mode() == "auto"
+    for mode in ("auto", "never", "always"):
+        monkeypatch.setenv("MCRDL_MPI_BLOCKING", mode)
+        assert mpi.blocking_mode() == mode
+    monkeypatch.setenv("MCRDL_MPI_BLOCKING", "sometimes")
+    with pytest.raises(ValueError, match="auto, never, always.*'sometimes'"):
+        mpi.blocking_mode()
+
+
+def test_blocking_steps_fixed_modes_and_nearest_group_size():
+    assert mpi.blocking_steps("all_reduce", 2, "always") == [(-1, True)]
+    assert mpi.blocking_steps("all_reduce", 2, "never") == [(-1, False)]
+    table = {"bcast": {2: [(100, True), (-1, False)], 4: [(10, True), (-1, False)]}}
+    assert mpi.blocking_steps("bcast", 3, "auto", table) == [(100, True), (-1, False)]
+    assert mpi.blocking_steps("bcast", 8, "auto", table) == [(10, True), (-1, False)]
+    assert mpi.blocking_steps("bcast", 1, "auto", table) == [(100, True), (-1, False)]
+    shipped = mpi.shipped_blocking()
+    assert set(shipped) == set(mpi.BLOCKING_OPS)
+    for op in mpi.BLOCKING_OPS:  # the shipped steps are usable as they are
+        for g, steps in shipped[op].items():
+            sizes = [b if b >= 0 else float("inf") for b, _ in steps]
+            assert sizes == sorted(set(sizes)) and sizes[-1] == float("inf"), (op, g, steps)
+        assert mpi.blocking_steps("all_reduce", 2, "auto") == shipped["all_reduce"][2]
+
+
+def _run(n, *args, mode, timeout):
+    mpiexec = mpiexec_or_skip()
+    env = dict(os.environ, MCRDL_MPI_BLOCKING=mode)
+    cmd = [mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "blocking_timeout.py"),
+           *map(str, args)]
+    out = run_launcher(cmd, env=env, timeout=timeout, expect_rc=None)
+    return out, time.time()
+
+
+def test_work_wait_raises_the_watchdog_text():
+    """The nonblocking path's CommTimeoutError text is the one the watchdog prints
+    (_C.timeout_message): an async recv that nothing sends, waited with a timeout."""
+    mpiexec = mpiexec_or_skip()
+    code = ("import time, torch, mcrdl\nfrom mcrdl import _C\nmcrdl.init(['mpi'], timeout=30)\n"
+            "if mcrdl.get_rank() == 1:\n"
+            "    w = mcrdl.recv('mpi', torch.empty(1), src=0, tag=7, async_op=True)\n"
+            "    try:\n        w.wait(timeout=0.25)\n    except mcrdl.CommTimeoutError as e:\n"
+            "        assert str(e) == _C.timeout_message('recv', 'mpi', 'world', w.seq, 0.25), e\n"
+            "        print('texts agree:', e)\n"
+            "mcrdl.barrier('mpi')\nmcrdl.finalize()\n")
+    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=60)
+    assert "texts agree: recv on backend 'mpi' (group world, sequence number 1)" in out, out
+
+
+def test_blocking_call_past_timeout_ends_the_job():
+    """A rank never joins a small blocking all_reduce on the blocking path: the waiting
+    rank prints the CommTimeoutError text and MPI_Abort ends the job within timeout + 5 s;
+    no process is left."""
+    limit = 2.0
+    out, end = _run(2, limit, mode="always", timeout=60)
+    called = float(re.search(r"rank 1: calling at ([\d.]+)", out).group(1))
+    assert end - called < limit + 5, (end - called, out)
+    text = _C.timeout_message("all_reduce", "mpi", "world", 2, limit)
+    assert f"mcrdl: CommTimeoutError: {text}" in out, out
+    assert "MPI_Abort" in out and "rank 0: skipped" not in out and "finalized" not in out, out
+    pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
+    assert len(pids) == 2, out
+    deadline = time.monotonic() + 5  # the aborting rank may still be exiting
+    while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], out
+
+
+def test_async_call_past_timeout_still_raises():
+    """An async op of the blocking variant (run by the communicator's issue thread) keeps
+    the async contract: its wait raises CommTimeoutError, the job goes on."""
+    limit = 2.0
+    out, _ = _run(2, limit, "async", mode="always", timeout=90)
+    text = _C.timeout_message("all_reduce", "mpi", "world", 2, limit)
+    m = re.search(r"rank 1: raised after ([\d.]+) s: CommTimeoutError: (.*)", out)
+    assert m and m.group(2) == text and float(m.group(1)) < limit + 5, out
+    assert "rank 0: finalized" in out and "rank 1: finalized" in out, out
+
+
+def test_debug_mode_keeps_the_nonblocking_path():
+    code = ("import os, mcrdl, mcrdl.api\nos.environ['MCRDL_DEBUG'] = '1'\nmcrdl.init(['mpi'])\n"
+            "b = mcrdl.api.current_runtime().backend('mpi')\n"
+            "assert not b._world.uses_blocking('all_reduce', 8)\nprint('debug: nonblocking')\n")
+    mpiexec = mpiexec_or_skip()
+    env = dict(os.environ, MCRDL_MPI_BLOCKING="always")
+    out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=env, timeout=60)
+    assert "debug: nonblocking" in out, out
+
+
