@@ -34,15 +34,20 @@ namespace {
 // thread wants its core.
 //
 // Ranks outnumber cores (set_idle_sleep): a waiter yields for kWaitYield without
-// progress, then sleeps 1/8 of the time waited so far, up to kMaxSleep. Here the peer a
-// waiter waits for often shares its core and is still computing, and a yielding waiter
-// stays runnable, so it keeps taking a share of that core: 4 ranks on 2 cores, one TED MoE step (benchmarks/moe_step.py) took
-// 1.7x as long on "mpi" as on "gloo" (whose waits block in the kernel) with yielding
-// waiters, and 0.72-0.87x as long with sleeping ones. A yield budget of 20-100 us gave
-// the same step times, 1 ms lost (1.28x gloo). Ops that complete within the budget,
-// small messages among them, keep the yielding latency. The sleep rounds up to the
-// thread's timer slack (50 us by default); multi-step ops (Work::advanced) restart the
-// budget at each step.
+// progress, then sleeps kWaitSleep between polls, which the kernel rounds up to the
+// thread's timer slack (50 us by default). Here the peer a waiter waits for often shares
+// its core and is still computing, and a yielding waiter stays runnable, so it keeps
+// taking a share of that core. 4 ranks on 2 cores, one TED MoE step
+// (benchmarks/moe_step.py, (2,2,2)) on "mpi" took 1.10-4.3x as long as on "gloo" (whose
+// waits block in the kernel) with yielding waiters, and 0.57-0.92x with sleeping ones.
+// A yield budget of 20-100 us gave the same step times, 1 ms lost (1.28x gloo; both with
+// the growing sleeps below). Sleeps
+// growing to 1/8 of the time waited (up to 1 ms) suited the step as well but made
+// isolated 1-4 MiB MPI collectives 1.9-4.7x slower than raw MPI (their rounds advance
+// only when polled, and a sleeping rank delays every round), against 1.03-1.13x with
+// yielding and 0.89-1.3x (one 3.2x outlier) with the short sleeps. Ops that complete
+// within the budget, small messages among them, keep the yielding latency; multi-step
+// ops (Work::advanced) restart the budget at each step.
 //
 // Lane threads, which only provide background progress (a waiter polls its own op),
 // sleep once nothing completed for 20000 polls: 50 us per poll, and when ranks outnumber
@@ -63,9 +68,8 @@ class Backoff {
     if (n_ < g_poll_spins.load(std::memory_order_relaxed)) return;
     const bool oversubscribed = g_idle_sleep.load(std::memory_order_relaxed);
     if (!lane_) {
-      const auto idle = idle_time();
-      if (!oversubscribed || idle < kWaitYield) return (void)sched_yield();
-      return sleep(std::clamp(idle / 8, kWaitMinSleep, kMaxSleep));
+      if (!oversubscribed || idle_time() < kWaitYield) return (void)sched_yield();
+      return sleep(kWaitSleep);
     }
     if (n_ < kLaneYields) return (void)sched_yield();
     if (!oversubscribed) return sleep(kMinSleep);
@@ -82,7 +86,7 @@ class Backoff {
   }
   static constexpr uint64_t kLaneYields = 20000;
   static constexpr std::chrono::microseconds kMinSleep{50}, kMaxSleep{1000};
-  static constexpr std::chrono::microseconds kWaitYield{100}, kWaitMinSleep{1};
+  static constexpr std::chrono::microseconds kWaitYield{100}, kWaitSleep{1};
   bool lane_;
   uint64_t n_ = 0;
   Clock::time_point since_;  // when the polls without progress began
