@@ -40,9 +40,8 @@ namespace {
 // taking a share of that core. 4 ranks on 2 cores, one TED MoE step
 // (benchmarks/moe_step.py, (2,2,2)) on "mpi" took 1.10-4.3x as long as on "gloo" (whose
 // waits block in the kernel) with yielding waiters, and 0.57-0.92x with sleeping ones.
-// A yield budget of 20-100 us gave the same step times, 1 ms lost (1.28x gloo; both with
-// the growing sleeps below). Sleeps
-// growing to 1/8 of the time waited (up to 1 ms) suited the step as well but made
+// Sleeps growing to 1/8 of the time waited (up to 1 ms) suited the step as well (a yield
+// budget of 20-100 us gave the same step times, 1 ms lost: 1.28x gloo) but made
 // isolated 1-4 MiB MPI collectives 1.9-4.7x slower than raw MPI (their rounds advance
 // only when polled, and a sleeping rank delays every round), against 1.03-1.13x with
 // yielding and 0.89-1.3x (one 3.2x outlier) with the short sleeps. Ops that complete
