@@ -62,6 +62,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=6, help="timed steps per block")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-dtd", action="store_true")
+    p.add_argument("--only", default=None, metavar="A;B",
+                   help="time only these variants (';'-separated names as printed); the "
+                   "fixed backends and auto are always timed")
     p.add_argument("--table", default=None, help="tuning table for \"auto\" (default: "
                    "$MCRDL_TUNING_TABLE or the one shipped for this system)")
     a = p.parse_args()
@@ -76,7 +79,15 @@ def main() -> int:
     g_t, g_e, g_d = (int(x) for x in a.layout.split(","))
     data = ByteCorpus(max_bytes=1 << 20)
     trainers = {}
-    for name, spec in variants(fixed).items():
+    chosen = variants(fixed)
+    if a.only:
+        keep = {n.strip() for n in a.only.split(";")}
+        unknown = keep - set(chosen)
+        if unknown:
+            p.error(f"--only: unknown variants {sorted(unknown)}; known: {list(chosen)}")
+        chosen = {n: s for n, s in chosen.items()
+                  if n in keep or n == "auto" or n.startswith("all ")}
+    for name, spec in chosen.items():
         cfg = MoETrainConfig(model=a.model, n_embd=a.n_embd, experts=a.experts, top_k=a.top_k,
                              G_tensor=g_t, G_expert=g_e, G_data=g_d, dtd=not a.no_dtd,
                              micro_batch_size=a.micro_batch_size,

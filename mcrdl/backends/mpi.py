@@ -36,10 +36,11 @@ def poll_spins(ranks_on_node: int) -> int:
 
 
 def idle_sleep(ranks_on_node: int) -> bool:
-    """Whether idle lane threads sleep in slices growing to 1 ms instead of 50 us: when this
-    node's ranks outnumber its cores, a rank waiting for busy peers must leave them the
-    cores (MCRDL_IDLE_SLEEP=0/1 overrides). See csrc/lane.cpp (Backoff) for the policy
-    and its measurements."""
+    """Whether waiters sleep after 100 us without progress (instead of yielding until done)
+    and idle lane threads in slices growing to 1 ms (instead of 50 us): when this node's
+    ranks outnumber its cores, a rank waiting for busy peers must leave them the cores
+    (MCRDL_IDLE_SLEEP=0/1 overrides). See csrc/lane.cpp (Backoff) for the policy and its
+    measurements."""
     v = os.environ.get("MCRDL_IDLE_SLEEP", "")
     if v:
         if v not in ("0", "1"):

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <sstream>
+#include <thread>
 
 namespace mcrdl {
 
@@ -16,7 +17,8 @@ using Clock = std::chrono::steady_clock;
 // (oversubscribed) yielding at once wins (+6 us vs +19 us) and never yielding is
 // catastrophic (6.5 ms). The MPI backend sets it from ranks per node vs cores.
 std::atomic<uint64_t> g_poll_spins{64};
-// Ranks outnumber cores: idle lanes sleep longer (set with the spins, from the same test).
+// Ranks outnumber cores: waiters and idle lanes sleep (set with the spins, from the same
+// test; see Backoff).
 std::atomic<bool> g_idle_sleep{false};
 
 void set_poll_spins(uint64_t n) { g_poll_spins.store(n, std::memory_order_relaxed); }
@@ -24,14 +26,32 @@ void set_idle_sleep(bool on) { g_idle_sleep.store(on, std::memory_order_relaxed)
 
 namespace {
 
-// Polling back-off: spin briefly (lowest latency), then yield; lane threads then sleep.
+// Polling back-off: spin briefly (lowest latency), then yield; then, where noted, sleep.
 //
-// Waiters never sleep: a sleep adds its length to the op's latency (sleeping after 0-16
-// yields cost 3-800x on small messages; waiters sleeping 1/8 of the time waited after
-// 2000 polls cost 19-35% on 4 MiB MPI collectives, whose internal rounds advance only
-// when polled). Lane threads, which only provide background progress (a waiter polls its
-// own op), sleep once nothing completed for 20000 polls: 50 us per poll, and when ranks
-// outnumber cores (set_idle_sleep) 1/8 of the time without progress, 50 us to 1 ms.
+// Ranks fit the cores: waiters never sleep. A sleep adds its length to the op's latency
+// (sleeping after 0-16 yields cost 3-800x on small messages; waiters sleeping 1/8 of the
+// time waited after 2000 polls cost 19-35% on 4 MiB MPI collectives, whose internal
+// rounds advance only when polled), and a yielding waiter costs nothing when no other
+// thread wants its core.
+//
+// Ranks outnumber cores (set_idle_sleep): a waiter yields for kWaitYield without
+// progress, then sleeps kWaitSleep between polls, which the kernel rounds up to the
+// thread's timer slack (50 us by default). Here the peer a waiter waits for often shares
+// its core and is still computing, and a yielding waiter stays runnable, so it keeps
+// taking a share of that core. 4 ranks on 2 cores, one TED MoE step
+// (benchmarks/moe_step.py, (2,2,2)) on "mpi" took 1.10-4.3x as long as on "gloo" (whose
+// waits block in the kernel) with yielding waiters, and 0.57-0.92x with sleeping ones.
+// Sleeps growing to 1/8 of the time waited (up to 1 ms) suited the step as well (a yield
+// budget of 20-100 us gave the same step times, 1 ms lost: 1.28x gloo) but made
+// isolated 1-4 MiB MPI collectives 1.9-4.7x slower than raw MPI (their rounds advance
+// only when polled, and a sleeping rank delays every round), against 1.03-1.13x with
+// yielding and 0.89-1.3x (one 3.2x outlier) with the short sleeps. Ops that complete
+// within the budget, small messages among them, keep the yielding latency; multi-step
+// ops (Work::advanced) restart the budget at each step.
+//
+// Lane threads, which only provide background progress (a waiter polls its own op),
+// sleep once nothing completed for 20000 polls: 50 us per poll, and when ranks outnumber
+// cores 1/8 of the time without progress, 50 us to 1 ms.
 // There 50 us sleeps (20000 wake-ups a second per lane) starved ranks that had work:
 // 6 ranks on 2 cores, 3 of them running 640 checks in a sub-group while the other 3
 // waited on async ops (the layout of tests/pccl/check_pccl.py) took 0.96-54.9 s (median
@@ -46,13 +66,14 @@ class Backoff {
   void pause(Sleep&& sleep) {
     ++n_;
     if (n_ < g_poll_spins.load(std::memory_order_relaxed)) return;
-    if (!lane_ || n_ < kLaneYields) {
-      sched_yield();
-      return;
+    const bool oversubscribed = g_idle_sleep.load(std::memory_order_relaxed);
+    if (!lane_) {
+      if (!oversubscribed || idle_time() < kWaitYield) return (void)sched_yield();
+      return sleep(kWaitSleep);
     }
-    if (!g_idle_sleep.load(std::memory_order_relaxed)) return sleep(kMinSleep);
-    sleep(std::clamp(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - since_) / 8,
-                     kMinSleep, kMaxSleep));
+    if (n_ < kLaneYields) return (void)sched_yield();
+    if (!oversubscribed) return sleep(kMinSleep);
+    sleep(std::clamp(idle_time() / 8, kMinSleep, kMaxSleep));
   }
   void reset() {
     n_ = 0;
@@ -60,8 +81,12 @@ class Backoff {
   }
 
  private:
+  std::chrono::microseconds idle_time() const {
+    return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - since_);
+  }
   static constexpr uint64_t kLaneYields = 20000;
   static constexpr std::chrono::microseconds kMinSleep{50}, kMaxSleep{1000};
+  static constexpr std::chrono::microseconds kWaitYield{100}, kWaitSleep{1};
   bool lane_;
   uint64_t n_ = 0;
   Clock::time_point since_;  // when the polls without progress began
@@ -183,7 +208,12 @@ void Work::wait(double timeout_s) {
                                              std::chrono::duration<double>(timeout_s));
     Backoff backoff(false);
     uint32_t iter = 0;
+    uint64_t steps = advances();
     while (!progress()) {
+      if (advances() != steps) {  // a multi-step op moved: poll at full rate again
+        steps = advances();
+        backoff.reset();
+      }
       if ((++iter & 63) == 0 && Clock::now() > deadline) {
         std::ostringstream s;
         s << op_ << " on backend '" << backend_ << "' (group " << group_ << ", sequence number "
@@ -194,7 +224,7 @@ void Work::wait(double timeout_s) {
           if (auto lane = lane_.lock()) lane->fail(s.str(), nullptr);
         throw Error(ErrorKind::Timeout, s.str());
       }
-      backoff.pause([](std::chrono::microseconds) {});  // waiters never sleep
+      backoff.pause([](std::chrono::microseconds d) { std::this_thread::sleep_for(d); });
     }
   }
   if (state_.load(std::memory_order_acquire) == kFailed) throw Error(err_kind_, err_);

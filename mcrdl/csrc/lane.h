@@ -23,8 +23,8 @@ class Lane;
 
 // How many times a waiter polls before it starts yielding the CPU between polls.
 void set_poll_spins(uint64_t n);
-// Whether idle lane threads sleep in slices growing to 1 ms (ranks outnumber cores):
-// see Backoff in lane.cpp.
+// Ranks outnumber cores: waiters sleep after 100 us without progress and idle lane
+// threads in slices growing to 1 ms: see Backoff in lane.cpp.
 void set_idle_sleep(bool on);
 
 class Work {

@@ -216,7 +216,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("name", &Lane::name);
 
   m.def("set_idle_sleep", &set_idle_sleep, py::arg("on"),
-        "Idle lane threads sleep in slices growing to 1 ms (not 50 us): for ranks outnumbering cores.");
+        "Waiters sleep after 100 us without progress and idle lane threads in slices growing to "
+        "1 ms (not 50 us): for ranks outnumbering cores.");
   m.def("set_poll_spins", &set_poll_spins, py::arg("n"),
         "Polls a waiter makes before yielding the CPU between polls (0: yield at once).");
   m.def("validate", &validate_binding, py::arg("op"),
