@@ -183,13 +183,18 @@ void Work::call(Callback& cb) {
   cb = nullptr;  // release what it captured here, not when the Work goes
 }
 
-std::string Work::timeout_message(double timeout_s) const {
+std::string timeout_message(const std::string& op, const std::string& backend,
+                            const std::string& group, uint64_t seq, double timeout_s) {
   std::ostringstream s;
-  s << op_ << " on backend '" << backend_ << "' (group " << group_ << ", sequence number "
-    << seq_ << ") did not complete within " << timeout_s
+  s << op << " on backend '" << backend << "' (group " << group << ", sequence number " << seq
+    << ") did not complete within " << timeout_s
     << " s; a rank of the group may never have called it, may be stuck, or may have died "
        "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
   return s.str();
+}
+
+std::string Work::timeout_message(double timeout_s) const {
+  return mcrdl::timeout_message(op_, backend_, group_, seq_, timeout_s);
 }
 
 void Work::time_out(double timeout_s) {
@@ -214,16 +219,8 @@ void Work::wait(double timeout_s) {
         steps = advances();
         backoff.reset();
       }
-      if ((++iter & 63) == 0 && Clock::now() > deadline) {
-        std::ostringstream s;
-        s << op_ << " on backend '" << backend_ << "' (group " << group_ << ", sequence number "
-          << seq_ << ") did not complete within " << timeout_s
-          << " s; a rank of the group may never have called it, may be stuck, or may have died "
-             "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
-        if (timeout_s == timeout_s_)
-          if (auto lane = lane_.lock()) lane->fail(s.str(), nullptr);
-        throw Error(ErrorKind::Timeout, s.str());
-      }
+      if ((++iter & 63) == 0 && Clock::now() > deadline)
+        time_out(timeout_s);  // raises, unless the op completed meanwhile
       backoff.pause([](std::chrono::microseconds d) { std::this_thread::sleep_for(d); });
     }
   }

@@ -27,6 +27,11 @@ void set_poll_spins(uint64_t n);
 // threads in slices growing to 1 ms: see Backoff in lane.cpp.
 void set_idle_sleep(bool on);
 
+// The text of the CommTimeoutError of an op that did not complete within timeout_s: what
+// Work::wait raises and what the watchdog of blocking MPI calls prints (watchdog.h).
+std::string timeout_message(const std::string& op, const std::string& backend,
+                            const std::string& group, uint64_t seq, double timeout_s);
+
 class Work {
  public:
   Work(const char* op, const std::string& backend, const std::string& group, uint64_t seq,

@@ -11,16 +11,6 @@
 
 namespace mcrdl {
 
-std::string timeout_message(const std::string& op, const std::string& backend,
-                            const std::string& group, uint64_t seq, double timeout_s) {
-  std::ostringstream s;
-  s << op << " on backend '" << backend << "' (group " << group << ", sequence number " << seq
-    << ") did not complete within " << timeout_s
-    << " s; a rank of the group may never have called it, may be stuck, or may have died "
-       "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
-  return s.str();
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;

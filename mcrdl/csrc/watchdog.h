@@ -10,12 +10,9 @@
 #include <cstdint>
 #include <string>
 
-namespace mcrdl {
+#include "lane.h"  // timeout_message
 
-// The text of the CommTimeoutError of an op that did not complete within timeout_s.
-// Work::wait (lane.cpp) raises the same text; tests/test_blocking.py checks they agree.
-std::string timeout_message(const std::string& op, const std::string& backend,
-                            const std::string& group, uint64_t seq, double timeout_s);
+namespace mcrdl {
 
 // One thread's blocking call, seqlock-style: `gen` is odd while a call is armed; the
 // fields are written only while it is even, and the watchdog reads them only when `gen`
