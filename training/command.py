@@ -1,6 +1,8 @@
-"""What every training command (``train_gpt``, ``train_moe``) does around its run: parse
-the options, run, finalize mcrdl, and turn the errors a user can fix into exit codes
-with one line on stderr instead of a traceback from every rank:
+"""What every training command (``train_gpt``, ``train_moe``) shares: the step loop
+(``train_loop``: resume, metrics file, progress, warm-up step, checkpoints, wall time)
+and the command around the run (``run_command``: parse the options, run, finalize
+mcrdl, and turn the errors a user can fix into exit codes with one line on stderr
+instead of a traceback from every rank):
 
 - 0: trained; 2: bad options or a layout the world cannot hold; 3: an unusable
   checkpoint (``--resume``). Anything else is a bug and propagates with its traceback.
@@ -8,13 +10,17 @@ with one line on stderr instead of a traceback from every rank:
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mcrdl
 
+from . import report
 from .checkpoint import CheckpointError
+from .report import MetricsFile, ProgressLog, TrainResult
 
 
 def _rank() -> str:
@@ -48,3 +54,53 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
         if mcrdl.is_initialized():
             mcrdl.finalize()
     return 0
+
+
+def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
+               on_warmup_end: Callable[[], None] = lambda: None,
+               on_step: Callable[[], None] = lambda: None,
+               line_suffix: Callable[[dict], str] = lambda record: "") -> tuple[float, int]:
+    """Resume if ``cfg.resume``, then train ``trainer`` to ``cfg.last_step``: rank 0 writes
+    the metrics file and the progress lines (``line_suffix(record)`` appended), a
+    checkpoint is saved when due, a non-finite loss stops the run (``nan_hint`` says
+    what to change). The first step is warm-up: the timers restart after it
+    (``on_warmup_end`` runs then). ``on_step`` runs after every step, on every rank.
+    Returns (wall seconds, steps) of the timed steps."""
+    if cfg.resume:
+        result.start_step = trainer.load_checkpoint(cfg.resume)
+    is_rank0 = trainer.world_rank == 0
+    verbose = is_rank0 and not cfg.quiet
+    if verbose:
+        print(trainer.describe(), flush=True)
+    metrics = MetricsFile(cfg.metrics_path, result.start_step) if is_rank0 else None
+    progress = ProgressLog(cfg.last_step - result.start_step, lines=verbose,
+                           bar=verbose and cfg.progress)
+    tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
+    timed_since, timed_from_step = time.perf_counter(), result.start_step
+    try:
+        while trainer.step < cfg.last_step:
+            if trainer.step == result.start_step + 1:  # the run's first step is warm-up
+                trainer.timers.reset()
+                on_warmup_end()
+                timed_since, timed_from_step = time.perf_counter(), trainer.step
+            step_start = time.perf_counter()
+            loss, applied = trainer.train_step()
+            step_time = time.perf_counter() - step_start
+            result.losses.append((trainer.step, loss))
+            on_step()
+            if is_rank0:
+                record = trainer.metrics_record(loss, step_time, tokens_per_step, applied)
+                metrics.write(record)
+                if trainer.step % cfg.log_interval == 0 or trainer.step == cfg.last_step:
+                    progress.log(report.step_line(record, cfg.steps) + line_suffix(record))
+                progress.advance()
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {trainer.step}; {nan_hint}")
+            if cfg.checkpoint_due(trainer.step):
+                directory = trainer.save_checkpoint()
+                progress.log(f"checkpoint {directory}")
+    finally:
+        progress.close()
+        if metrics:
+            metrics.close()
+    return time.perf_counter() - timed_since, trainer.step - timed_from_step

@@ -19,16 +19,14 @@ stage and saves the loss curve as a PNG.
 
 from __future__ import annotations
 
-import math
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from . import config, report
-from .command import run_command
+from .command import run_command, train_loop
 from .config import TrainConfig
-from .report import MetricsFile, ProgressLog, TrainResult
+from .report import TrainResult
 from .topology import GridError
 from .trainer import Trainer
 
@@ -51,44 +49,10 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     else:
         trainer = Trainer(cfg, **trainer_options)
     result = TrainResult(grid=cfg.describe_grid())
-    if cfg.resume:
-        result.start_step = trainer.load_checkpoint(cfg.resume)
-    is_rank0 = trainer.world_rank == 0
-    verbose = is_rank0 and not cfg.quiet
-    if verbose:
-        print(trainer.describe(), flush=True)
-    metrics = MetricsFile(cfg.metrics_path, result.start_step) if is_rank0 else None
-    progress = ProgressLog(cfg.last_step - result.start_step, lines=verbose,
-                           bar=verbose and cfg.progress)
+    wall, steps_timed = train_loop(trainer, cfg, result,
+                                   nan_hint="lower --lr or use --dtype fp32/bf16")
     tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
-    timed_since, timed_from_step = time.perf_counter(), result.start_step
-    try:
-        while trainer.step < cfg.last_step:
-            if trainer.step == result.start_step + 1:  # the run's first step is warm-up
-                trainer.timers.reset()
-                timed_since, timed_from_step = time.perf_counter(), trainer.step
-            step_start = time.perf_counter()
-            loss, applied = trainer.train_step()
-            step_time = time.perf_counter() - step_start
-            result.losses.append((trainer.step, loss))
-            if is_rank0:
-                record = trainer.metrics_record(loss, step_time, tokens_per_step, applied)
-                metrics.write(record)
-                if trainer.step % cfg.log_interval == 0 or trainer.step == cfg.last_step:
-                    progress.log(report.step_line(record, cfg.steps))
-                progress.advance()
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {trainer.step}; lower --lr "
-                                         "or use --dtype fp32/bf16")
-            if cfg.checkpoint_due(trainer.step):
-                directory = trainer.save_checkpoint()
-                progress.log(f"checkpoint {directory}")
-    finally:
-        progress.close()
-        if metrics:
-            metrics.close()
-    wall = time.perf_counter() - timed_since
-    steps_timed = trainer.step - timed_from_step
+    is_rank0 = trainer.world_rank == 0
     result.stage, result.events = trainer.stage_index, trainer.engine.events
     result.phases = report.gather_phase_times(trainer.timers, wall, steps_timed,
                                               key=trainer.stage_index,
@@ -105,7 +69,7 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
         if not cfg.quiet:
             report.print_breakdown(result, steps_timed, trainer.n_stages, n_micro)
     if is_rank0 and cfg.plot:
-        report.plot_loss(metrics.path, Path(cfg.out_dir) / "loss.png", f"GPT, {result.grid}")
+        report.plot_loss(cfg.metrics_path, Path(cfg.out_dir) / "loss.png", f"GPT, {result.grid}")
     return result
 
 

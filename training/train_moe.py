@@ -22,9 +22,7 @@ consolidate DIR -o moe.pt`` writes the serial MoEGPT ``state_dict``.
 
 from __future__ import annotations
 
-import math
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +30,10 @@ from pathlib import Path
 import mcrdl
 
 from . import config, report
-from .command import run_command
+from .command import run_command, train_loop
 from .config import DataOptions, ModelOptions, OptimizerOptions, Options, RunOptions, option
 from .moe import MoEConfig
-from .report import MetricsFile, ProgressLog, TrainResult
+from .report import TrainResult
 from .ted import TEDLayout
 from .topology import Axis
 
@@ -173,52 +171,21 @@ def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
     trainer = MoETrainer(cfg, **trainer_options)
     result = TrainResult(grid=trainer.layout.describe())
     result.aux, result.dropped, result.comm = [], [], []
-    if cfg.resume:
-        result.start_step = trainer.load_checkpoint(cfg.resume)
-    is_rank0 = trainer.world_rank == 0
-    verbose = is_rank0 and not cfg.quiet
-    if verbose:
-        print(trainer.describe(), flush=True)
-    metrics = MetricsFile(cfg.metrics_path, result.start_step) if is_rank0 else None
-    progress = ProgressLog(cfg.last_step - result.start_step, lines=verbose,
-                           bar=verbose and cfg.progress)
-    tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
-    timed_since, timed_from_step = time.perf_counter(), result.start_step
     logging = cfg.comm_log and mcrdl.configure().logging is None  # not already on
     if logging:
         mcrdl.configure(logging=True)
-    try:
-        while trainer.step < cfg.last_step:
-            if trainer.step == result.start_step + 1:  # the run's first step is warm-up
-                trainer.timers.reset()
-                if logging:
-                    mcrdl.reset_log()
-                timed_since, timed_from_step = time.perf_counter(), trainer.step
-            step_start = time.perf_counter()
-            loss, applied = trainer.train_step()
-            step_time = time.perf_counter() - step_start
-            result.losses.append((trainer.step, loss))
-            result.aux.append(trainer.last["aux"])
-            result.dropped.append(trainer.last["dropped"])
-            if is_rank0:
-                record = trainer.metrics_record(loss, step_time, tokens_per_step, applied)
-                metrics.write(record)
-                if trainer.step % cfg.log_interval == 0 or trainer.step == cfg.last_step:
-                    progress.log(report.step_line(record, cfg.steps)
-                                 + f" | aux {record['aux_loss']:.4f} | dropped "
-                                   f"{record['dropped_fraction']:.3f}")
-                progress.advance()
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"loss is {loss} at step {trainer.step}; lower --lr")
-            if cfg.checkpoint_due(trainer.step):
-                directory = trainer.save_checkpoint()
-                progress.log(f"checkpoint {directory}")
-    finally:
-        progress.close()
-        if metrics:
-            metrics.close()
-    wall = time.perf_counter() - timed_since
-    steps_timed = trainer.step - timed_from_step
+
+    def on_step():
+        result.aux.append(trainer.last["aux"])
+        result.dropped.append(trainer.last["dropped"])
+
+    wall, steps_timed = train_loop(
+        trainer, cfg, result, nan_hint="lower --lr",
+        on_warmup_end=mcrdl.reset_log if logging else lambda: None, on_step=on_step,
+        line_suffix=lambda record: (f" | aux {record['aux_loss']:.4f} | dropped "
+                                    f"{record['dropped_fraction']:.3f}"))
+    tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
+    is_rank0 = trainer.world_rank == 0
     result.trainer = trainer
     result.phases = report.gather_phase_times(trainer.timers, wall, steps_timed, key=0)
     if logging:
@@ -236,7 +203,7 @@ def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
                 print_comm(result.comm, steps_timed)
             print(f"throughput: {result.tokens_per_s:,.0f} tokens/s", flush=True)
     if is_rank0 and cfg.plot:
-        report.plot_loss(metrics.path, Path(cfg.out_dir) / "loss.png",
+        report.plot_loss(cfg.metrics_path, Path(cfg.out_dir) / "loss.png",
                          f"MoE GPT, {result.grid}")
     return result
 
