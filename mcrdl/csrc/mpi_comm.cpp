@@ -230,6 +230,17 @@ class Issuer : public std::enable_shared_from_this<Issuer> {
 struct Issued {
   std::atomic<bool> done{false};
   int rc = MPI_SUCCESS;
+  // On the issue thread, once the MPI call returned `code`.
+  void set(int code) {
+    rc = code;
+    done.store(true, std::memory_order_release);
+  }
+  // Whether the op was issued yet; throws its MPI error when issuing failed.
+  bool issued(const char* mpi_name) const {
+    if (!done.load(std::memory_order_acquire)) return false;
+    check_mpi(rc, mpi_name);
+    return true;
+  }
 };
 
 class MpiComm {
@@ -762,15 +773,10 @@ class MpiComm {
       w->test = std::move(test);
     } else {
       auto is = std::make_shared<Issued>();
-      issuer_->push([s, is, post_fn = std::move(post_fn)] {
-        is->rc = post_fn(s->req());
-        is->done.store(true, std::memory_order_release);
-      });
+      issuer_->push([s, is, post_fn = std::move(post_fn)] { is->set(post_fn(s->req())); });
       g.unlock();
       w->test = [is, mpi_name, test = std::move(test)] {
-        if (!is->done.load(std::memory_order_acquire)) return false;
-        check_mpi(is->rc, mpi_name);
-        return test();
+        return is->issued(mpi_name) && test();
       };
     }
     return launch_work(lane_, w, async_op);
@@ -807,16 +813,9 @@ class MpiComm {
     w->finish = std::move(finish);
     auto is = std::make_shared<Issued>();
     // No watchdog here: the Work's bounded wait raises CommTimeoutError as for any async op.
-    issuer_->push([is, call = std::forward<Call>(call)] {
-      is->rc = call();
-      is->done.store(true, std::memory_order_release);
-    });
+    issuer_->push([is, call = std::forward<Call>(call)] { is->set(call()); });
     g.unlock();
-    w->test = [is, mpi_name] {
-      if (!is->done.load(std::memory_order_acquire)) return false;
-      check_mpi(is->rc, mpi_name);
-      return true;
-    };
+    w->test = [is, mpi_name] { return is->issued(mpi_name); };
     return launch_work(lane_, w, async_op);
   }
 

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdio>
 #include <mutex>
-#include <sstream>
 #include <thread>
 #include <vector>
 

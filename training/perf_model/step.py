@@ -147,15 +147,9 @@ def weight_blocks(model: GPTConfig, grid: Grid4D) -> dict[str, int]:
     over Y, rows whole), the block Z shards. Names as in the GPT's parameters."""
     c, v, t = model.n_embd, model.vocab_size, model.block_size
     xy = grid.x * grid.y
-    return {
-        "wte.weight": v * c // grid.y,
-        "wpe.weight": t * c // grid.y,
-        "attn.c_attn.weight": 3 * c * c // xy,
-        "attn.c_proj.weight": c * c // xy,
-        "mlp.c_fc.weight": 4 * c * c // xy,
-        "mlp.c_proj.weight": 4 * c * c // xy,
-        "lm_head.weight": v * c // xy,
-    }
+    return {"wte.weight": v * c // grid.y, "wpe.weight": t * c // grid.y,
+            **{f"{layer.name}.weight": layer.k * layer.n // xy
+               for layer in linear_layers(model)}}
 
 
 def constraint_violations(step: TrainingStep, grid: Grid4D) -> list[tuple[str, str]]:
