@@ -22,24 +22,20 @@ G_expert = 1 issues no all_to_all at all.
 ``Backends.parse("a2a=gloo,allreduce=mpi")`` (kinds: a2a, allreduce, allgather; plain
 names in the same string are backends to initialize, e.g. ``"mpi,gloo,a2a=gloo"``).
 
-**CAC** (communication-aware activation checkpointing). :func:`checkpointed` runs a
-segment under torch's non-reentrant activation checkpointing; with ``cac=True`` a
-:class:`CommStash` records the output of every forward collective of the segment's first
-forward and returns them, in order, when the backward pass recomputes the segment, so
-the recomputation moves no data. Backward collectives are never stashed (they run once
-either way). The recomputation must issue the same collectives in the same order as the
-first forward; the stash checks kind and shape and raises otherwise.
+**CAC**: every forward collective here goes through :func:`training.cac.through_stash`,
+so a segment run by :func:`training.cac.checkpointed` with ``cac=True`` replays them in
+its recomputation instead of communicating again (training/cac.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import mcrdl
+
+from .cac import through_stash
 
 #: Collective kinds that can be pinned, and the mcrdl operation each one is.
 KINDS = {"a2a": "all_to_all_single", "allreduce": "all_reduce", "allgather": "all_gather"}
@@ -151,63 +147,6 @@ class Comm:
         return f"Comm({self.name or 'group'}, size {self.size}, rank {self.rank})"
 
 
-# --- CAC -------------------------------------------------------------------------------
-
-class CommStash:
-    """Outputs of a checkpointed segment's forward collectives: recorded in its first
-    forward, replayed in order by its recomputation (module docstring)."""
-
-    def __init__(self):
-        self.saved: list[tuple[str, torch.Tensor]] = []
-        self.replaying = False
-        self.position = 0
-
-    def run(self, kind: str, move: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """`move()`'s result, recorded; or in the recomputation the recorded result."""
-        if not self.replaying:
-            out = move()
-            self.saved.append((kind, out.detach()))
-            return out
-        if self.position >= len(self.saved):
-            raise RuntimeError(f"CAC: the recomputation issued a {kind} the first forward "
-                               "did not; the segment is not deterministic")
-        have_kind, out = self.saved[self.position]
-        if have_kind != kind:
-            raise RuntimeError(f"CAC: the recomputation issued a {kind} where the first "
-                               f"forward issued a {have_kind}")
-        self.saved[self.position] = (have_kind, None)  # release it with its last use
-        self.position += 1
-        return out
-
-
-_stash: CommStash | None = None  # the stash of the segment running now, if any
-
-
-def _through_stash(kind: str, move: Callable[[], torch.Tensor]) -> torch.Tensor:
-    return move() if _stash is None else _stash.run(kind, move)
-
-
-def checkpointed(fn: Callable, *args, cac: bool = False, early_stop: bool = True):
-    """``fn(*args)`` under non-reentrant activation checkpointing; with `cac`, its
-    forward collectives are stashed and not repeated by the recomputation.
-    `early_stop=False` makes torch recompute the whole segment (the call-count baseline
-    of the CAC tests: with early stop, torch skips the segment's tail)."""
-    stash = CommStash() if cac else None
-
-    def body(*inner):
-        global _stash
-        outer, _stash = _stash, stash
-        try:
-            out = fn(*inner)
-        finally:
-            _stash = outer
-        if stash is not None:
-            stash.replaying = True  # the next run of this body is the recomputation
-        return out
-
-    return checkpoint(body, *args, use_reentrant=False, early_stop=early_stop)
-
-
 # --- autograd functions ----------------------------------------------------------------
 
 class _CopyTo(torch.autograd.Function):
@@ -224,7 +163,7 @@ class _CopyTo(torch.autograd.Function):
 class _ReduceFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
-        return _through_stash("allreduce", lambda: comm.all_reduce(x.contiguous().clone()))
+        return through_stash("all_reduce", lambda: comm.all_reduce(x.contiguous().clone()))
 
     @staticmethod
     def backward(ctx, g):
@@ -235,7 +174,7 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
         ctx.comm = comm
-        return _through_stash("a2a", lambda: comm.all_to_all(x))
+        return through_stash("all_to_all_single", lambda: comm.all_to_all(x))
 
     @staticmethod
     def backward(ctx, g):
@@ -246,7 +185,7 @@ class _GatherShare(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, comm):
         ctx.comm, ctx.dim = comm, dim
-        return _through_stash("allgather", lambda: comm.all_gather(x, dim))
+        return through_stash("all_gather", lambda: comm.all_gather(x, dim))
 
     @staticmethod
     def backward(ctx, g):

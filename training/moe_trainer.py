@@ -23,12 +23,17 @@ from .config import DTYPES
 from .data import Batches, load_dataset
 from .models.gpt import CONFIGS, GPTConfig
 from .moe import MOE_BASES, moe_loss
+from .parallel4d.layers import Split
 from .ted import TEDGPT, TEDGroups, count_parameters
 from .timers import PhaseTimers
 from .trainer import pick_device, raise_together
 from .zero import ParamSet, ZeroAdamW
 
 ENGINE = "ted"
+#: How a shard's tensor-parallel pieces are cut (``layout`` of each rank file): the 4D
+#: engine's ``Split`` per parameter. Earlier checkpoints (Megatron layers, no such key)
+#: do not load.
+LAYERS = "parallel4d-split"
 
 
 def base_config(name: str, **overrides) -> GPTConfig:
@@ -169,8 +174,7 @@ class MoETrainer:
 
     # --- checkpoints -------------------------------------------------------------------
     def _rank_state(self) -> dict:
-        layout = {n: {"tensor_dim": p.tensor_dim, "tensor_chunks": p.tensor_chunks,
-                      "expert": getattr(p, "expert", False)}
+        layout = {n: {"split": dataclasses.asdict(p.split), "expert": getattr(p, "expert", False)}
                   for n, p in self.model.named_parameters()}
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "layout": layout, "tensor_rank": self.groups.tensor_rank,
@@ -194,7 +198,8 @@ class MoETrainer:
         if self.world_rank == 0:
             try:
                 ckpt.write_manifest(directory, {
-                    "format": ckpt.FORMAT, "engine": ENGINE, "step": self.step,
+                    "format": ckpt.FORMAT, "engine": ENGINE, "layers": LAYERS,
+                    "step": self.step,
                     "grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
                              "G_data": self.layout.g_data},
                     "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict(),
@@ -212,6 +217,7 @@ class MoETrainer:
         try:
             path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
+            check_layers(manifest, path)
             want = {"engine": ENGINE, "grid": {"G_tensor": self.layout.g_tensor,
                                                "G_expert": self.layout.g_expert,
                                                "G_data": self.layout.g_data},
@@ -232,31 +238,36 @@ class MoETrainer:
         return self.step
 
 
+def check_layers(manifest: dict, path) -> None:
+    """CheckpointError unless `manifest` was written with this version's LAYERS."""
+    if manifest.get("layers") != LAYERS:
+        raise ckpt.CheckpointError(
+            f"checkpoint {path} was written by an earlier TED (its tensor-parallel layers "
+            f"are {manifest.get('layers')!r}, this version reads {LAYERS!r}); resume or "
+            "consolidate it with the mcrdl version that wrote it, then start from the "
+            "consolidated state_dict")
+
+
 def consolidate(directory: str | Path) -> tuple[dict, dict]:
     """(the serial MoEGPT state_dict, {"model": ..., "moe": ...}) from a TED checkpoint:
-    each tensor-parallel parameter reassembled from its tensor ranks' slices (per chunk
-    along ``tensor_dim``), each expert taken from the rank holding it."""
+    each tensor-parallel parameter reassembled from its tensor ranks' pieces by its
+    ``Split``, each expert taken from the rank holding it."""
     manifest = ckpt.read_manifest(directory)
+    check_layers(manifest, directory)
     pieces: dict[str, dict[int, torch.Tensor]] = {}
-    layout: dict[str, dict] = {}
+    splits: dict[str, Split] = {}
     for entry in manifest["shards"]:
         shard = ckpt.load_shard(directory, manifest, entry["stage"])
         for name, t in shard["model"].items():
             pieces.setdefault(name, {}).setdefault(shard["tensor_rank"], t)
-            layout[name] = shard["layout"].get(name, {"tensor_dim": None, "tensor_chunks": 1})
+            splits[name] = Split(**shard["layout"][name]["split"])
     g_tensor = manifest["grid"]["G_tensor"]
+    sizes = {"x": g_tensor, "y": 1, "z": 1, "data": 1}
     out = {}
     for name in sorted(pieces):
-        lay, by_rank = layout[name], pieces[name]
-        dim = lay["tensor_dim"]
-        if dim is None:
-            out[name] = by_rank[min(by_rank)]
-            continue
-        if sorted(by_rank) != list(range(g_tensor)):
+        split, by_rank = splits[name], pieces[name]
+        if "x" in split.split_axes and sorted(by_rank) != list(range(g_tensor)):
             raise ckpt.CheckpointError(f"{directory}: {name} lacks tensor ranks "
                                        f"{sorted(set(range(g_tensor)) - set(by_rank))}")
-        chunks = lay["tensor_chunks"]
-        parts = [by_rank[t].chunk(chunks, dim=dim) for t in range(g_tensor)]
-        out[name] = torch.cat([torch.cat([parts[t][c] for t in range(g_tensor)], dim=dim)
-                               for c in range(chunks)], dim=dim)
+        out[name] = split.assemble({(t, 0, 0): piece for t, piece in by_rank.items()}, sizes)
     return out, {"model": manifest["model"], "moe": manifest["moe"]}

@@ -35,7 +35,7 @@ no randomness, so the buffers agree across tensor ranks; ``debug_checks=True`` v
 it on every MoE call (an all_gather over the tensor group).
 
 **CAC.** With activation checkpointing, blocks run in segments of ~sqrt(N) under
-``collectives.checkpointed``; with ``cac=True`` the recomputation replays the forward
+``cac.checkpointed``; with ``cac=True`` the recomputation replays the forward
 collectives' stashed outputs instead of communicating again.
 """
 
@@ -47,20 +47,23 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .cac import checkpointed
 from .collectives import (
+    KINDS,
     Backends,
     Comm,
     all_to_all,
-    checkpointed,
     copy_to,
     drop_share,
     gather_share,
     reduce_from,
 )
-from .megatron import ParallelAttention, ParallelMLP, check_tensor_split, mark_replicated
 from .models.gpt import MLP, Block, Embedding, GPTConfig, Head, checkpoint_interval
 from .moe import MoEBlock, MoEConfig, MoEStats, Routing, init_expert, make_moe_unit, route
 from .moe import to_groups as _to_groups
+from .parallel4d.comm import AxisComm, TensorComms
+from .parallel4d.layers import ParallelSelfAttention, Split, split_of
+from .parallel4d.model import MLP4D
 from .topology import Axis, ProcessGrid
 
 
@@ -128,6 +131,10 @@ class TEDGroups:
         self.data_nonexp = Comm(self.grid.plane_group([Axis.EXPERT, Axis.DATA]), b,
                                 "data_nonexp")
         self.world = Comm.world(b, self.grid.world_size, self.grid.rank)
+        # Megatron's tensor parallelism is the 4D engine's N/T layers with X alone
+        by_op = {KINDS[k]: b.of(k) for k in KINDS}
+        self.tensor_comms = TensorComms(AxisComm("x", self.tensor.group, by_op),
+                                        *(AxisComm(a, None) for a in ("y", "z", "data")))
         self.rank = self.grid.rank
         self.tensor_rank = self.grid.coord(Axis.TENSOR)
         self.expert_rank = self.grid.coord(Axis.EXPERT)
@@ -137,6 +144,38 @@ class TEDGroups:
         """The global indices of the experts this rank holds."""
         per = experts // self.layout.g_expert
         return list(range(self.expert_rank * per, (self.expert_rank + 1) * per))
+
+
+def check_tensor_split(n_head: int, n_embd: int, g_tensor: int) -> None:
+    """ValueError naming the constraint when heads or widths do not split over G_tensor."""
+    if n_head % g_tensor:
+        raise ValueError(f"n_head={n_head} is not divisible by G_tensor={g_tensor}: tensor "
+                         "parallelism splits attention by heads; pick --G-tensor dividing "
+                         "the head count")
+    if (4 * n_embd) % g_tensor or n_embd % g_tensor:
+        raise ValueError(f"n_embd={n_embd} (FFN width {4 * n_embd}) is not divisible by "
+                         f"G_tensor={g_tensor}; pick --G-tensor dividing the width")
+
+
+def mark_replicated(module: nn.Module) -> None:
+    """Give every parameter of `module` without a ``split`` the whole-tensor one: held
+    entire by every tensor rank (embeddings, LayerNorms, routers, the head)."""
+    for p in module.parameters():
+        if split_of(p) is None:
+            p.split = Split(tuple(p.shape))
+
+
+class ExpertFFN(MLP4D):
+    """One expert's FFN on this tensor rank (c_fc an N-layer, c_proj a T-layer over the
+    tensor group: Megatron's column/row pair), run by ``partial``: the MoE layer reduces
+    the terms of all its local experts over the tensor group at once, one ``copy_to``
+    before and one ``reduce_from`` after, and adds c_proj's bias itself."""
+
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        a = self.c_fc.partial(h)
+        if self.c_fc.bias is not None:
+            a = a + self.c_fc.bias
+        return self.c_proj.partial(F.gelu(a))
 
 
 def buffer_capacity(capacity: int, g_tensor: int) -> int:
@@ -151,7 +190,7 @@ class ParallelMoE(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, serial_router: nn.Module,
                  experts: dict[int, MLP], groups: TEDGroups, *, dtd: bool = False,
-                 debug_checks: bool = False):
+                 debug_checks: bool = False, prefix: str = "moe"):
         super().__init__()
         self.moe, self.groups = moe, groups
         self.capacity = moe.capacity()
@@ -164,8 +203,9 @@ class ParallelMoE(nn.Module):
                              f"G_tensor={g_t}")
         self.debug_checks = debug_checks
         self.router = serial_router
-        self.experts = nn.ModuleDict({str(e): ParallelMLP(mlp, groups.tensor)
-                                      for e, mlp in experts.items()})
+        self.experts = nn.ModuleDict({
+            str(e): ExpertFFN(mlp, groups.tensor_comms, f"{prefix}.experts.{e}")
+            for e, mlp in experts.items()})
         for p in self.experts.parameters():
             p.expert = True
 
@@ -238,15 +278,16 @@ class ParallelBlock(nn.Module):
     (``mlp``) or MoE FFN (``moe``)."""
 
     def __init__(self, serial: nn.Module, cfg: GPTConfig, moe: MoEConfig, groups: TEDGroups,
-                 experts: dict[int, MLP] | None, dtd: bool, debug_checks: bool):
+                 experts: dict[int, MLP] | None, dtd: bool, debug_checks: bool, prefix: str):
         super().__init__()
+        comms = groups.tensor_comms
         self.ln_1, self.ln_2 = serial.ln_1, serial.ln_2
-        self.attn = ParallelAttention(serial.attn, groups.tensor)
+        self.attn = ParallelSelfAttention(serial.attn, cfg.n_head, comms, f"{prefix}.attn")
         if isinstance(serial, MoEBlock):
             self.moe = ParallelMoE(cfg, moe, serial.moe.router, experts, groups, dtd=dtd,
-                                   debug_checks=debug_checks)
+                                   debug_checks=debug_checks, prefix=f"{prefix}.moe")
         else:
-            self.mlp = ParallelMLP(serial.mlp, groups.tensor)
+            self.mlp = MLP4D(serial.mlp, comms, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
         x = x + self.attn(self.ln_1(x))
@@ -258,8 +299,9 @@ class ParallelBlock(nn.Module):
 
 class TEDGPT(nn.Module):
     """This rank's share of the MoE GPT (training/moe.py's MoEGPT) under a TED layout.
-    Parameter names are the serial model's; each parameter carries ``tensor_dim`` /
-    ``tensor_chunks`` (training/megatron.py) and expert parameters ``expert = True``.
+    Parameter names are the serial model's; each parameter carries its ``split``
+    (training/parallel4d/layers.py: X is the tensor group) and expert parameters
+    ``expert = True``.
 
     ``activation_checkpointing`` runs the blocks in segments of checkpoint_interval(N)
     blocks; ``cac`` stashes their forward collectives for the recomputation;
@@ -288,7 +330,8 @@ class TEDGPT(nn.Module):
                     experts[e] = MLP(cfg)
                     init_expert(experts[e], cfg, seed, i, e)
             assert isinstance(serial, (Block, MoEBlock))
-            units[str(i)] = ParallelBlock(serial, cfg, moe, groups, experts, dtd, debug_checks)
+            units[str(i)] = ParallelBlock(serial, cfg, moe, groups, experts, dtd, debug_checks,
+                                          f"units.{i}")
         self.units = nn.ModuleDict(units)
         mark_replicated(self)
 

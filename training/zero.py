@@ -43,6 +43,7 @@ import mcrdl
 
 from .collectives import Comm
 from .optim import LossScaler, OptimConfig, decays
+from .parallel4d.layers import split_of
 from .timers import NullTimers, PhaseTimers
 
 
@@ -50,7 +51,7 @@ from .timers import NullTimers, PhaseTimers
 class ParamSet:
     """Parameters sharing a data group (module docstring). `grad_op` is "avg" or "sum";
     `grad_scale` multiplies the reduced gradient; `tensor_copies` is G_tensor (the
-    copies of a parameter whose ``tensor_dim`` is None); `tile`: elements per update
+    copies of a parameter not split over the tensor group); `tile`: elements per update
     tile (None: the whole shard at once)."""
 
     name: str
@@ -64,6 +65,13 @@ class ParamSet:
     offsets: list[int] = field(default_factory=list)
     numel: int = 0
     shard: tuple[int, int] = (0, 0)
+
+
+def tensor_split(p: torch.nn.Parameter) -> bool:
+    """Whether `p` is cut over the tensor group (X of its training/parallel4d ``split``);
+    a parameter without a split is whole on every tensor rank."""
+    split = split_of(p)
+    return split is not None and "x" in split.split_axes
 
 
 def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -142,7 +150,7 @@ class ZeroAdamW:
         lo, hi = s.shard
         for p, a, b, _ in self._pieces(s, lo, hi):
             sq = flat[a:b].double().pow(2).sum()
-            if p.tensor_dim is None and s.tensor_copies > 1:
+            if s.tensor_copies > 1 and not tensor_split(p):
                 sq = sq / s.tensor_copies
             total += sq
         return total

@@ -10,7 +10,9 @@ reads globals, so that X alone (Megatron tensor parallelism), Z alone (FSDP/ZeRO
 or any mix is a matter of which groups are passed.
 
 Every collective here is a SUM. ``Pending`` is an issued collective: ``wait()`` returns
-its result; with async off (or degree 1) the result is already there.
+its result; with async off (or degree 1) the result is already there. Use that result,
+not the tensor passed in: a blocking call inside a CAC segment's recomputation
+(training/cac.py) returns the first forward's stashed result and writes nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 import mcrdl
+
+from ..cac import through_stash
 
 #: --overlap levels: what each turns on (each includes the ones before it).
 OVERLAP_LEVELS = ("none", "oar", "oar+ors", "all")
@@ -89,11 +93,13 @@ class Pending:
 
 class AxisComm:
     """One axis of the grid: its group (None: degree 1), backend and recorder.
+    `backend`: one name for every collective, or a mapping from the mcrdl operation
+    ("all_reduce", "all_gather", "reduce_scatter") to its backend ("auto" where absent).
     ``exposed``: seconds this rank spent blocked on the axis's collectives (blocking
     calls and waits), the communication that computation did not hide."""
 
-    def __init__(self, name: str, group: mcrdl.Group | None, backend: str = "auto",
-                 recorder: Recorder | None = None):
+    def __init__(self, name: str, group: mcrdl.Group | None,
+                 backend: str | dict[str, str] = "auto", recorder: Recorder | None = None):
         self.name, self.group, self.backend = name, group, backend
         self.recorder = recorder or Recorder()
         self.size = 1 if group is None else group.size
@@ -103,12 +109,23 @@ class AxisComm:
     def __repr__(self) -> str:
         return f"AxisComm({self.name}, size {self.size}, rank {self.rank}, {self.backend!r})"
 
+    def backend_of(self, op: str) -> str:
+        return self.backend if isinstance(self.backend, str) else self.backend.get(op, "auto")
+
     def _issue(self, op: str, tag: str, fn, value: torch.Tensor, async_op: bool) -> Pending:
+        """Run `fn(async_op)`, the collective that leaves its result in `value`. Blocking
+        calls go through the CAC stash (training/cac.py); async ones never do, so a
+        segment must issue the same ones in its first forward and its recomputation."""
         self.recorder.add("issue", op, self.name, tag)
         if async_op:
             return Pending(fn(True), value, self, (op, self.name, tag))
         t0 = time.perf_counter()
-        fn(False)
+
+        def move() -> torch.Tensor:
+            fn(False)
+            return value
+
+        value = through_stash(op, move)
         self.exposed += time.perf_counter() - t0
         self.recorder.add("wait", op, self.name, tag)
         return Pending(None, value)
@@ -118,7 +135,8 @@ class AxisComm:
         if self.group is None:
             return Pending(None, t)
         return self._issue("all_reduce", tag, lambda a: mcrdl.all_reduce(
-            self.backend, t, op=mcrdl.ReduceOp.SUM, group=self.group, async_op=a), t, async_op)
+            self.backend_of("all_reduce"), t, op=mcrdl.ReduceOp.SUM, group=self.group,
+            async_op=a), t, async_op)
 
     def all_gather(self, t: torch.Tensor, *, async_op: bool = False, tag: str = "") -> Pending:
         """The axis's `t`s (equal shapes) stacked in group-rank order along a new dim 0."""
@@ -127,7 +145,7 @@ class AxisComm:
         t = t.contiguous()
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         return self._issue("all_gather", tag, lambda a: mcrdl.all_gather(
-            self.backend, out, t, group=self.group, async_op=a), out, async_op)
+            self.backend_of("all_gather"), out, t, group=self.group, async_op=a), out, async_op)
 
     def reduce_scatter(self, t: torch.Tensor, *, async_op: bool = False,
                        tag: str = "") -> Pending:
@@ -137,8 +155,8 @@ class AxisComm:
         t = t.contiguous()
         out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
         return self._issue("reduce_scatter", tag, lambda a: mcrdl.reduce_scatter(
-            self.backend, out, t, op=mcrdl.ReduceOp.SUM, group=self.group, async_op=a),
-            out, async_op)
+            self.backend_of("reduce_scatter"), out, t, op=mcrdl.ReduceOp.SUM,
+            group=self.group, async_op=a), out, async_op)
 
 
 class GatherSchedule:

@@ -130,10 +130,16 @@ def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms) -> nn.
     return p
 
 
+def split_of(p: torch.Tensor) -> Split | None:
+    """`p`'s Split, None when it has none (``Tensor.split`` is a method: test the type)."""
+    split = getattr(p, "split", None)
+    return split if isinstance(split, Split) else None
+
+
 def owns(p: nn.Parameter, comms: TensorComms) -> bool:
     """Whether this rank is the one that counts `p` in global sums (the gradient norm):
     coordinate 0 on every axis `p` is replicated over. Each piece is counted once."""
-    split = getattr(p, "split", None)
+    split = split_of(p)
     split_axes = split.split_axes if split is not None else set()
     return all(comms.axis(a).rank == 0 for a in AXES if a not in split_axes)
 
@@ -220,17 +226,19 @@ def _accumulate(p: nn.Parameter, g: torch.Tensor) -> None:
 
 class _LinearFn(torch.autograd.Function):
     """The N- or T-layer's matmul and collectives (module docstring); the bias is added
-    outside, by autograd."""
+    outside, by autograd. With `defer_x` the layer's collective over X (the T-layer's
+    forward all_reduce, the N-layer's backward one) is left to the caller."""
 
     @staticmethod
-    def forward(ctx, inp, shard, layer):
+    def forward(ctx, inp, shard, layer, defer_x):
         w = layer.weight_for_forward()
         shape = inp.shape
         x2 = inp.reshape(-1, shape[-1])
         layer.comms.recorder.mark(f"compute {layer.name}")
         out = mm_forward(layer.comms, x2, w)
-        layer.in_comm.all_reduce(out, tag=f"{layer.name} output")
-        ctx.layer, ctx.shape = layer, shape
+        if not (defer_x and layer.in_comm is layer.comms.x):
+            out = layer.in_comm.all_reduce(out, tag=f"{layer.name} output").wait()
+        ctx.layer, ctx.shape, ctx.defer_x = layer, shape, defer_x
         ctx.w = w if layer.comms.keep_weights else None
         ctx.save_for_backward(x2)
         return out.view(*shape[:-1], out.shape[-1])
@@ -244,14 +252,17 @@ class _LinearFn(torch.autograd.Function):
         ctx.w = None
         d2 = dout.reshape(-1, dout.shape[-1])
         dinp = mm_input_grad(c, d2, w).contiguous()
-        pending = layer.out_comm.all_reduce(dinp, async_op=c.overlap.oar and
-                                            layer.out_comm.size > 1,
-                                            tag=f"{layer.name} input grad")
+        if ctx.defer_x and layer.out_comm is c.x:
+            pending = Pending(None, dinp)
+        else:
+            pending = layer.out_comm.all_reduce(dinp, async_op=c.overlap.oar and
+                                                layer.out_comm.size > 1,
+                                                tag=f"{layer.name} input grad")
         c.recorder.mark(f"compute dW {layer.name}")
         dw = mm_weight_grad(c, d2, x2)
         dinp = pending.wait()
         layer.add_weight_grad(dw)
-        return dinp.view(ctx.shape), None, None
+        return dinp.view(ctx.shape), None, None, None
 
 
 class ParallelLinear(ShardedWeight):
@@ -282,8 +293,15 @@ class ParallelLinear(ShardedWeight):
                                                     row_perm), comms)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        out = _LinearFn.apply(inp, self.weight, self)
+        out = _LinearFn.apply(inp, self.weight, self, False)
         return out if self.bias is None else out + self.bias
+
+    def partial(self, inp: torch.Tensor) -> torch.Tensor:
+        """The layer without its collective over X and without the bias: a T-layer's
+        output is then this rank's term of the sum over X, an N-layer's input gradient
+        this rank's term. The caller reduces over X once for several layers (an MoE
+        layer's local experts) and adds ``bias``."""
+        return _LinearFn.apply(inp, self.weight, self, True)
 
     def extra_repr(self) -> str:
         return (f"{'T' if self.transposed else 'N'}-layer {self.in_features} -> "
@@ -333,9 +351,7 @@ class _SumOverAxis(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, comm, tag):
         ctx.comm, ctx.tag = comm, tag
-        t = t.contiguous().clone()
-        comm.all_reduce(t, tag=f"{tag} statistics")
-        return t
+        return comm.all_reduce(t.contiguous().clone(), tag=f"{tag} statistics").wait()
 
     @staticmethod
     def backward(ctx, g):
@@ -448,4 +464,4 @@ def sharded_weights(module: nn.Module) -> list[ShardedWeight]:
 
 __all__ = ["ParallelEmbedding", "ParallelLayerNorm", "ParallelLinear", "ParallelSelfAttention",
            "ShardedWeight", "Split", "gather_last_dim", "owns", "qkv_head_permutation",
-           "shard_parameter", "sharded_weights"]
+           "shard_parameter", "sharded_weights", "split_of"]
