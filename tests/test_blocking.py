@@ -108,3 +108,58 @@ def test_debug_mode_keeps_the_nonblocking_path():
     assert "debug: nonblocking" in out, out
 
 
+
+
+def _strip_thread_condition(node):
+    """MPICH's selection tree with every "is_multi_threaded=no" level spliced into its
+    parent (and any "=yes" branch dropped): what it selects when threading is ignored."""
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, child in node.items():
+        if key == "is_multi_threaded=no":
+            out.update(_strip_thread_condition(child))
+        elif not key.startswith("is_multi_threaded="):
+            out[key] = _strip_thread_condition(child)
+    return out
+
+
+def test_shipped_mpich_selection_is_mpichs_own_without_the_thread_condition():
+    """mcrdl/tuning/mpich_posix_coll.json (handed to MPICH before MPI_Init) selects what
+    the MPI library's built-in shared-memory selection does, minus is_multi_threaded:
+    compared with the JSON embedded in the libmpi this interpreter's MPICH ships."""
+    import glob
+    import json
+
+    from mcrdl import bootstrap
+
+    libs = [p for p in glob.glob(os.path.join(sys.prefix, "lib", "libmpi.so*"))
+            if os.path.getsize(p) > 1 << 20]  # the library, not the linker-script stub
+    if not libs:
+        pytest.skip(f"no libmpi.so in {sys.prefix}/lib (pip install mpich)")
+    with open(libs[0], "rb") as f:
+        blob = f.read()
+    at = blob.find(b'{"collective=bcast":{"comm_type=intra":{"is_multi_threaded=no"')
+    if at < 0:
+        pytest.skip(f"{libs[0]} embeds no MPICH POSIX selection with a thread condition")
+    builtin = json.loads(blob[at:blob.index(b"\0", at)])
+    with open(bootstrap.mpich_posix_coll_json()) as f:
+        shipped = json.load(f)
+    assert shipped == _strip_thread_condition(builtin)
+    assert "is_multi_threaded" not in json.dumps(shipped)
+
+
+def test_mpich_selection_variable_set_before_init_unless_the_user_did():
+    from mcrdl import bootstrap
+
+    mpiexec = mpiexec_or_skip()
+    var = bootstrap.MPICH_POSIX_COLL_CVAR
+    code = (f"import os, mcrdl\nmcrdl.init(['mpi'])\nprint('value:', repr(os.environ['{var}']))\n"
+            "mcrdl.finalize()\n")
+    env = {k: v for k, v in os.environ.items() if k != var}
+    out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=env, timeout=60)
+    assert f"value: {bootstrap.mpich_posix_coll_json()!r}" in out, out
+    assert os.path.isfile(bootstrap.mpich_posix_coll_json())
+    out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=dict(env, **{var: ""}),
+                       timeout=60)
+    assert "value: ''" in out, out
