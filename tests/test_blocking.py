@@ -163,3 +163,66 @@ def test_mpich_selection_variable_set_before_init_unless_the_user_did():
     out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=dict(env, **{var: ""}),
                        timeout=60)
     assert "value: ''" in out, out
+
+
+def test_blocking_collective_waiting_on_another_thread_of_its_rank():
+    """With MPI initialized by mcrdl (MPI_THREAD_MULTIPLE, MPICH's shared-memory
+    collectives selected), a thread waiting inside a blocking allreduce holds no lock
+    that another thread of the same rank needs: rank 1 joins the allreduce only after a
+    message that rank 0's main thread sends while rank 0's other thread is already
+    inside it. Then both threads of each rank run blocking and nonblocking allreduces on
+    two communicators at once; every result is checked against its formula."""
+    mpiexec = mpiexec_or_skip()
+    code = """
+import threading, time
+import numpy as np
+import mcrdl
+from mcrdl.bootstrap import mpi_module
+mcrdl.init(['mpi'])
+MPI = mpi_module()
+x, y = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
+rank, n = x.Get_rank(), x.Get_size()
+one = np.ones(1, np.float32)
+for _ in range(20):  # past MPICH's first calls, which never take the shared-memory path
+    x.Allreduce(MPI.IN_PLACE, one.copy())
+got = {}
+def inside():
+    v = np.ones(1, np.float32)
+    x.Allreduce(MPI.IN_PLACE, v)
+    got['x'] = float(v[0])
+if rank == 0:
+    t = threading.Thread(target=inside)
+    t.start()
+    time.sleep(0.3)
+    y.Send(np.array([42], np.int32), dest=1, tag=5)
+    t.join()
+else:
+    m = np.zeros(1, np.int32)
+    y.Recv(m, source=0, tag=5)
+    assert m[0] == 42
+    inside()
+assert got['x'] == n, got
+N, bad = 3000, []
+def blocking():
+    for i in range(N):
+        v = np.array([rank + i], np.float32)
+        x.Allreduce(MPI.IN_PLACE, v)
+        if v[0] != sum(r + i for r in range(n)):
+            bad.append(('blocking', i, float(v[0])))
+t = threading.Thread(target=blocking)
+t.start()
+for i in range(N):
+    v, w = np.array([3 * rank + i], np.float32), np.zeros(1, np.float32)
+    req = y.Iallreduce(v, w)
+    while not req.Test():
+        pass
+    if w[0] != sum(3 * r + i for r in range(n)):
+        bad.append(('nonblocking', i, float(w[0])))
+t.join()
+assert not bad, bad[:5]
+x.Free(); y.Free()
+print('rank', rank, 'ok')
+mcrdl.finalize()
+"""
+    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=120)
+    assert "rank 0 ok" in out and "rank 1 ok" in out, out
