@@ -23,6 +23,25 @@ from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentEr
 from .groups import Group, bad_group_error
 from .launch import LaunchInfo
 
+# MPICH's shared-memory ("release_gather") blocking bcast, barrier, allreduce and reduce
+# are several times faster than its point-to-point algorithms at small sizes, but its
+# built-in selection (maint/tuning/coll/ch4/posix_generic.json) takes them only when MPI
+# is not initialized with MPI_THREAD_MULTIPLE ("is_multi_threaded=no"), which mcrdl's lanes
+# need. mcrdl/tuning/mpich_posix_coll.json is that selection without the condition,
+# handed to MPICH through its CVAR before MPI_Init. Sound because under ch4's default
+# per-VCI locking a thread waiting inside one of these collectives holds no MPICH lock
+# (other threads' MPI calls proceed), and the algorithms' state is per communicator,
+# which MPI already forbids two concurrent collectives on (mcrdl's Issuer orders them).
+# A value the user set wins; the empty string restores MPICH's own selection. Other MPI
+# libraries ignore the variable.
+MPICH_POSIX_COLL_CVAR = "MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE"
+
+
+def mpich_posix_coll_json() -> str:
+    """The path of the shipped MPICH shared-memory collective selection (see above)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning",
+                        "mpich_posix_coll.json")
+
 
 def mpi_module():
     """mpi4py's MPI module, initialized with MPI_THREAD_MULTIPLE (lanes need it)."""
@@ -30,6 +49,7 @@ def mpi_module():
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
+        os.environ.setdefault(MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json())
     from mpi4py import MPI
 
     if not MPI.Is_initialized():

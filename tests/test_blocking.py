@@ -108,3 +108,121 @@ def test_debug_mode_keeps_the_nonblocking_path():
     assert "debug: nonblocking" in out, out
 
 
+
+
+def _strip_thread_condition(node):
+    """MPICH's selection tree with every "is_multi_threaded=no" level spliced into its
+    parent (and any "=yes" branch dropped): what it selects when threading is ignored."""
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, child in node.items():
+        if key == "is_multi_threaded=no":
+            out.update(_strip_thread_condition(child))
+        elif not key.startswith("is_multi_threaded="):
+            out[key] = _strip_thread_condition(child)
+    return out
+
+
+def test_shipped_mpich_selection_is_mpichs_own_without_the_thread_condition():
+    """mcrdl/tuning/mpich_posix_coll.json (handed to MPICH before MPI_Init) selects what
+    the MPI library's built-in shared-memory selection does, minus is_multi_threaded:
+    compared with the JSON embedded in the libmpi this interpreter's MPICH ships."""
+    import glob
+    import json
+
+    from mcrdl import bootstrap
+
+    libs = [p for p in glob.glob(os.path.join(sys.prefix, "lib", "libmpi.so*"))
+            if os.path.getsize(p) > 1 << 20]  # the library, not the linker-script stub
+    if not libs:
+        pytest.skip(f"no libmpi.so in {sys.prefix}/lib (pip install mpich)")
+    with open(libs[0], "rb") as f:
+        blob = f.read()
+    at = blob.find(b'{"collective=bcast":{"comm_type=intra":{"is_multi_threaded=no"')
+    if at < 0:
+        pytest.skip(f"{libs[0]} embeds no MPICH POSIX selection with a thread condition")
+    builtin = json.loads(blob[at:blob.index(b"\0", at)])
+    with open(bootstrap.mpich_posix_coll_json()) as f:
+        shipped = json.load(f)
+    assert shipped == _strip_thread_condition(builtin)
+    assert "is_multi_threaded" not in json.dumps(shipped)
+
+
+def test_mpich_selection_variable_set_before_init_unless_the_user_did():
+    from mcrdl import bootstrap
+
+    mpiexec = mpiexec_or_skip()
+    var = bootstrap.MPICH_POSIX_COLL_CVAR
+    code = (f"import os, mcrdl\nmcrdl.init(['mpi'])\nprint('value:', repr(os.environ['{var}']))\n"
+            "mcrdl.finalize()\n")
+    env = {k: v for k, v in os.environ.items() if k != var}
+    out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=env, timeout=60)
+    assert f"value: {bootstrap.mpich_posix_coll_json()!r}" in out, out
+    assert os.path.isfile(bootstrap.mpich_posix_coll_json())
+    out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=dict(env, **{var: ""}),
+                       timeout=60)
+    assert "value: ''" in out, out
+
+
+def test_blocking_collective_waiting_on_another_thread_of_its_rank():
+    """With MPI initialized by mcrdl (MPI_THREAD_MULTIPLE, MPICH's shared-memory
+    collectives selected), a thread waiting inside a blocking allreduce holds no lock
+    that another thread of the same rank needs: rank 1 joins the allreduce only after a
+    message that rank 0's main thread sends while rank 0's other thread is already
+    inside it. Then both threads of each rank run blocking and nonblocking allreduces on
+    two communicators at once; every result is checked against its formula."""
+    mpiexec = mpiexec_or_skip()
+    code = """
+import threading, time
+import numpy as np
+import mcrdl
+from mcrdl.bootstrap import mpi_module
+mcrdl.init(['mpi'])
+MPI = mpi_module()
+x, y = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
+rank, n = x.Get_rank(), x.Get_size()
+one = np.ones(1, np.float32)
+for _ in range(20):  # past MPICH's first calls, which never take the shared-memory path
+    x.Allreduce(MPI.IN_PLACE, one.copy())
+got = {}
+def inside():
+    v = np.ones(1, np.float32)
+    x.Allreduce(MPI.IN_PLACE, v)
+    got['x'] = float(v[0])
+if rank == 0:
+    t = threading.Thread(target=inside)
+    t.start()
+    time.sleep(0.3)
+    y.Send(np.array([42], np.int32), dest=1, tag=5)
+    t.join()
+else:
+    m = np.zeros(1, np.int32)
+    y.Recv(m, source=0, tag=5)
+    assert m[0] == 42
+    inside()
+assert got['x'] == n, got
+N, bad = 3000, []
+def blocking():
+    for i in range(N):
+        v = np.array([rank + i], np.float32)
+        x.Allreduce(MPI.IN_PLACE, v)
+        if v[0] != sum(r + i for r in range(n)):
+            bad.append(('blocking', i, float(v[0])))
+t = threading.Thread(target=blocking)
+t.start()
+for i in range(N):
+    v, w = np.array([3 * rank + i], np.float32), np.zeros(1, np.float32)
+    req = y.Iallreduce(v, w)
+    while not req.Test():
+        pass
+    if w[0] != sum(3 * r + i for r in range(n)):
+        bad.append(('nonblocking', i, float(w[0])))
+t.join()
+assert not bad, bad[:5]
+x.Free(); y.Free()
+print('rank', rank, 'ok')
+mcrdl.finalize()
+"""
+    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=120)
+    assert "rank 0 ok" in out and "rank 1 ok" in out, out
