@@ -1,6 +1,7 @@
 """The mpi backend's blocking MPI path (issue 22): the variant choice, and its timeout
 contract (a watchdog ends the job with MPI_Abort, printing the CommTimeoutError text)."""
 
+import json
 import os
 import re
 import sys
@@ -108,3 +109,33 @@ def test_debug_mode_keeps_the_nonblocking_path():
     assert "debug: nonblocking" in out, out
 
 
+
+
+def _blocking_table_run(env_table, mode, expected, n=2):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
+    env.update(MCRDL_TIMEOUT="60", MCRDL_MPI_BLOCKING=mode)
+    if env_table:
+        env["MCRDL_TUNING_TABLE"] = str(env_table)
+    cmd = [mpiexec_or_skip(), "-n", str(n), sys.executable,
+           os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
+           json.dumps(expected)]
+    out = run_launcher(cmd, env=env, timeout=120)
+    assert out.count("variants as expected") == n, out
+
+
+def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
+    """A table whose steps make all_reduce up to 64 B blocking: "mpi" and "auto" calls of
+    8 B run the blocking MPI collective (MpiComm.blocking_calls), 256 B ones and bcast
+    (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides."""
+    from mcrdl.tuning.table import TuningTable
+
+    t = TuningTable({"command": "test"})
+    t.add("all_reduce", 2, "mpi", 8, 1e-6)
+    t.set_blocking_steps("all_reduce", 2, "mpi", [(64, True), (-1, False)])
+    path = tmp_path / "blocking.json"
+    t.save(path)
+    shipped_bcast = [list(s) for s in mpi.shipped_blocking()["bcast"][2]]
+    _blocking_table_run(path, "auto", {"all_reduce": [[64, True], [-1, False]],
+                                       "bcast": shipped_bcast})
+    _blocking_table_run(path, "never", {})

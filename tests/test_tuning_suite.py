@@ -92,3 +92,44 @@ def test_auto_routes_by_table(tmp_path):
                         os.path.join(HERE, "tuning", "auto_routing.py"), str(path)],
                        env=dict(os.environ, MCRDL_TIMEOUT="60"), timeout=180)
     assert out.count("auto routing OK") == 3, out
+
+
+def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
+    """mpiexec -n 2 mcrdl-tune run --backend mpi: every op with a blocking variant gets
+    both variants' times, the mpi time is the faster of the two at each size, and steps
+    derived from them; a version 1 table (no variants) resumes into a version 2 one."""
+    from mcrdl.backends.mpi import BLOCKING_OPS
+    from mcrdl.tuning.table import TuningTable, derive_steps
+
+    out = tmp_path / "variants.json"
+    args = ["run", "--backend", "mpi", "--op", *BLOCKING_OPS, "--min-bytes", "8",
+            "--max-bytes", "64", "--factor", "8", "--group-sizes", "2", "--iters", "2",
+            "--warmup", "1", "--confirm", "0", "--output", str(out)]
+    cmd = [mpiexec_or_skip(), "-n", "2", sys.executable, "-m", "mcrdl.tools.tune"]
+    env = dict(os.environ, MCRDL_TIMEOUT="60")
+    run_launcher([*cmd, *args], env=env, timeout=120)
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 2 and set(doc["ops"]) == set(BLOCKING_OPS)
+    for op in BLOCKING_OPS:
+        entry = doc["ops"][op]["2"]
+        var = entry["variants"]["mpi"]
+        assert set(var) == {"blocking", "nonblocking"}
+        for i, t in enumerate(entry["times"]["mpi"]):
+            assert t is not None and t > 0
+            assert t == min(var["blocking"][i], var["nonblocking"][i]), (op, i)
+        per_v = {v: dict(zip(entry["sizes"], ts, strict=True)) for v, ts in var.items()}
+        assert [tuple(s) for s in entry["blocking"]["mpi"]] == derive_steps(per_v), op
+        assert entry["blocking"]["mpi"][-1][0] == -1
+    # the same table as version 1 wrote it: no variants, no steps
+    for op in BLOCKING_OPS:
+        for key in ("variants", "blocking"):
+            del doc["ops"][op]["2"][key]
+    doc["version"] = 1
+    doc["ops"]["all_reduce"]["2"]["times"]["mpi"] = [1.0] * len(
+        doc["ops"]["all_reduce"]["2"]["sizes"])
+    out.write_text(json.dumps(doc))
+    run_launcher([*cmd, *args, "--resume"], env=env, timeout=120)
+    again = TuningTable.load(out)
+    for op in BLOCKING_OPS:
+        assert again.blocking_steps(op, 2, "mpi"), op
+        assert all(t < 1.0 for t in again.times(op, 2, "mpi").values()), op
