@@ -60,7 +60,21 @@ def test_run_resume_and_plot(tmp_path):
           "--resume"])
     confirmed = json.loads(out.read_text())
     assert confirmed["ops"]["all_reduce"]["2"]["times"]["gloo"][forged] > 1e-6
-    assert confirmed["ops"]["all_gather"] == data["ops"]["all_gather"]  # nothing forged there
+    # only suspicious points were re-measured (on all_gather, at most noisy winners or
+    # flips of mpi's faster variant): every other point is as it was
+    from mcrdl.tools.tuning_suite import suspicious_points
+    from mcrdl.tuning.table import TuningTable
+
+    before, after = TuningTable.from_dict(again), TuningTable.from_dict(confirmed)
+    suspects = set(suspicious_points(before, ["mpi", "gloo"], 1.25))
+    kept = 0
+    for g in (2, 3):
+        for b in ("mpi", "gloo", "pccl"):
+            for n, t in before.times("all_gather", g, b).items():
+                if ("all_gather", g, n) not in suspects:
+                    assert after.times("all_gather", g, b)[n] == t, (g, b, n)
+                    kept += 1
+    assert kept
     model = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "model", str(out)],
                          timeout=120)
     rows = [line.split() for line in model.splitlines() if line.startswith("  ")]

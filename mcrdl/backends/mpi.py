@@ -176,28 +176,35 @@ class MPIBackend(MPILaneBackend):
         return c
 
     def _choose_blocking(self, c: _C.MpiComm, ops=BLOCKING_OPS) -> None:
-        """Which variant blocking calls of `c` run. Debug mode keeps the nonblocking
-        path: its checks rely on every wait being bounded and raising CommTimeoutError."""
-        from ..runtime import debug_enabled
-
-        mode = "never" if debug_enabled() else blocking_mode()
+        """Which variant blocking calls of `c` run."""
+        mode = self._blocking_mode()
         for op in ops:
             c.set_blocking(op, blocking_steps(op, c.size, mode, self._blocking_table))
+
+    @staticmethod
+    def _blocking_mode() -> str:
+        """MCRDL_MPI_BLOCKING, except that debug mode keeps the nonblocking path: its
+        checks rely on every wait being bounded and raising CommTimeoutError."""
+        from ..runtime import debug_enabled
+
+        return "never" if debug_enabled() else blocking_mode()
 
     def use_tuning_table(self, table) -> None:
         """Blocking calls run the variants of `table`'s steps for this backend where it has
         them, else the shipped ones (blocking_steps). Every rank must run the same variant
         of each call (MPI never matches a blocking collective with a nonblocking one), so
-        the ranks compare their steps and raise DesyncError when they differ."""
+        the ranks compare their choice (mode and steps) and raise DesyncError when it
+        differs."""
         steps = {} if table is None else table.blocking_table(self.name)
-        views = self.ctx.bootstrap.all_gather_object(steps)
+        mine = (self._blocking_mode(), steps)
+        views = self.ctx.bootstrap.all_gather_object(mine)
         differ = [r for r, v in enumerate(views) if v != views[0]]
         if differ:
             raise DesyncError(
-                f"init: the tuning table gives backend {self.name!r} other blocking steps on "
-                f"ranks {differ} than on rank 0 (MCRDL_TUNING_TABLE must name the same "
-                f"table on every rank); rank 0: {views[0]}, rank {differ[0]}: "
-                f"{views[differ[0]]}")
+                f"init: backend {self.name!r} would run other blocking variants on ranks "
+                f"{differ} than on rank 0 (MCRDL_MPI_BLOCKING, MCRDL_DEBUG and the tuning "
+                "table, e.g. MCRDL_TUNING_TABLE, must be the same on every rank); (mode, "
+                f"table steps) on rank 0: {views[0]}, on rank {differ[0]}: {views[differ[0]]}")
         self._blocking_table = steps
         for c in self._comms.values():
             self._choose_blocking(c)
