@@ -53,6 +53,10 @@ def test_run_resume_and_plot(tmp_path):
     entry = again["ops"]["all_reduce"]["2"]
     forged = len(entry["sizes"]) // 2
     entry["times"]["gloo"][forged] = 1e-9
+    # gloo loses clearly at both neighbours, whatever the noise of the first run (on a
+    # loaded 2-core machine mpi at 2 of 3 ranks is sometimes slower than gloo)
+    for i in (forged - 1, forged + 1):
+        entry["times"]["gloo"][i] = 1.0
     entry.pop("winners")
     out.write_text(json.dumps(again))
     # mpi vs gloo only: pccl and mpi trade places by noise at these sizes
