@@ -138,6 +138,10 @@ def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
         per_v = {v: dict(zip(entry["sizes"], ts, strict=True)) for v, ts in var.items()}
         assert [tuple(s) for s in entry["blocking"]["mpi"]] == derive_steps(per_v), op
         assert entry["blocking"]["mpi"][-1][0] == -1
+    shown = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "show", str(out)],
+                         timeout=60)
+    assert shown.count("mpi:blocking mpi:nonblocking") == len(BLOCKING_OPS), shown
+    assert shown.count("mpi blocking calls run: ") == len(BLOCKING_OPS), shown
     # the same table as version 1 wrote it: no variants, no steps
     for op in BLOCKING_OPS:
         for key in ("variants", "blocking"):

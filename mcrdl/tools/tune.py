@@ -227,8 +227,9 @@ def _show(args) -> int:
                 if st:
                     print(f"  {b} blocking calls run: " + ", ".join(
                         f"{'blocking' if v else 'nonblocking'} "
-                        + (f"<= {format_size(hi)} B" if hi >= 0 else "beyond")
-                        for hi, v in st))
+                        + (f"up to {format_size(hi)} B" if hi >= 0
+                           else "above" if i else "at every size")
+                        for i, (hi, v) in enumerate(st)))
     return 0
 
 
