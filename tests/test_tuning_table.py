@@ -870,3 +870,19 @@ def test_readme_example_steps_are_the_derived_ones():
     assert steps == tbl.derive_steps(t.variant_times("all_reduce", 4, "mpi")) == [(15, True),
                                                                                    (-1, False)]
     assert f"up to {steps[0][0]} B" in README.read_text()
+
+
+def test_suspicious_points_include_isolated_variant_flips():
+    from mcrdl.tools.tuning_suite import suspicious_points
+
+    t = TuningTable(PROV)
+    sizes = [8 ** k for k in range(1, 8)]
+    for n in sizes:
+        # blocking faster except at 512 (isolated) and from 256 KiB on (a regime change)
+        b = 3e-6 if n == 512 or n >= 1 << 18 else 1e-6
+        t.add_variant("all_reduce", 2, "mpi", n, "blocking", b)
+        t.add_variant("all_reduce", 2, "mpi", n, "nonblocking", 2e-6)
+    assert suspicious_points(t, ["mpi"], 1.25) == [("all_reduce", 2, 512)]
+    for n in sizes:  # a second backend far behind: no backend flips, still the variant one
+        t.add("all_reduce", 2, "gloo", n, 1e-3)
+    assert suspicious_points(t, ["mpi", "gloo"], 1.25) == [("all_reduce", 2, 512)]

@@ -190,10 +190,11 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
             continue  # not in this group: wait at the next quiet barrier
         with forced(backend, base, variant):
             seconds = measure_point(cfg, base, k, backend, count, rank, s, groups[s])
-        if rank == 0 and variant:
-            table.add_variant(name, s, backend, real_bytes, variant, seconds)
-        elif rank == 0:
-            table.add(name, s, backend, real_bytes, seconds)
+        if rank == 0:
+            if variant:
+                table.add_variant(name, s, backend, real_bytes, variant, seconds)
+            else:
+                table.add(name, s, backend, real_bytes, seconds)
             unsaved += 1
             if unsaved >= cfg.save_every:
                 save(table)
@@ -226,7 +227,8 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
                     sizes = sorted(set(per_v[0]) & set(per_v[1]))
                     win = [per_v[0][n] < per_v[1][n] for n in sizes]
                     out += [(op, g, n) for i, n in enumerate(sizes)
-                            if 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]]
+                            if 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]
+                            and (op, g, n) not in out]
             per_b = {b: table.times(op, g, b) for b in backends}
             per_b = {b: pts for b, pts in per_b.items() if pts}
             if len(per_b) < 2:
