@@ -106,6 +106,8 @@ class Runtime:
             self.bases[name] = base
         self.tuning_table = tuning_table
         self.auto_table = auto.load_table(tuning_table)
+        for backend in self.backends.values():
+            backend.use_tuning_table(self.auto_table)
         self.install()
 
     def install(self) -> None:

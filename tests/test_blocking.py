@@ -1,6 +1,7 @@
 """The mpi backend's blocking MPI path (issue 22): the variant choice, and its timeout
 contract (a watchdog ends the job with MPI_Abort, printing the CommTimeoutError text)."""
 
+import json
 import os
 import re
 import sys
@@ -226,3 +227,62 @@ mcrdl.finalize()
 """
     out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=120)
     assert "rank 0 ok" in out and "rank 1 ok" in out, out
+
+
+def _blocking_table_run(env_table, mode, expected, n=2):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
+    env.update(MCRDL_TIMEOUT="60", MCRDL_MPI_BLOCKING=mode)
+    if env_table:
+        env["MCRDL_TUNING_TABLE"] = str(env_table)
+    cmd = [mpiexec_or_skip(), "-n", str(n), sys.executable,
+           os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
+           json.dumps(expected)]
+    out = run_launcher(cmd, env=env, timeout=120)
+    assert out.count("variants as expected") == n, out
+
+
+def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
+    """A table whose steps make all_reduce up to 64 B blocking: "mpi" and "auto" calls of
+    8 B run the blocking MPI collective (MpiComm.blocking_calls), 256 B ones and bcast
+    (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides."""
+    from mcrdl.tuning.table import TuningTable
+
+    t = TuningTable({"command": "test"})
+    t.add("all_reduce", 2, "mpi", 8, 1e-6)
+    t.set_blocking_steps("all_reduce", 2, "mpi", [(64, True), (-1, False)])
+    path = tmp_path / "blocking.json"
+    t.save(path)
+    shipped_bcast = [list(s) for s in mpi.shipped_blocking()["bcast"][2]]
+    _blocking_table_run(path, "auto", {"all_reduce": [[64, True], [-1, False]],
+                                       "bcast": shipped_bcast})
+    _blocking_table_run(path, "never", {})
+
+
+@pytest.mark.parametrize("differ", ["table", "mode"])
+def test_ranks_with_other_variants_fail_at_init(tmp_path, differ):
+    """Two ranks whose tuning tables (or MCRDL_MPI_BLOCKING) would make them run other
+    variants of the same call: init raises DesyncError on both, naming the setting."""
+    from mcrdl.tuning.table import TuningTable
+
+    paths = []
+    for hi in (64, 128):
+        t = TuningTable({"command": "test"})
+        t.set_blocking_steps("all_reduce", 2, "mpi", [(hi, True), (-1, False)])
+        paths.append(tmp_path / f"steps{hi}.json")
+        t.save(paths[-1])
+    code = ("import mcrdl\ntry:\n    mcrdl.init(['mpi'])\n    print('no error')\n"
+            "except mcrdl.DesyncError as e:\n    print('DesyncError:', e)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
+    env["MCRDL_TIMEOUT"] = "60"
+    cmd = [mpiexec_or_skip()]
+    for i in range(2):
+        setting = (["-env", "MCRDL_TUNING_TABLE", str(paths[i])] if differ == "table"
+                   else ["-env", "MCRDL_MPI_BLOCKING", ("never", "always")[i]])
+        cmd += [*([":"] if i else []), "-n", "1", *setting, sys.executable, "-c", code]
+    out = run_launcher(cmd, env=env, timeout=120)
+    assert out.count("DesyncError: init: backend 'mpi' would run other blocking variants on "
+                     "ranks [1]") == 2, out
+    want = ("(64, True)" if differ == "table" else "'never'")
+    assert want in out and "no error" not in out, out

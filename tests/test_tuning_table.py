@@ -186,9 +186,40 @@ def _rename_group(new_key):
 
 BAD_DOCS = [
     ("schema", _set(["schema"], "other-table"), "$.schema", '"mcrdl-tuning-table"'),
-    ("version 2", _set(["version"], 2), "$.version", "expected 1"),
-    ("version str", _set(["version"], "1"), "$.version", "expected 1"),
-    ("version bool", _set(["version"], True), "$.version", "expected 1"),
+    ("version 3", _set(["version"], 3), "$.version",
+     "expected 1 or 2 (the table was written by a newer mcrdl: upgrade mcrdl"),
+    ("version str", _set(["version"], "1"), "$.version", "expected 1 or 2 (this mcrdl reads"),
+    ("version bool", _set(["version"], True), "$.version", "re-run mcrdl-tune run"),
+    ("v1 variants", lambda d: (d.update(version=1), _set(
+        ["ops", "all_reduce", "4", "variants"], {})(d)), E, "unknown key 'variants'"),
+    ("variants list", _set(["ops", "all_reduce", "4", "variants"], []), f"{E}.variants",
+     "an object"),
+    ("variants backend", _set(["ops", "all_reduce", "4", "variants"],
+                              {"nccl": {"blocking": [1e-6] * 3}}),
+     f'{E}.variants["nccl"]', "a backend of this entry's times"),
+    ("variant name", _set(["ops", "all_reduce", "4", "variants"], {"mpi": {"fast": [1e-6] * 3}}),
+     f'{E}.variants["mpi"]', "unknown key 'fast'"),
+    ("variant short", _set(["ops", "all_reduce", "4", "variants"], {"mpi": {"blocking": [1e-6]}}),
+     f'{E}.variants["mpi"].blocking', "a list of 3 times (one per size), got 1 entries"),
+    ("variant nan", _set(["ops", "all_reduce", "4", "variants"],
+                         {"mpi": {"nonblocking": [1e-6, math.nan, None]}}),
+     f'{E}.variants["mpi"].nonblocking[1]', "got nan"),
+    ("blocking list", _set(["ops", "all_reduce", "4", "blocking"], [[8, True]]),
+     f"{E}.blocking", "an object"),
+    ("steps empty", _set(["ops", "all_reduce", "4", "blocking"], {"mpi": []}),
+     f'{E}.blocking["mpi"]', "a non-empty list of [largest bytes, blocking] pairs"),
+    ("steps unsorted", _set(["ops", "all_reduce", "4", "blocking"],
+                            {"mpi": [[64, True], [8, False]]}),
+     f'{E}.blocking["mpi"][1][0]', "increasing order"),
+    ("steps -1 first", _set(["ops", "all_reduce", "4", "blocking"],
+                            {"mpi": [[-1, True], [8, False]]}),
+     f'{E}.blocking["mpi"][1][0]', "-1 (no limit) only last"),
+    ("steps -2", _set(["ops", "all_reduce", "4", "blocking"], {"mpi": [[-2, True]]}),
+     f'{E}.blocking["mpi"][0][0]', "sizes >= 0"),
+    ("steps flag int", _set(["ops", "all_reduce", "4", "blocking"], {"mpi": [[8, 1]]}),
+     f'{E}.blocking["mpi"][0]', "an integer and a boolean"),
+    ("steps size bool", _set(["ops", "all_reduce", "4", "blocking"], {"mpi": [[True, True]]}),
+     f'{E}.blocking["mpi"][0]', "an integer and a boolean"),
     ("no ops", _delete(["ops"]), "$:", "'ops'"),
     ("no schema", _delete(["schema"]), "$:", "'schema'"),
     ("unknown top key", _set(["extra"], 1), "$:", "unknown key 'extra'"),
@@ -301,7 +332,8 @@ def test_load_errors(tmp_path):
         TuningTable.load(wrong)
     old = tmp_path / "v0.json"
     old.write_text(json.dumps({**valid_doc(), "version": 0}))
-    with pytest.raises(TuningTableError, match=r"v0.json: \$.version: expected 1"):
+    with pytest.raises(TuningTableError, match=r"v0.json: \$.version: expected 1 or 2 "
+                       r"\(this mcrdl reads versions 1, 2; re-run mcrdl-tune run"):
         TuningTable.load(old)
 
 
@@ -712,3 +744,145 @@ def test_suspicious_points_are_isolated_flips_and_close_calls():
     t.add("all_gather", 8, "gloo", 4096, 3.0)
     assert suspicious_points(t, ["mpi", "gloo"], 1.05) == []
     assert suspicious_points(t, ["mpi"], 1.25) == []
+
+
+# -- MPI blocking variants (issue 22) -------------------------------------------------
+
+
+def _power_law(x: int, c: float, k: float) -> float:
+    return c * x ** k
+
+
+def test_variants_round_trip_and_backend_time_is_the_faster(tmp_path):
+    t = TuningTable(PROV)
+    # blocking ~ x, nonblocking ~ sqrt(x) * sqrt(2048): they cross at exactly 2048 B
+    sizes = [64, 256, 1024, 4096, 16384]
+    for n in sizes:
+        t.add_variant("all_reduce", 2, "mpi", n, "blocking", _power_law(n, 1e-9, 1.0))
+        t.add_variant("all_reduce", 2, "mpi", n, "nonblocking",
+                      _power_law(n, 1e-9 * math.sqrt(2048), 0.5))
+        t.add("all_reduce", 2, "gloo", n, 1e-3)
+    t.add_variant("barrier", 2, "mpi", 0, "blocking", 3e-6)
+    t.add_variant("barrier", 2, "mpi", 0, "nonblocking", 2e-6)
+    for n in sizes:
+        b, nb = (t.variant_times("all_reduce", 2, "mpi")[v][n] for v in schema.VARIANTS)
+        assert t.times("all_reduce", 2, "mpi")[n] == min(b, nb)
+    steps = t.blocking_steps("all_reduce", 2, "mpi")
+    assert [v for _, v in steps] == [True, False] and steps[1][0] == -1
+    assert 2047 <= steps[0][0] <= 2048  # where the log-log interpolations cross
+    assert t.blocking_steps("barrier", 2, "mpi") == [(-1, False)]
+    assert t.blocking_steps("all_reduce", 2, "gloo") is None
+    assert t.blocking_table("mpi") == {"all_reduce": {2: steps}, "barrier": {2: [(-1, False)]}}
+    assert t.blocking_table("gloo") == {}
+    path = tmp_path / "v.json"
+    t.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["version"] == VERSION == 2
+    entry = doc["ops"]["all_reduce"]["2"]
+    assert entry["blocking"] == {"mpi": [list(s) for s in steps]}
+    assert entry["variants"]["mpi"]["blocking"] == [_power_law(n, 1e-9, 1.0) for n in sizes]
+    assert "variants" not in doc["ops"]["all_reduce"]["2"]["times"]
+    back = TuningTable.load(path)
+    assert back == t
+    assert back.blocking_table("mpi") == t.blocking_table("mpi")
+    assert back.has_variant("all_reduce", 2, "mpi", 64, "nonblocking")
+    assert not back.has_variant("all_reduce", 2, "mpi", 8, "nonblocking")
+
+
+def test_derive_steps_crossover_at_zero_bytes_is_linear_and_ties_stay_nonblocking():
+    # linear segment from 0 B: blocking 1 -> 3, nonblocking 2 -> 2 over [0, 100]: cross at 50
+    steps = tbl.derive_steps({"blocking": {0: 1.0, 100: 3.0}, "nonblocking": {0: 2.0, 100: 2.0}})
+    assert steps == [(50, True), (-1, False)]
+    assert tbl.derive_steps({"blocking": {8: 1.0}, "nonblocking": {8: 1.0}}) == [(-1, False)]
+    assert tbl.derive_steps({"blocking": {8: 1.0}, "nonblocking": {16: 1.0}}) is None
+    # runs merge; an isolated flip is a step of its own
+    steps = tbl.derive_steps({"blocking": {8: 1, 16: 1, 32: 3, 64: 1},
+                              "nonblocking": {8: 2, 16: 2, 32: 2, 64: 2}})
+    assert [v for _, v in steps] == [True, False, True]
+    assert 16 <= steps[0][0] < 32 and 32 <= steps[1][0] < 64 and steps[2][0] == -1
+
+
+def test_hand_set_steps_hold_until_variants_are_measured_again():
+    t = TuningTable(PROV)
+    t.add_variant("bcast", 2, "mpi", 8, "blocking", 1e-6)
+    t.add_variant("bcast", 2, "mpi", 8, "nonblocking", 2e-6)
+    t.set_blocking_steps("bcast", 2, "mpi", [[4096, True], [-1, False]])
+    assert t.blocking_steps("bcast", 2, "mpi") == [(4096, True), (-1, False)]
+    again = TuningTable.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert again.blocking_steps("bcast", 2, "mpi") == [(4096, True), (-1, False)]
+    again.add_variant("bcast", 2, "mpi", 8, "blocking", 1e-6)  # a new measurement
+    assert again.blocking_steps("bcast", 2, "mpi") == [(-1, True)]
+    with pytest.raises(TuningTableError, match="increasing order"):
+        t.set_blocking_steps("bcast", 2, "mpi", [[64, True], [8, False]])
+    with pytest.raises(TuningTableError, match="variant must be one of blocking, nonblocking"):
+        t.add_variant("bcast", 2, "mpi", 8, "fast", 1e-6)
+    with pytest.raises(TuningTableError, match="seconds must be"):
+        t.add_variant("bcast", 2, "mpi", 8, "blocking", -1.0)
+
+
+def test_version_1_table_loads_and_the_mpi_backend_keeps_the_shipped_steps(tmp_path):
+    from mcrdl.backends import mpi
+
+    old = {"schema": SCHEMA, "version": 1, "provenance": {"host": "old"},
+           "ops": {"all_reduce": {"2": {"sizes": [8, 1024],
+                                        "times": {"mpi": [1e-6, 3e-6], "gloo": [2e-5, 3e-5]},
+                                        "winners": [[8, "mpi"]]}}}}
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    t = TuningTable.load(path)
+    assert t.times("all_reduce", 2, "mpi") == {8: 1e-6, 1024: 3e-6}
+    assert t.blocking_table("mpi") == {}
+    for op in mpi.BLOCKING_OPS:
+        assert (mpi.blocking_steps(op, 2, "auto", t.blocking_table("mpi"))
+                == mpi.shipped_blocking()[op][2])
+    t.save(path)  # written again: the current version, same points
+    assert json.loads(path.read_text())["version"] == VERSION
+    assert TuningTable.load(path) == t
+
+
+def test_newer_version_names_the_file_and_the_fix(tmp_path):
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps({**valid_doc(), "version": VERSION + 1}))
+    with pytest.raises(TuningTableError) as info:
+        TuningTable.load(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: $.version: expected 1 or 2"), msg
+    assert "upgrade mcrdl" in msg and "re-run mcrdl-tune run" in msg, msg
+
+
+def test_table_steps_override_the_shipped_ones_per_op():
+    from mcrdl.backends import mpi
+
+    t = TuningTable(PROV)
+    t.set_blocking_steps("all_reduce", 2, "mpi", [(4096, True), (-1, False)])
+    table = t.blocking_table("mpi")
+    assert mpi.blocking_steps("all_reduce", 2, "auto", table) == [(4096, True), (-1, False)]
+    assert mpi.blocking_steps("all_reduce", 3, "auto", table) == [(4096, True), (-1, False)]
+    assert mpi.blocking_steps("bcast", 2, "auto", table) == mpi.shipped_blocking()["bcast"][2]
+    assert mpi.blocking_steps("all_reduce", 2, "never", table) == [(-1, False)]
+    assert t.blocking_table("cray-mpich") == {}
+
+
+def test_readme_example_steps_are_the_derived_ones():
+    blocks = re.findall(r"```json\n(.*?)```", README.read_text(), re.S)
+    t = TuningTable.from_dict(json.loads(blocks[0]), source="README.md")
+    steps = t.blocking_steps("all_reduce", 4, "mpi")
+    assert steps == tbl.derive_steps(t.variant_times("all_reduce", 4, "mpi")) == [(15, True),
+                                                                                   (-1, False)]
+    assert f"up to {steps[0][0]} B" in README.read_text()
+
+
+def test_suspicious_points_include_isolated_variant_flips():
+    from mcrdl.tools.tuning_suite import suspicious_points
+
+    t = TuningTable(PROV)
+    sizes = [8 ** k for k in range(1, 8)]
+    for n in sizes:
+        # blocking faster except at 512 (isolated) and from 256 KiB on (a regime change)
+        b = 3e-6 if n == 512 or n >= 1 << 18 else 1e-6
+        t.add_variant("all_reduce", 2, "mpi", n, "blocking", b)
+        t.add_variant("all_reduce", 2, "mpi", n, "nonblocking", 2e-6)
+    assert suspicious_points(t, ["mpi"], 1.25) == [("all_reduce", 2, 512)]
+    for n in sizes:  # a second backend far behind: no backend flips, still the variant one
+        t.add("all_reduce", 2, "gloo", n, 1e-3)
+    assert suspicious_points(t, ["mpi", "gloo"], 1.25) == [("all_reduce", 2, 512)]

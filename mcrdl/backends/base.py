@@ -93,6 +93,11 @@ class Backend:
     def mark_failed(self, why: str) -> None:
         """Ops no longer match across ranks (timeout, desync): refuse new ones from now on."""
 
+    def use_tuning_table(self, table) -> None:
+        """The tuning table of this init (a mcrdl.tuning.table.TuningTable, or None when
+        there is none): a backend whose calls have variants it chooses between by
+        measurement takes them from it. Collective: every rank, same table, same point."""
+
 
 def _unsupported(spec: OpSpec):
     def method(self, *args):

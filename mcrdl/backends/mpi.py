@@ -8,12 +8,14 @@ another backend. CPU tensors are used in place (zero-copy).
 
 A blocking call of a collective may run as the blocking MPI collective instead (much
 faster for small messages with MPICH): which one, per (op, group size, bytes), comes
-from :func:`blocking_steps` (docs/api.md, MCRDL_MPI_BLOCKING). Its timeout is then kept
-by a watchdog that ends the job with MPI_Abort (csrc/watchdog.h).
+from :func:`blocking_steps` (docs/api.md, MCRDL_MPI_BLOCKING): the steps of the tuning
+table in use when it has them for this backend, else the shipped measurements. Its
+timeout is then kept by a watchdog that ends the job with MPI_Abort (csrc/watchdog.h).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from functools import cache
@@ -21,6 +23,7 @@ from importlib import resources
 
 from .. import _C
 from ..bootstrap import mpi_module
+from ..errors import DesyncError
 from ..groups import Group, bad_group_error
 from ..launch import usable_cores
 from ..ops import OPS
@@ -154,6 +157,7 @@ class MPIBackend(MPILaneBackend):
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
         self._mpi_comms: dict[int, object] = {}
+        self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
         # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
         # front calls them directly; what they do not handle goes to the methods below.
         fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
@@ -171,14 +175,53 @@ class MPIBackend(MPILaneBackend):
         self._add_fast(group, c)
         return c
 
-    def _choose_blocking(self, c: _C.MpiComm) -> None:
-        """Which variant blocking calls of `c` run. Debug mode keeps the nonblocking
-        path: its checks rely on every wait being bounded and raising CommTimeoutError."""
+    def _choose_blocking(self, c: _C.MpiComm, ops=BLOCKING_OPS) -> None:
+        """Which variant blocking calls of `c` run."""
+        mode = self._blocking_mode()
+        for op in ops:
+            c.set_blocking(op, blocking_steps(op, c.size, mode, self._blocking_table))
+
+    @staticmethod
+    def _blocking_mode() -> str:
+        """MCRDL_MPI_BLOCKING, except that debug mode keeps the nonblocking path: its
+        checks rely on every wait being bounded and raising CommTimeoutError."""
         from ..runtime import debug_enabled
 
-        mode = "never" if debug_enabled() else blocking_mode()
-        for op in BLOCKING_OPS:
-            c.set_blocking(op, blocking_steps(op, c.size, mode))
+        return "never" if debug_enabled() else blocking_mode()
+
+    def use_tuning_table(self, table) -> None:
+        """Blocking calls run the variants of `table`'s steps for this backend where it has
+        them, else the shipped ones (blocking_steps). Every rank must run the same variant
+        of each call (MPI never matches a blocking collective with a nonblocking one), so
+        the ranks compare their choice (mode and steps) and raise DesyncError when it
+        differs."""
+        steps = {} if table is None else table.blocking_table(self.name)
+        mine = (self._blocking_mode(), steps)
+        views = self.ctx.bootstrap.all_gather_object(mine)
+        differ = [r for r, v in enumerate(views) if v != views[0]]
+        if differ:
+            raise DesyncError(
+                f"init: backend {self.name!r} would run other blocking variants on ranks "
+                f"{differ} than on rank 0 (MCRDL_MPI_BLOCKING, MCRDL_DEBUG and the tuning "
+                "table, e.g. MCRDL_TUNING_TABLE, must be the same on every rank); (mode, "
+                f"table steps) on rank 0: {views[0]}, on rank {differ[0]}: {views[differ[0]]}")
+        self._blocking_table = steps
+        for c in self._comms.values():
+            self._choose_blocking(c)
+
+    @contextlib.contextmanager
+    def variant(self, op: str, blocking: bool):
+        """Within the block, blocking calls of `op` on every communicator of this backend
+        run the blocking MPI collective (`blocking` True) or the nonblocking one and a
+        bounded wait; then the chosen steps again. Every member of a group calling `op`
+        inside must force the same variant (mcrdl-tune measures both this way)."""
+        for c in self._comms.values():
+            c.set_blocking(op, [(-1, bool(blocking))])
+        try:
+            yield
+        finally:
+            for c in self._comms.values():
+                self._choose_blocking(c, (op,))
 
     def add_group(self, group: Group) -> None:
         MPI = self._MPI

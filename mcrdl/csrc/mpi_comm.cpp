@@ -260,6 +260,9 @@ class MpiComm {
   int rank() const { return rank_; }
   int size() const { return size_; }
   uint64_t seq() const { return seq_; }
+  // Calls that ran the blocking MPI collective (either thread): what tests observe of the
+  // variant choice.
+  uint64_t blocking_calls() const { return blocking_calls_; }
   void set_timeout(double t) { timeout_s_ = t; }
 
   // set_blocking(op, steps): which variant calls of `op` run, by size; `steps` are
@@ -790,6 +793,7 @@ class MpiComm {
   py::object run_blocking(const char* op, const char* mpi_name, bool async_op,
                           std::function<void()> finish, Call&& call) {
     auto g = lock_post();
+    ++blocking_calls_;
     if (!async_op && issuer_->idle()) {
       if (!lane_->healthy()) lane_->throw_unhealthy(op);
       const uint64_t seq = ++seq_;
@@ -824,7 +828,7 @@ class MpiComm {
   std::string group_, backend_;
   std::shared_ptr<Lane> lane_;
   double timeout_s_;
-  uint64_t seq_ = 0;
+  uint64_t seq_ = 0, blocking_calls_ = 0;  // written with the post lock held
   std::mutex post_mu_;
   BlockingChoice blocking_;
   std::shared_ptr<Issuer> issuer_;
@@ -947,6 +951,8 @@ void bind_mpi(py::module_& m) {
       .def_property_readonly("rank", &MpiComm::rank)
       .def_property_readonly("size", &MpiComm::size)
       .def_property_readonly("seq", &MpiComm::seq)
+      .def_property_readonly("blocking_calls", &MpiComm::blocking_calls,
+                             "How many calls ran the blocking MPI collective (set_blocking).")
       .def("set_timeout", &MpiComm::set_timeout)
       .def_static("has_blocking", [](const std::string& op) { return block_op_of(op) >= 0; },
                   arg("op"), "Whether operation `op` has a blocking variant (set_blocking).")

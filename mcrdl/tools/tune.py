@@ -2,13 +2,17 @@
 
     mpiexec -n 8 mcrdl-tune run --output tuning_tables/mine.json
     mpiexec -n 8 mcrdl-tune run --output tuning_tables/mine.json --resume   # after an interruption
+    mcrdl-tune show tuning_tables/mine.json
     mcrdl-tune plot tuning_tables/mine.json --out-dir plots/
 
 ``run`` benchmarks every operation (default: all collectives of the API) on every
 initialized backend over a size sweep (default powers of two, 8 B .. 64 MiB) at the
 world size and sub-group sizes 2, 4, ...; rank 0 shows a progress bar and writes the
-table atomically as it goes. Point "auto" at the table with
-``mcrdl.init(tuning_table=PATH)`` or ``MCRDL_TUNING_TABLE=PATH``.
+table atomically as it goes. On the mpi backends each collective with a blocking
+variant is timed both as the blocking MPI call and as the nonblocking one; the table
+records which one their blocking calls run, per op, group size and size. Point "auto"
+and the mpi backends at the table with ``mcrdl.init(tuning_table=PATH)`` or
+``MCRDL_TUNING_TABLE=PATH``. ``show`` prints a table's times, winners and variants.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--system", default="", help="system name stored in the provenance")
     mo = sub.add_parser("model", help="fit the alpha-beta model, print held-out error")
     mo.add_argument("table", help="tuning table (JSON)")
+    sh = sub.add_parser("show", help="print the times, winners and MPI variants of a table")
+    sh.add_argument("table", help="tuning table (JSON)")
     pl = sub.add_parser("plot", help="heatmap of winners and latency curves (PNG)")
     pl.add_argument("table", help="tuning table (JSON)")
     pl.add_argument("--out-dir", default=".", help="where to write the PNGs (default .)")
@@ -183,6 +189,50 @@ def _model(args) -> int:
     return 0
 
 
+def _show(args) -> int:
+    """Per op and group size: the time of every backend (us) at each size, the time of
+    each MPI variant and which one the backend's blocking calls run, the winners."""
+    from mcrdl.tuning.sizes import format_size
+    from mcrdl.tuning.table import TuningTable
+
+    table = TuningTable.load(args.table)
+    prov = table.provenance
+    print(f"# {args.table}: host {prov.get('host', '?')}, {prov.get('date', '?')}, "
+          f"{prov.get('command', '?')}")
+
+    def us(t):
+        return "-" if t is None else f"{t * 1e6:.2f}"
+
+    for op in table.ops():
+        for g in table.group_sizes(op):
+            backends = table.backends(op)
+            per_b = {b: table.times(op, g, b) for b in backends}
+            per_v = {b: table.variant_times(op, g, b) for b in backends}
+            per_v = {b: v for b, v in per_v.items() if v}
+            steps = {b: table.blocking_steps(op, g, b) for b in backends}
+            cols = [*backends, *(f"{b}:{v}" for b in per_v for v in ("blocking",
+                                                                        "nonblocking"))]
+            print(f"\n{op}, {g} ranks (us)")
+            w = [max(10, len(c)) for c in cols]
+            print(f"  {'size':>8} " + " ".join(f"{c:>{x}}" for c, x in zip(cols, w, strict=True)))
+            for n in sorted({n for pts in per_b.values() for n in pts}):
+                row = [us(per_b[b].get(n)) for b in backends]
+                row += [us(per_v[b].get(v, {}).get(n)) for b in per_v
+                        for v in ("blocking", "nonblocking")]
+                print(f"  {format_size(n):>8} "
+                      + " ".join(f"{c:>{x}}" for c, x in zip(row, w, strict=True)))
+            print("  winners: " + ", ".join(f"{b} from {format_size(n)}"
+                                            for n, b in table.winners(op, g)))
+            for b, st in steps.items():
+                if st:
+                    print(f"  {b} blocking calls run: " + ", ".join(
+                        f"{'blocking' if v else 'nonblocking'} "
+                        + (f"up to {format_size(hi)} B" if hi >= 0
+                           else "above" if i else "at every size")
+                        for i, (hi, v) in enumerate(st)))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -191,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     if args.command == "model":
         return _model(args)
+    if args.command == "show":
+        return _show(args)
     from mcrdl.tuning.plot import plot_table
 
     for path in plot_table(args.table, args.out_dir):

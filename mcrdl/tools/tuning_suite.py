@@ -8,6 +8,14 @@ the per-iteration maximum over ranks (``mcrdl.tools.bench.time_call``). With ``o
 each op is also timed as K async ops in flight at once (time per op), as the MCR-DL
 paper does; those rows are stored under ``"<op>@overlap<K>"``.
 
+On the mpi backends (those with a ``variant`` method: "mpi", "cray-mpich") each
+collective with a blocking variant is measured twice per point, once as the blocking
+MPI collective and once as the nonblocking one with a bounded wait (forced per
+communicator for the measurement); the table keeps both times, records the backend's
+time as the faster one, and derives from them the (largest bytes, blocking) steps its
+blocking calls run (``TuningTable.add_variant``, ``blocking_steps``). Overlapped rows
+run the async calls with the variants chosen when the run started.
+
 Then a confirmation pass: on an oversubscribed or shared machine a single point can be
 an outlier, and one outlier flips a routing decision. Every point whose winner differs
 from the winners of both neighbouring sizes, or wins by less than ``confirm_margin``, is
@@ -20,6 +28,7 @@ it measured and ``--resume`` continues from there.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -92,6 +101,29 @@ def overlapped_call(op: str, backend: str, count: int, dtype, device, rank: int,
     return run
 
 
+def variants_of(backend: str, op: str, k: int) -> tuple[str, ...]:
+    """The variants measured for a point: both of schema.VARIANTS for a single blocking
+    call of an op with a blocking variant on an mpi backend, else ("",): the backend as
+    configured. The same on every rank (the plan must be)."""
+    from mcrdl.api import current_runtime
+    from mcrdl.backends.mpi import BLOCKING_OPS
+    from mcrdl.tuning.schema import VARIANTS
+
+    if k != 1 or op not in BLOCKING_OPS:
+        return ("",)
+    return VARIANTS if hasattr(current_runtime().backend(backend), "variant") else ("",)
+
+
+def forced(backend: str, op: str, variant: str):
+    """A context in which `backend` runs blocking calls of `op` as `variant` ("": as
+    configured)."""
+    if not variant:
+        return contextlib.nullcontext()
+    from mcrdl.api import current_runtime
+
+    return current_runtime().backend(backend).variant(op, variant == "blocking")
+
+
 def measure_point(cfg: SuiteConfig, op: str, k: int, backend: str, count: int, rank: int,
                   s: int, group) -> float:
     """Seconds per call of `op` on `backend` over the first `s` ranks (`group`), `count`
@@ -117,10 +149,10 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     sync_backend = cfg.backends[0]
     groups = {s: (None if s == world else mcrdl.new_group(list(range(s))))
               for s in cfg.group_sizes}
-    variants = [(op, op, 1) for op in cfg.ops]
+    rows = [(op, op, 1) for op in cfg.ops]
     if cfg.overlap > 1:
-        variants += [(f"{op}@overlap{cfg.overlap}", op, cfg.overlap)
-                     for op in cfg.ops if op != "barrier"]
+        rows += [(f"{op}@overlap{cfg.overlap}", op, cfg.overlap)
+                 for op in cfg.ops if op != "barrier"]
     # One point per distinct real size (requested sizes round to whole elements per
     # rank, so two can coincide), and skip decisions from the table as loaded: rank 0
     # adds points as it goes, and every rank must make the same decisions.
@@ -129,19 +161,21 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
 
     supports = {b: backend_class(b).supported_ops() for b in cfg.backends}
     for s in cfg.group_sizes:
-        for name, base, k in variants:
+        for name, base, k in rows:
             for b in cfg.backends:
                 if base not in supports[b]:
                     continue  # e.g. pccl has all_gather, reduce_scatter, all_reduce only
                 wanted = cfg.sizes if base != "barrier" else cfg.sizes[:1]
                 counts = sorted({element_count(base, n, itemsize, s) for n in wanted})
-                plan += [(name, base, k, s, b, count) for count in counts]
-    already = {p for p in plan if table.has(p[0], p[3], p[4], p[5] * itemsize)}
+                plan += [(name, base, k, s, b, count, v) for count in counts
+                         for v in variants_of(b, base, k)]
+    already = {p for p in plan if (table.has_variant(p[0], p[3], p[4], p[5] * itemsize, p[6])
+                                   if p[6] else table.has(p[0], p[3], p[4], p[5] * itemsize))}
     done = 0
     unsaved = 0
     current_size = None
     for point in plan:
-        name, base, k, s, backend, count = point
+        name, base, k, s, backend, count, variant = point
         if s != current_size:
             _quiet_barrier(sync_backend)
             current_size = s
@@ -150,12 +184,17 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
         if point in already:
             continue
         if progress is not None and rank == 0:
-            progress(done, len(plan), f"{name} on {backend}, {s} ranks, {real_bytes} B")
+            how = f" ({variant})" if variant else ""
+            progress(done, len(plan), f"{name} on {backend}{how}, {s} ranks, {real_bytes} B")
         if rank >= s:
             continue  # not in this group: wait at the next quiet barrier
-        seconds = measure_point(cfg, base, k, backend, count, rank, s, groups[s])
+        with forced(backend, base, variant):
+            seconds = measure_point(cfg, base, k, backend, count, rank, s, groups[s])
         if rank == 0:
-            table.add(name, s, backend, real_bytes, seconds)
+            if variant:
+                table.add_variant(name, s, backend, real_bytes, variant, seconds)
+            else:
+                table.add(name, s, backend, real_bytes, seconds)
             unsaved += 1
             if unsaved >= cfg.save_every:
                 save(table)
@@ -176,11 +215,20 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
                       margin: float) -> list[tuple[str, int, int]]:
     """(op, group size, bytes) whose winner among ``backends`` is an isolated flip (it
     differs from the winners at both neighbouring sizes) or beats the runner-up by less
-    than ``margin``. An end point that differs from its one neighbour may be a regime
-    change: only the margin test applies there."""
+    than ``margin``, or where the faster MPI variant of one of ``backends`` is an isolated
+    flip. An end point that differs from its one neighbour may be a regime change: only
+    the margin test applies there."""
     out = []
     for op in table.ops():
         for g in table.group_sizes(op):
+            for b in backends:
+                per_v = list(table.variant_times(op, g, b).values())
+                if len(per_v) == 2:
+                    sizes = sorted(set(per_v[0]) & set(per_v[1]))
+                    win = [per_v[0][n] < per_v[1][n] for n in sizes]
+                    out += [(op, g, n) for i, n in enumerate(sizes)
+                            if 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]
+                            and (op, g, n) not in out]
             per_b = {b: table.times(op, g, b) for b in backends}
             per_b = {b: pts for b, pts in per_b.items() if pts}
             if len(per_b) < 2:
@@ -191,7 +239,7 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
             for i, n in enumerate(sizes):
                 flip = 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]
                 close = ranked[i][1][0] < margin * ranked[i][0][0]
-                if flip or close:
+                if (flip or close) and (op, g, n) not in out:
                     out.append((op, g, n))
     return out
 
@@ -225,14 +273,21 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
         if rank >= s:
             continue
         count = nbytes // itemsize
-        measured = {b: [] for b in here}
+        measured = {(b, v): [] for b in here for v in variants_of(b, base, k)}
         for order in orders:
             for b in order:
-                measured[b].append(measure_point(cfg, base, k, b, count, rank, s, groups[s]))
+                for v in variants_of(b, base, k):
+                    with forced(b, base, v):
+                        measured[b, v].append(
+                            measure_point(cfg, base, k, b, count, rank, s, groups[s]))
         if rank == 0:
-            for b, more in measured.items():
-                old = table.times(name, s, b).get(nbytes)
-                table.add(name, s, b, nbytes,
-                          statistics.median(more + ([old] if old is not None else [])))
+            for (b, v), more in measured.items():
+                old = (table.variant_times(name, s, b).get(v, {}) if v
+                       else table.times(name, s, b)).get(nbytes)
+                seconds = statistics.median(more + ([old] if old is not None else []))
+                if v:
+                    table.add_variant(name, s, b, nbytes, v, seconds)
+                else:
+                    table.add(name, s, b, nbytes, seconds)
     _quiet_barrier(cfg.backends[0])
     return len(points)

@@ -3,7 +3,9 @@
 - ``<op>_heatmap.png``: message size x group size -> the winning backend (colour), shaded
   by its speedup over the runner-up (darker = larger), the number printed in each cell;
   like the PCCL paper's heatmaps.
-- ``<op>_latency.png``: latency vs message size per backend, one panel per group size.
+- ``<op>_latency.png``: latency vs message size per backend, one panel per group size;
+  for the mpi backends also the time of each variant of a blocking call (dashed: the
+  blocking MPI collective, dotted: the nonblocking one and a wait).
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ def plot_table(path: str, out_dir: str = ".") -> list[str]:
                 pts = [(n, t * 1e6) for n, t in zip(ns, ts, strict=True) if t is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker=".", label=b, color=color[b])
+                for v, pts in sorted(table.variant_times(op, g, b).items()):
+                    if pts:
+                        ax.plot([n for n in sorted(pts)], [pts[n] * 1e6 for n in sorted(pts)],
+                                linestyle="--" if v == "blocking" else ":", linewidth=1,
+                                label=f"{b} ({v})", color=color[b])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(f"{op}, {g} ranks", fontsize=9)

@@ -80,7 +80,7 @@ def find_shipped_table(directory: str | os.PathLike, current: dict) -> pathlib.P
     matches = []
     for path in sorted(d.glob("*.json")):
         try:
-            prov, _ = schema.decode(schema.read(path), source=os.fspath(path))
+            prov = schema.decode(schema.read(path), source=os.fspath(path)).provenance
         except schema.TuningTableError as e:
             log.warning("mcrdl: skipping unusable shipped tuning table: %s", e)
             continue

@@ -2,10 +2,18 @@
 version, validation with errors that name the file, the JSON path and what was
 expected, and reading and writing the file.
 
-A document is decoded into the table's provenance and its measured :class:`Point` s;
-the table (``table.py``) stores them. A reader accepts exactly the version it writes,
-``VERSION``: a change to the layout (a new field of a point, say) raises ``VERSION``
-and says here how an older document reads, if it still can.
+A document is decoded into the table's provenance, its measured :class:`Point` s and
+the MPI blocking steps it records; the table (``table.py``) stores them. A change to the
+layout raises ``VERSION`` and says here how an older document reads, if it still can:
+
+- version 1: no ``variants`` or ``blocking`` keys in an entry. It reads as it is; the
+  mpi backends then run the variants of their shipped measurements
+  (mcrdl/tuning/mpi_blocking.json).
+- version 2 (written now): an entry may hold ``variants`` (per backend, the times of
+  the blocking and the nonblocking MPI call) and ``blocking`` (per backend, the
+  (largest bytes, blocking) steps its blocking calls run).
+
+A version above ``VERSION`` is refused with a message naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -21,18 +29,28 @@ from typing import NamedTuple
 from ..errors import InvalidArgumentError
 
 SCHEMA = "mcrdl-tuning-table"
-VERSION = 1
+VERSION = 2
+#: The versions a reader accepts (see the module docstring for how each reads).
+READS = (1, 2)
+#: The two ways an MPI backend runs a blocking call: the blocking MPI collective, or the
+#: nonblocking one and a bounded wait (mcrdl/backends/mpi.py).
+VARIANTS = ("blocking", "nonblocking")
 
 #: Provenance keys mcrdl writes (all strings); a table may hold others (JSON scalars).
 PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "torch", "nccl",
                    "gloo", "date", "command")
 
 _TOP_KEYS = ("schema", "version", "provenance", "ops")
-_ENTRY_KEYS = ("sizes", "times", "winners")
+_ENTRY_KEYS = {1: ("sizes", "times", "winners"),
+               2: ("sizes", "times", "winners", "variants", "blocking")}
 _MISS = object()
 
 #: The measured times of a table: op -> group size -> backend -> {nbytes: seconds}.
 Times = dict[str, dict[int, dict[str, dict[int, float]]]]
+#: The times of each MPI variant: (op, group size, backend) -> variant -> {nbytes: seconds}.
+VariantTimes = dict[tuple[str, int, str], dict[str, dict[int, float]]]
+#: (largest bytes, blocking) steps in increasing size, -1 bytes: no limit.
+Steps = list[tuple[int, bool]]
 
 
 class TuningTableError(InvalidArgumentError):
@@ -43,13 +61,24 @@ class TuningTableError(InvalidArgumentError):
 
 class Point(NamedTuple):
     """One measured time: ``seconds`` per call of ``op`` on ``backend`` over
-    ``group_size`` ranks with ``nbytes`` bytes."""
+    ``group_size`` ranks with ``nbytes`` bytes; ``variant`` is "" for the backend's time
+    and one of VARIANTS for the time of that MPI variant."""
 
     op: str
     group_size: int
     backend: str
     nbytes: int
     seconds: float
+    variant: str = ""
+
+
+class Document(NamedTuple):
+    """A decoded table: provenance, measured points, and the blocking steps recorded
+    per (op, group size, backend)."""
+
+    provenance: dict
+    points: list[Point]
+    steps: dict[tuple[str, int, str], Steps]
 
 
 def is_seconds(v: object) -> bool:
@@ -64,40 +93,53 @@ def is_seconds(v: object) -> bool:
 
 
 def encode(provenance: dict, times: Times,
-           winners: Callable[[str, int], list[tuple[int, str]]]) -> dict:
-    """The JSON document of a table: its `provenance`, its `times`, and each curve's
-    `winners(op, group_size)` (written for readers; :func:`decode` re-derives them)."""
+           winners: Callable[[str, int], list[tuple[int, str]]],
+           variants: VariantTimes | None = None,
+           steps: dict[tuple[str, int, str], Steps] | None = None) -> dict:
+    """The JSON document of a table: its `provenance`, its `times`, each curve's
+    `winners(op, group_size)` (written for readers; :func:`decode` re-derives them), the
+    `variants` times and the blocking `steps` per (op, group size, backend)."""
     provenance = check_provenance(provenance, "<provenance>", "$.provenance")
+    variants, steps = variants or {}, steps or {}
+    curves = {(op, g) for op in times for g in times[op]} | {(op, g) for op, g, _ in steps}
     ops: dict = {}
-    for op in sorted(times):
-        groups = {}
-        for g in sorted(times[op]):
-            per_b = times[op][g]
-            sizes = sorted({n for pts in per_b.values() for n in pts})
-            groups[str(g)] = {
-                "sizes": sizes,
-                "times": {b: [per_b[b].get(n) for n in sizes] for b in sorted(per_b)},
-                "winners": [[n, b] for n, b in winners(op, g)],
-            }
-        ops[op] = groups
+    for op, g in sorted(curves):
+        per_b = times.get(op, {}).get(g, {})
+        sizes = sorted({n for pts in per_b.values() for n in pts})
+        entry = {
+            "sizes": sizes,
+            "times": {b: [per_b[b].get(n) for n in sizes] for b in sorted(per_b)},
+            "winners": [[n, b] for n, b in winners(op, g)],
+        }
+        var = {b: {v: [variants[op, g, b].get(v, {}).get(n) for n in sizes] for v in VARIANTS}
+               for b in sorted(per_b) if (op, g, b) in variants}
+        if var:
+            entry["variants"] = var
+        chosen = {b: [[n, v] for n, v in st] for (o, gs, b), st in sorted(steps.items())
+                  if (o, gs) == (op, g)}
+        if chosen:
+            entry["blocking"] = chosen
+        ops.setdefault(op, {})[str(g)] = entry
     return {"schema": SCHEMA, "version": VERSION, "provenance": provenance, "ops": ops}
 
 
-def decode(d: object, source: str = "<dict>") -> tuple[dict, list[Point]]:
-    """Validate a JSON document and return its provenance and measured points;
-    ``source`` names the document in errors. ``winners`` is checked for shape only."""
+def decode(d: object, source: str = "<dict>") -> Document:
+    """Validate a JSON document (of a version in READS) and return its provenance,
+    measured points and blocking steps; ``source`` names the document in errors.
+    ``winners`` is checked for shape only."""
     src = str(source)
     if not isinstance(d, dict):
         _fail(src, "$", "a JSON object with keys " + ", ".join(_TOP_KEYS), d)
     _check_keys(d, _TOP_KEYS, _TOP_KEYS, src, "$")
     if d["schema"] != SCHEMA:
         _fail(src, "$.schema", f'"{SCHEMA}" (not an mcrdl tuning table?)', d["schema"])
-    _check_version(d["version"], src)
+    version = _check_version(d["version"], src)
     provenance = check_provenance(d["provenance"], src, "$.provenance")
     ops = d["ops"]
     if not isinstance(ops, dict):
         _fail(src, "$.ops", 'an object {op: {group size: entry}}', ops)
     points: list[Point] = []
+    steps: dict[tuple[str, int, str], Steps] = {}
     for op, groups in ops.items():
         opath = f"$.ops[{_key(op)}]"
         if not isinstance(op, str) or not op:
@@ -105,8 +147,9 @@ def decode(d: object, source: str = "<dict>") -> tuple[dict, list[Point]]:
         if not isinstance(groups, dict):
             _fail(src, opath, 'an object {"<group size>": entry}', groups)
         for gkey, entry in groups.items():
-            points.extend(_read_entry(op, gkey, entry, src, f"{opath}[{_key(gkey)}]"))
-    return provenance, points
+            points.extend(_read_entry(op, gkey, entry, version, steps, src,
+                                      f"{opath}[{_key(gkey)}]"))
+    return Document(provenance, points, steps)
 
 
 def check_provenance(prov: object, src: str, path: str) -> dict:
@@ -186,27 +229,31 @@ def write(path: str | os.PathLike, doc: dict) -> None:
 # -- validation -------------------------------------------------------------------------
 
 
-def _check_version(version: object, src: str) -> None:
+def _check_version(version: object, src: str) -> int:
     is_int = isinstance(version, int) and not isinstance(version, bool)
-    if is_int and version == VERSION:
-        return
+    if is_int and version in READS:
+        return version
     if is_int and version > VERSION:
         why = ("the table was written by a newer mcrdl: upgrade mcrdl to read it, or re-run "
-               "mcrdl-tune with this one")
+               "mcrdl-tune run with this one to regenerate it")
     else:
-        why = f"this mcrdl reads version {VERSION} tables; re-run mcrdl-tune to regenerate it"
-    _fail(src, "$.version", f"{VERSION} ({why})", version)
+        why = (f"this mcrdl reads versions {', '.join(map(str, READS))}; re-run mcrdl-tune "
+               "run to regenerate it")
+    _fail(src, "$.version", f"{' or '.join(map(str, READS))} ({why})", version)
 
 
-def _read_entry(op: str, gkey: str, entry: object, src: str, path: str) -> Iterator[Point]:
-    """The points of one {"sizes", "times", "winners"} entry, validated."""
+def _read_entry(op: str, gkey: str, entry: object, version: int,
+                steps: dict[tuple[str, int, str], Steps], src: str,
+                path: str) -> Iterator[Point]:
+    """The points of one {"sizes", "times", "winners", "variants", "blocking"} entry,
+    validated; its blocking steps go to `steps`."""
     if not (isinstance(gkey, str) and gkey.isascii() and gkey.isdigit()
             and str(int(gkey)) == gkey and int(gkey) >= 1):
         _fail(src, path, 'a group size key: a decimal integer >= 1 such as "4"', gkey)
     g = int(gkey)
     if not isinstance(entry, dict):
         _fail(src, path, 'an object with keys "sizes", "times" (and "winners")', entry)
-    _check_keys(entry, ("sizes", "times"), _ENTRY_KEYS, src, path)
+    _check_keys(entry, ("sizes", "times"), _ENTRY_KEYS[version], src, path)
     sizes = entry["sizes"]
     if not isinstance(sizes, list):
         _fail(src, f"{path}.sizes", "a list of sizes in bytes", sizes)
@@ -223,17 +270,26 @@ def _read_entry(op: str, gkey: str, entry: object, src: str, path: str) -> Itera
         bpath = f"{path}.times[{_key(backend)}]"
         if not isinstance(backend, str) or not backend:
             _fail(src, bpath, "a non-empty backend name", backend)
-        if not isinstance(ts, list) or len(ts) != len(sizes):
-            if isinstance(ts, list):
-                _fail(src, bpath, f"a list of {len(sizes)} times (one per size)",
-                      got_text=f"{len(ts)} entries")
-            _fail(src, bpath, f"a list of {len(sizes)} times (one per size)", ts)
-        for i, t in enumerate(ts):
-            if t is None:
-                continue
-            if not is_seconds(t):
-                _fail(src, f"{bpath}[{i}]", "a finite time in seconds >= 0, or null", t)
-            yield Point(op, g, backend, sizes[i], float(t))
+        yield from _read_times(op, g, backend, "", sizes, ts, src, bpath)
+    variants = entry.get("variants", {})
+    if not isinstance(variants, dict):
+        _fail(src, f"{path}.variants", 'an object {backend: {"blocking": [...], '
+              '"nonblocking": [...]}}', variants)
+    for backend, per_v in variants.items():
+        bpath = f"{path}.variants[{_key(backend)}]"
+        if backend not in times:
+            _fail(src, bpath, "a backend of this entry's times", backend)
+        if not isinstance(per_v, dict):
+            _fail(src, bpath, 'an object {"blocking": [...], "nonblocking": [...]}', per_v)
+        _check_keys(per_v, (), VARIANTS, src, bpath)
+        for v, ts in per_v.items():
+            yield from _read_times(op, g, backend, v, sizes, ts, src, f"{bpath}.{v}")
+    blocking = entry.get("blocking", {})
+    if not isinstance(blocking, dict):
+        _fail(src, f"{path}.blocking", "an object {backend: [[largest bytes, blocking], "
+              "...]}", blocking)
+    for backend, st in blocking.items():
+        steps[op, g, backend] = check_steps(st, src, f"{path}.blocking[{_key(backend)}]")
     winners = entry.get("winners", [])
     if not isinstance(winners, list):
         _fail(src, f"{path}.winners", "a list of [from_bytes, backend] pairs", winners)
@@ -241,6 +297,44 @@ def _read_entry(op: str, gkey: str, entry: object, src: str, path: str) -> Itera
         if not (isinstance(w, list) and len(w) == 2 and isinstance(w[0], int)
                 and not isinstance(w[0], bool) and w[0] >= 0 and isinstance(w[1], str)):
             _fail(src, f"{path}.winners[{i}]", "a [from_bytes, backend] pair", w)
+
+
+def _read_times(op: str, g: int, backend: str, variant: str, sizes: list, ts: object,
+                src: str, path: str) -> Iterator[Point]:
+    """The points of one list of times (one per size, null: not measured)."""
+    if not isinstance(ts, list) or len(ts) != len(sizes):
+        if isinstance(ts, list):
+            _fail(src, path, f"a list of {len(sizes)} times (one per size)",
+                  got_text=f"{len(ts)} entries")
+        _fail(src, path, f"a list of {len(sizes)} times (one per size)", ts)
+    for i, t in enumerate(ts):
+        if t is None:
+            continue
+        if not is_seconds(t):
+            _fail(src, f"{path}[{i}]", "a finite time in seconds >= 0, or null", t)
+        yield Point(op, g, backend, sizes[i], float(t), variant)
+
+
+def check_steps(steps: object, src: str, path: str) -> Steps:
+    """Blocking steps as (int, bool) pairs once valid: [largest bytes, blocking] pairs,
+    largest bytes >= 0 and increasing, -1 (no limit) only last (TuningTableError naming
+    `src` and `path` otherwise)."""
+    if not isinstance(steps, (list, tuple)) or not steps:
+        _fail(src, path, "a non-empty list of [largest bytes, blocking] pairs", steps)
+    out: Steps = []
+    for i, step in enumerate(steps):
+        if not (isinstance(step, (list, tuple)) and len(step) == 2
+                and isinstance(step[0], int) and not isinstance(step[0], bool)
+                and isinstance(step[1], bool)):
+            _fail(src, f"{path}[{i}]", "a [largest bytes, blocking] pair: an integer and a "
+                  "boolean", step)
+        hi = step[0]
+        if hi < -1 or (out and (out[-1][0] == -1 or (hi != -1 and hi <= out[-1][0]))):
+            _fail(src, f"{path}[{i}][0]", "sizes >= 0 in increasing order, -1 (no limit) "
+                  "only last", hi)
+        out.append((hi, step[1]))
+    return out
+
 
 
 def _check_keys(d: dict, required: tuple, allowed: tuple, src: str, path: str) -> None:

@@ -17,6 +17,12 @@ backend's time for a call and pick the fastest:
 
 ``lookup`` caches its answers (bounded dict), so a repeated call costs a dict lookup.
 Nothing here does I/O except ``load`` and ``save``.
+
+For the mpi backends a table also records how their blocking calls run (the blocking
+MPI collective or the nonblocking one and a bounded wait, ``schema.VARIANTS``): the time
+of each variant (``add_variant``; the backend's time is the faster one) and, per (op,
+group size), the (largest bytes, blocking) steps its communicators run
+(``blocking_steps``), derived from the variant times unless set by hand.
 """
 
 from __future__ import annotations
@@ -55,25 +61,40 @@ class TuningTable:
         self._gsizes: dict[tuple[str, str], list[int]] = {}
         self._models: dict[tuple[str, str], _model.AlphaBeta] = {}
         self._lookup_cache: dict[tuple, str | None] = {}
+        self._variants: schema.VariantTimes = {}
+        self._steps: dict[tuple[str, int, str], schema.Steps] = {}
 
     # -- building -------------------------------------------------------------------
 
     def add(self, op: str, group_size: int, backend: str, nbytes: int, seconds: float) -> None:
         """Record one measured point (seconds per call); re-adding a point replaces it."""
         where = f"add({op!r}, {group_size!r}, {backend!r}, {nbytes!r}, {seconds!r})"
-        if not isinstance(op, str) or not op:
-            raise TuningTableError(f"{where}: op must be a non-empty string")
-        if not isinstance(backend, str) or not backend:
-            raise TuningTableError(f"{where}: backend must be a non-empty string")
-        g = _index(group_size)
-        if g is None or g < 1:
-            raise TuningTableError(f"{where}: group_size must be an integer >= 1")
-        n = _index(nbytes)
-        if n is None or n < 0:
-            raise TuningTableError(f"{where}: nbytes must be an integer >= 0")
-        if not schema.is_seconds(seconds):
-            raise TuningTableError(f"{where}: seconds must be a finite number >= 0")
-        self._set(op, g, backend, n, float(seconds))
+        self._set(op, *_checked(where, op, group_size, backend, nbytes, seconds))
+
+    def add_variant(self, op: str, group_size: int, backend: str, nbytes: int, variant: str,
+                    seconds: float) -> None:
+        """Record the time of one variant (schema.VARIANTS) of a blocking call of an mpi
+        backend. The backend's time at that size becomes the fastest variant measured
+        there (what its blocking call runs), and steps set by hand for this curve give way
+        to the ones derived from the variant times."""
+        where = (f"add_variant({op!r}, {group_size!r}, {backend!r}, {nbytes!r}, {variant!r}, "
+                 f"{seconds!r})")
+        if variant not in schema.VARIANTS:
+            raise TuningTableError(f"{where}: variant must be one of "
+                                   f"{', '.join(schema.VARIANTS)}")
+        g, b, n, t = _checked(where, op, group_size, backend, nbytes, seconds)
+        per_v = self._variants.setdefault((op, g, b), {})
+        per_v.setdefault(variant, {})[n] = t
+        self._steps.pop((op, g, b), None)
+        self._set(op, g, b, n, min(pts[n] for pts in per_v.values() if n in pts))
+
+    def set_blocking_steps(self, op: str, group_size: int, backend: str, steps) -> None:
+        """Fix the (largest bytes, blocking) steps of `backend`'s blocking calls of `op` at
+        `group_size` (-1 bytes: no limit; larger sizes than the last step run
+        nonblocking), instead of deriving them from the variant times."""
+        where = f"set_blocking_steps({op!r}, {group_size!r}, {backend!r})"
+        g, b, _, _ = _checked(where, op, group_size, backend, 0, 0.0)
+        self._steps[op, g, b] = schema.check_steps(steps, where, "steps")
 
     def _set(self, op: str, g: int, backend: str, n: int, seconds: float) -> None:
         self._times.setdefault(op, {}).setdefault(g, {}).setdefault(backend, {})[n] = seconds
@@ -92,6 +113,37 @@ class TuningTable:
         """``{bytes: seconds}`` measured for ``op`` on ``backend`` over ``group_size``
         ranks (a copy; empty when none)."""
         return dict(self._times.get(op, {}).get(group_size, {}).get(backend, {}))
+
+    def has_variant(self, op: str, group_size: int, backend: str, nbytes: int,
+                    variant: str) -> bool:
+        """Whether this variant's point was measured (the suite skips it when resuming)."""
+        return nbytes in self._variants.get((op, group_size, backend), {}).get(variant, {})
+
+    def variant_times(self, op: str, group_size: int, backend: str) -> dict[str, dict[int, float]]:
+        """``{variant: {bytes: seconds}}`` measured for the blocking calls of `op` on an
+        mpi `backend` (a copy; empty when none)."""
+        return {v: dict(pts) for v, pts in self._variants.get((op, group_size, backend),
+                                                              {}).items()}
+
+    def blocking_steps(self, op: str, group_size: int, backend: str) -> schema.Steps | None:
+        """The (largest bytes, blocking) steps of `backend`'s blocking calls of `op` at
+        `group_size`: set by hand or read from the file, else derived from the variant
+        times (:func:`derive_steps`); None without either."""
+        key = (op, group_size, backend)
+        steps = self._steps.get(key)
+        if steps is None and key in self._variants:
+            steps = derive_steps(self._variants[key])
+        return None if steps is None else list(steps)
+
+    def blocking_table(self, backend: str) -> dict[str, dict[int, schema.Steps]]:
+        """``{op: {group size: steps}}`` of every curve of `backend` with steps: what
+        mcrdl.backends.mpi.blocking_steps takes as its table."""
+        out: dict[str, dict[int, schema.Steps]] = {}
+        for op, g, b in sorted(set(self._steps) | set(self._variants)):
+            steps = self.blocking_steps(op, g, b) if b == backend else None
+            if steps:
+                out.setdefault(op, {})[g] = steps
+        return out
 
     def ops(self) -> list[str]:
         """Operations with at least one measured point, sorted."""
@@ -234,16 +286,23 @@ class TuningTable:
 
     def to_dict(self) -> dict:
         """The JSON document of this table (tuning_tables/README.md)."""
-        return schema.encode(self.provenance, self._times, self.winners)
+        steps = {k: self.blocking_steps(*k) for k in set(self._steps) | set(self._variants)}
+        return schema.encode(self.provenance, self._times, self.winners, self._variants,
+                             {k: st for k, st in steps.items() if st})
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<dict>") -> TuningTable:
         """Validate a JSON document and build its table; ``source`` names it in errors.
         ``winners`` is checked for shape only and re-derived from the times."""
-        provenance, points = schema.decode(d, source)
-        table = cls(provenance)
-        for p in points:
-            table._set(p.op, p.group_size, p.backend, p.nbytes, p.seconds)
+        doc = schema.decode(d, source)
+        table = cls(doc.provenance)
+        for p in doc.points:
+            if p.variant:
+                key = (p.op, p.group_size, p.backend)
+                table._variants.setdefault(key, {}).setdefault(p.variant, {})[p.nbytes] = p.seconds
+            else:
+                table._set(p.op, p.group_size, p.backend, p.nbytes, p.seconds)
+        table._steps = dict(doc.steps)
         return table
 
     def save(self, path) -> None:
@@ -267,7 +326,10 @@ class TuningTable:
     def __eq__(self, other) -> bool:
         if not isinstance(other, TuningTable):
             return NotImplemented
-        return self.provenance == other.provenance and self._times == other._times
+        return (self.provenance == other.provenance and self._times == other._times
+                and self._variants == other._variants
+                and all(self.blocking_steps(*k) == other.blocking_steps(*k)
+                        for k in set(self._steps) | set(other._steps)))
 
     __hash__ = None  # mutable
 
@@ -279,6 +341,59 @@ class TuningTable:
 
 
 # -- helpers ------------------------------------------------------------------------
+
+
+def derive_steps(per_variant: dict[str, dict[int, float]]) -> schema.Steps | None:
+    """The (largest bytes, blocking) steps of the faster variant at each size where both
+    were measured (a tie keeps the nonblocking call, whose waits raise CommTimeoutError).
+    Between two measured sizes whose winners differ the step ends where the two
+    variants' predictions cross (the interpolation of :meth:`TuningTable.predict`); the
+    last step has no limit (-1). None when no size has both variants."""
+    blocking, nonblocking = (per_variant.get(v, {}) for v in schema.VARIANTS)
+    sizes = sorted(set(blocking) & set(nonblocking))
+    if not sizes:
+        return None
+    steps: schema.Steps = []
+    for i, n in enumerate(sizes):
+        choice = blocking[n] < nonblocking[n]
+        if steps and steps[-1][1] == choice:
+            steps.pop()  # the run of this choice goes on
+        elif steps:
+            lo = sizes[i - 1]
+            steps[-1] = (_crossover(lo, blocking[lo], nonblocking[lo], n, blocking[n],
+                                    nonblocking[n]), steps[-1][1])
+        steps.append((-1, choice))
+    return steps
+
+
+def _crossover(x0: int, b0: float, n0: float, x1: int, b1: float, n1: float) -> int:
+    """The largest size in [x0, x1) on the side of x0 of where the interpolations of two
+    curves (b, n) cross, their order at x0 and x1 being opposite."""
+    if x0 == 0:
+        d0, d1 = b0 - n0, b1 - n1
+        x = x1 * d0 / (d0 - d1)
+    else:
+        d0 = math.log(max(b0, _TINY)) - math.log(max(n0, _TINY))
+        d1 = math.log(max(b1, _TINY)) - math.log(max(n1, _TINY))
+        x = x0 * (x1 / x0) ** (d0 / (d0 - d1)) if d0 != d1 else x0
+    return min(max(int(x), x0), x1 - 1)
+
+
+def _checked(where: str, op, group_size, backend, nbytes, seconds) -> tuple:
+    """(group size, backend, bytes, seconds) of a point once valid."""
+    if not isinstance(op, str) or not op:
+        raise TuningTableError(f"{where}: op must be a non-empty string")
+    if not isinstance(backend, str) or not backend:
+        raise TuningTableError(f"{where}: backend must be a non-empty string")
+    g = _index(group_size)
+    if g is None or g < 1:
+        raise TuningTableError(f"{where}: group_size must be an integer >= 1")
+    n = _index(nbytes)
+    if n is None or n < 0:
+        raise TuningTableError(f"{where}: nbytes must be an integer >= 0")
+    if not schema.is_seconds(seconds):
+        raise TuningTableError(f"{where}: seconds must be a finite number >= 0")
+    return g, backend, n, float(seconds)
 
 
 def _interpolate(x0: int, y0: float, x1: int, y1: float, x: int) -> float:
