@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
 from .groups import Group, bad_group_error
-from .launch import LaunchInfo
+from .launch import LaunchInfo, detect, usable_cores
 
 # MPICH's shared-memory ("release_gather") blocking bcast, barrier, allreduce and reduce
 # are several times faster than its point-to-point algorithms at small sizes, but its
@@ -33,7 +33,10 @@ from .launch import LaunchInfo
 # (other threads' MPI calls proceed), and the algorithms' state is per communicator,
 # which MPI already forbids two concurrent collectives on (mcrdl's Issuer orders them).
 # A value the user set wins; the empty string restores MPICH's own selection. Other MPI
-# libraries ignore the variable.
+# libraries ignore the variable. Only when the node's ranks fit its cores: these
+# algorithms spin on shared memory, and a rank spinning while the peer it waits for is
+# descheduled costs whole time slices (4 ranks on 2 cores: 8 B all_reduce 6.8 ms against
+# 0.3 ms, 16 MiB 16.8 s against 20 ms; docs/performance.md).
 MPICH_POSIX_COLL_CVAR = "MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE"
 
 
@@ -43,13 +46,21 @@ def mpich_posix_coll_json() -> str:
                         "mpich_posix_coll.json")
 
 
+def mpich_selection_default(local_size: int, cores: int) -> str | None:
+    """The value mcrdl gives MPICH_POSIX_COLL_CVAR for a node running `local_size` ranks
+    on `cores` cores (None: leave MPICH's own selection); see above."""
+    return mpich_posix_coll_json() if local_size <= cores else None
+
+
 def mpi_module():
     """mpi4py's MPI module, initialized with MPI_THREAD_MULTIPLE (lanes need it)."""
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
-        os.environ.setdefault(MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json())
+        default = mpich_selection_default(detect().local_size, usable_cores())
+        if default is not None:
+            os.environ.setdefault(MPICH_POSIX_COLL_CVAR, default)
     from mpi4py import MPI
 
     if not MPI.Is_initialized():

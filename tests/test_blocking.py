@@ -164,6 +164,9 @@ def test_mpich_selection_variable_set_before_init_unless_the_user_did():
     out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=dict(env, **{var: ""}),
                        timeout=60)
     assert "value: ''" in out, out
+    # oversubscribed nodes keep MPICH's own selection (the shared-memory ones spin)
+    assert bootstrap.mpich_selection_default(2, 2) == bootstrap.mpich_posix_coll_json()
+    assert bootstrap.mpich_selection_default(3, 2) is None
 
 
 def test_blocking_collective_waiting_on_another_thread_of_its_rank():
