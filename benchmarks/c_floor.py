@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
+import math
 import os
 import shutil
 import statistics
@@ -85,6 +87,24 @@ def parse(out: str) -> dict:
         if len(f) >= 4 and f[0] in OPS:
             rows[(f[0], int(f[1]))] = [float(x) for x in f[2:]]
     return rows
+
+
+def fit_steps(ratios: dict[int, float], margin: float = 0.95) -> list:
+    """mpi_blocking.json steps from {bytes: blocking variant time / nonblocking}: a size
+    is blocking when the ratio is below `margin` (closer is this machine's noise); then
+    the one crossover (blocking up to it, nonblocking above) that agrees with the most
+    sizes, fewer blocking sizes on a tie, at the geometric middle of the measured sizes
+    around it rounded to a power of two."""
+    sizes = sorted(ratios)
+    wins = [ratios[b] < margin for b in sizes]
+    best = max(range(len(sizes) + 1),  # k: the first k sizes blocking
+               key=lambda k: (sum(w == (i < k) for i, w in enumerate(wins)), -k))
+    if best == 0:
+        return [[-1, False]]
+    if best == len(sizes):
+        return [[-1, True]]
+    lo, hi = max(sizes[best - 1], 1), sizes[best]
+    return [[1 << round(math.log2((lo * hi) ** 0.5)), True], [-1, False]]
 
 
 # -- the rank part (under mpiexec) --------------------------------------------------------
@@ -206,6 +226,7 @@ def main(argv=None) -> None:
                     "mcrdl / best C in-proc"]
             if a.variants:
                 head += ["mcrdl blk us", "mcrdl nonblk us"]
+            ratios: dict[str, dict[int, float]] = {}
             print(f"\n{n} ranks (median of {a.trials} trials of the max over ranks)")
             print("| " + " | ".join(head) + " |")
             print("|" + "---|" * len(head))
@@ -221,7 +242,13 @@ def main(argv=None) -> None:
                          f"{mt[0] / min(ib, inb):.2f}"]
                 if a.variants:
                     cells += [us(mt[1]), us(mt[2])]
+                    ratios.setdefault(key[0], {})[key[1]] = mt[1] / mt[2]
                 print("| " + " | ".join(cells) + " |", flush=True)
+            if a.variants:
+                print(f"\nsteps for mcrdl/tuning/mpi_blocking.json, group size {n}, from this "
+                      "run (fit_steps):")
+                for op, r in ratios.items():
+                    print(f'    "{op}": {{"{n}": {json.dumps(fit_steps(r))}}}')
 
 
 if __name__ == "__main__":
