@@ -89,7 +89,7 @@ def parse(out: str) -> dict:
     return rows
 
 
-def fit_steps(ratios: dict[int, float], margin: float = 0.95) -> list:
+def fit_steps(ratios: dict[int, float], margin: float = 0.97) -> list:
     """mpi_blocking.json steps from {bytes: blocking variant time / nonblocking}: a size
     is blocking when the ratio is below `margin` (closer is this machine's noise); then
     the one crossover (blocking up to it, nonblocking above) that agrees with the most
