@@ -3,20 +3,24 @@
  * MPI_Wait, as the median over trials of the per-trial maximum over ranks.
  * Usage: c_floor TRIALS SIZE... ; prints "op bytes blocking_s nonblocking_s" lines.
  * C_FLOOR_THREAD_MULTIPLE=1 initializes MPI with MPI_THREAD_MULTIPLE, as mcrdl must
- * (its lane threads call MPI): MPICH's small collectives are much slower then. */
+ * (its lane threads call MPI): MPICH's small collectives are much slower then.
+ *
+ * Built with -shared -DC_FLOOR_LIB it is a library instead: c_floor.py calls
+ * c_floor_time() from inside its mcrdl ranks, on the same buffers as mcrdl's calls and
+ * interleaved with them trial by trial (the in-process reference).
+ *
+ * Fairness rules, for both: buffers are allocated once, 64-byte aligned and written
+ * before any timing (as torch.zeros does for mcrdl's); the calls per trial are
+ * calibrated by time, not by size (a batch of at least 20 ms on the slowest rank, the
+ * calibration batches doubling as warm-up): a count from the size alone assumed about
+ * 1 us per small call, while with more ranks than cores a call takes milliseconds; and
+ * the variants alternate trial by trial, so a change of the machine's load meets both. */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 enum { ALL_REDUCE, ALL_GATHER, BCAST, REDUCE_SCATTER, BARRIER, NOPS };
-static const char* NAMES[NOPS] = {"all_reduce", "all_gather", "bcast", "reduce_scatter",
-                                  "barrier"};
-
-static int cmp(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return (x > y) - (x < y);
-}
 
 /* One call of `op` on `bytes` (the tuning table's size: all_gather's output,
  * reduce_scatter's input) of float32, blocking or nonblocking + wait. */
@@ -62,10 +66,55 @@ static void call(int op, int blocking, float* a, float* b, long bytes, int n) {
   }
 }
 
-/* Calls per trial: about 20 ms of work, at least 3. */
-static long iters_for(long bytes) {
-  long it = 20000000L / (bytes + 2000);
-  return it < 3 ? 3 : it > 4000 ? 4000 : it;
+/* Seconds per call of `it` calls on this rank, after a barrier. */
+static double batch(int op, int blocking, float* a, float* b, long bytes, int n, long it) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  double t0 = MPI_Wtime();
+  for (long k = 0; k < it; ++k) call(op, blocking, a, b, bytes, n);
+  return (MPI_Wtime() - t0) / it;
+}
+
+/* The library entry point (c_floor.py's in-process reference): seconds per call of `it`
+ * calls of `op` (0 all_reduce, 1 all_gather, 2 bcast, 3 reduce_scatter, 4 barrier) on
+ * MPI_COMM_WORLD, on this rank. */
+double c_floor_time(int op, int blocking, void* a, void* b, long bytes, long it) {
+  int n;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return batch(op, blocking, (float*)a, (float*)b, bytes, n, it);
+}
+
+#ifndef C_FLOOR_LIB
+static const char* NAMES[NOPS] = {"all_reduce", "all_gather", "bcast", "reduce_scatter",
+                                  "barrier"};
+
+static int cmp(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+
+static double max_over_ranks(double mine) {
+  double all;
+  MPI_Allreduce(&mine, &all, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return all;
+}
+
+/* Calls per trial: batches grow until one takes 20 ms on the slowest rank (at most
+ * 4000 calls); the same rule as c_floor.py's calibrate(). */
+static long calibrate(int op, int blocking, float* a, float* b, long bytes, int n) {
+  long it = 1;
+  for (;;) {
+    double t = max_over_ranks(batch(op, blocking, a, b, bytes, n, it)) * it;
+    if (t >= 0.02 || it >= 4000) return it;
+    long next = t > 0 ? (long)(it * 0.025 / t) + 1 : it * 8;
+    it = next < 2 * it ? 2 * it : next > 4000 ? 4000 : next;
+  }
+}
+
+static float* buffer(long bytes) {
+  void* p = NULL;
+  if (posix_memalign(&p, 64, (size_t)bytes)) abort();
+  memset(p, 0, (size_t)bytes);
+  return p;
 }
 
 int main(int argc, char** argv) {
@@ -82,34 +131,34 @@ int main(int argc, char** argv) {
   int trials = atoi(argv[1]);
   long maxb = 8;
   for (int i = 2; i < argc; ++i) if (atol(argv[i]) > maxb) maxb = atol(argv[i]);
-  float* a = calloc(maxb / 4 + n, 4);
-  float* b = calloc(maxb / 4 + n, 4);
-  double* t = malloc(sizeof(double) * trials);
+  float* a = buffer(maxb + 4L * n);
+  float* b = buffer(maxb + 4L * n);
+  double* t[2] = {malloc(sizeof(double) * trials), malloc(sizeof(double) * trials)};
   for (int op = 0; op < NOPS; ++op) {
     for (int i = 2; i < argc; ++i) {
       long bytes = atol(argv[i]);
       if (op == BARRIER && i > 2) break;
       if (op == BARRIER) bytes = 0;
       if ((op == ALL_GATHER || op == REDUCE_SCATTER) && bytes < 4L * n) continue;
-      double med[2];
-      for (int blocking = 1; blocking >= 0; --blocking) {
-        long it = iters_for(bytes);
-        for (long k = 0; k < it / 10 + 1; ++k) call(op, blocking, a, b, bytes, n); /* warm-up */
-        for (int tr = 0; tr < trials; ++tr) {
-          MPI_Barrier(MPI_COMM_WORLD);
-          double t0 = MPI_Wtime();
-          for (long k = 0; k < it; ++k) call(op, blocking, a, b, bytes, n);
-          double mine = (MPI_Wtime() - t0) / it;
-          MPI_Allreduce(&mine, &t[tr], 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+      long it[2];  /* [0] nonblocking, [1] blocking */
+      for (int blocking = 1; blocking >= 0; --blocking)
+        it[blocking] = calibrate(op, blocking, a, b, bytes, n);
+      for (int tr = 0; tr < trials; ++tr)
+        for (int k = 0; k < 2; ++k) {
+          int blocking = (tr + k) % 2;  /* each variant first in every other trial */
+          t[blocking][tr] = max_over_ranks(batch(op, blocking, a, b, bytes, n, it[blocking]));
         }
-        qsort(t, trials, sizeof(double), cmp);
-        med[1 - blocking] = t[trials / 2];
+      double med[2];
+      for (int v = 0; v < 2; ++v) {
+        qsort(t[v], trials, sizeof(double), cmp);
+        med[v] = t[v][trials / 2];
       }
-      if (rank == 0) printf("%s %ld %.9g %.9g\n", NAMES[op], bytes, med[0], med[1]);
+      if (rank == 0) printf("%s %ld %.9g %.9g\n", NAMES[op], bytes, med[1], med[0]);
       fflush(stdout);
     }
   }
-  free(a); free(b); free(t);
+  free(a); free(b); free(t[0]); free(t[1]);
   MPI_Finalize();
   return 0;
 }
+#endif

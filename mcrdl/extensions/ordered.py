@@ -55,7 +55,14 @@ class OrderedLayer(Layer):
             finally:
                 queue.release()
         size, rank = self._rt.size_rank(group)
-        posted = validate(call, size, rank).replace(async_op=True)  # errors now, not later
+        # Errors now, not later. The call goes on as issued, not with the split sizes and
+        # displacements validation fills in: whether a call is deferred depends on timing,
+        # which differs between ranks, and a backend may pick its collective by the form of
+        # the arguments (mpi: all_to_all_single without splits is MPI_Alltoall, with splits
+        # MPI_Ialltoallv), so a filled-in call could meet another collective on a rank that
+        # posted the same call inline.
+        validate(call, size, rank)
+        posted = call.replace(async_op=True)
 
         def post():
             return ChainedWork([posted.forward(forward)])
