@@ -76,14 +76,23 @@ def shipped_blocking() -> dict:
             for op, by_g in doc["ops"].items()}
 
 
-def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = None) -> list:
+def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = None,
+                   oversubscribed: bool = False) -> list:
     """The (largest bytes, blocking) steps of `op` at `group_size` (-1 bytes: no limit):
     `mode` "always"/"never" fix the variant; "auto" takes `table` (op -> group size ->
     steps, from a tuning table), else the shipped measurements, at the nearest measured
-    group size (the largest one not above `group_size`, else the smallest)."""
+    group size (the largest one not above `group_size`, else the smallest).
+
+    `oversubscribed` (some node runs more ranks than it has cores): "auto" without table
+    steps stays nonblocking. MPICH's blocking calls poll without ever yielding, so a rank
+    waiting in one takes a core from the peer it waits for, where mcrdl's own waits back
+    off (csrc/lane.cpp); the shipped steps were measured on ranks that fit the cores. An
+    isolated call can still win blocking, but a training step loses (benchmarks/moe_step.py,
+    4 ranks on 2 cores: with the shipped blocking steps all mpi 44-76 ms, auto 1.08-1.28x
+    the best fixed choice, load average 36; without, 44-48 ms and 0.95-0.98x)."""
     if mode != "auto":
         return [(-1, mode == "always")]
-    for source in (table or {}, shipped_blocking()):
+    for source in (table or {}, {} if oversubscribed else shipped_blocking()):
         by_g = source.get(op)
         if by_g:
             below = [g for g in by_g if g <= group_size]
@@ -158,6 +167,9 @@ class MPIBackend(MPILaneBackend):
         super().__init__(ctx)
         self._mpi_comms: dict[int, object] = {}
         self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
+        # this node's ranks outnumber its cores; made the same on every rank (any node) by
+        # use_tuning_table, which the runtime calls before any operation
+        self._oversubscribed = ctx.bootstrap.info.local_size > usable_cores()
         # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
         # front calls them directly; what they do not handle goes to the methods below.
         fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
@@ -179,7 +191,8 @@ class MPIBackend(MPILaneBackend):
         """Which variant blocking calls of `c` run."""
         mode = self._blocking_mode()
         for op in ops:
-            c.set_blocking(op, blocking_steps(op, c.size, mode, self._blocking_table))
+            c.set_blocking(op, blocking_steps(op, c.size, mode, self._blocking_table,
+                                              self._oversubscribed))
 
     @staticmethod
     def _blocking_mode() -> str:
@@ -197,7 +210,9 @@ class MPIBackend(MPILaneBackend):
         differs."""
         steps = {} if table is None else table.blocking_table(self.name)
         mine = (self._blocking_mode(), steps)
-        views = self.ctx.bootstrap.all_gather_object(mine)
+        views = self.ctx.bootstrap.all_gather_object((mine, self._oversubscribed))
+        self._oversubscribed = any(over for _, over in views)
+        views = [v for v, _ in views]
         differ = [r for r, v in enumerate(views) if v != views[0]]
         if differ:
             raise DesyncError(
