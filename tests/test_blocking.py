@@ -43,6 +43,11 @@ def test_blocking_steps_fixed_modes_and_nearest_group_size():
             sizes = [b if b >= 0 else float("inf") for b, _ in steps]
             assert sizes == sorted(set(sizes)) and sizes[-1] == float("inf"), (op, g, steps)
         assert mpi.blocking_steps("all_reduce", 2, "auto") == shipped["all_reduce"][2]
+    # oversubscribed: the shipped steps give way to nonblocking; a table and "always" stay
+    assert shipped["all_reduce"][2][0][1], "the shipped default has a blocking step"
+    assert mpi.blocking_steps("all_reduce", 2, "auto", oversubscribed=True) == [(-1, False)]
+    assert mpi.blocking_steps("bcast", 3, "auto", table, True) == [(100, True), (-1, False)]
+    assert mpi.blocking_steps("bcast", 3, "always", None, True) == [(-1, True)]
 
 
 def _run(n, *args, mode, timeout):
