@@ -30,6 +30,7 @@ import ctypes
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -44,8 +45,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: at most MAX_ITERS calls.
 TRIAL_S, MAX_ITERS = 0.02, 4000
 
-#: c_floor.c's op numbers (c_floor_time's `op`)
-C_OPS = {"all_reduce": 0, "all_gather": 1, "bcast": 2, "reduce_scatter": 3, "barrier": 4}
+def c_ops() -> dict[str, int]:
+    """c_floor.c's op numbers (c_floor_time's `op`), read from its enum, so the two files
+    cannot disagree: ``enum { ALL_REDUCE, ALL_GATHER, ..., NOPS }`` -> {"all_reduce": 0,
+    ...}."""
+    with open(os.path.join(HERE, "c_floor.c")) as f:
+        body = re.search(r"enum\s*\{([^}]*)\}", f.read()).group(1)
+    names = [n.strip().lower() for n in body.split(",") if n.strip() and n.strip() != "NOPS"]
+    return {n: i for i, n in enumerate(names)}
+
+
+C_OPS = c_ops()
 
 
 def calibrate(batch) -> int:

@@ -182,8 +182,8 @@ def test_blocking_collective_waiting_on_another_thread_of_its_rank():
     inside it. Then both threads of each rank run blocking and nonblocking allreduces on
     two communicators at once; every result is checked against its formula."""
     mpiexec = mpiexec_or_skip()
-    code = """
-import threading, time
+    code = r"""
+import os, threading, time
 import numpy as np
 import mcrdl
 from mcrdl.bootstrap import mpi_module
@@ -230,7 +230,7 @@ for i in range(N):
 t.join()
 assert not bad, bad[:5]
 x.Free(); y.Free()
-print('rank', rank, 'ok')
+os.write(1, f'rank {rank} ok\n'.encode())  # one write: ranks share the pipe
 mcrdl.finalize()
 """
     out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=120)
@@ -279,8 +279,9 @@ def test_ranks_with_other_variants_fail_at_init(tmp_path, differ):
         t.set_blocking_steps("all_reduce", 2, "mpi", [(hi, True), (-1, False)])
         paths.append(tmp_path / f"steps{hi}.json")
         t.save(paths[-1])
-    code = ("import mcrdl\ntry:\n    mcrdl.init(['mpi'])\n    print('no error')\n"
-            "except mcrdl.DesyncError as e:\n    print('DesyncError:', e)\n")
+    # one os.write per line: both ranks write to the same pipe
+    code = ("import os, mcrdl\ntry:\n    mcrdl.init(['mpi'])\n    os.write(1, b'no error\\n')\n"
+            "except mcrdl.DesyncError as e:\n    os.write(1, f'DesyncError: {e}\\n'.encode())\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
     env["MCRDL_TIMEOUT"] = "60"
