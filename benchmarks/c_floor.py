@@ -26,6 +26,7 @@ mcrdl/tuning/mpi_blocking.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import math
@@ -131,7 +132,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
 
     mcrdl.init(["mpi"])
     rank, n = mcrdl.get_rank(), mcrdl.get_size()
-    comm = mcrdl.api.current_runtime().backend("mpi")._world
+    backend = mcrdl.api.current_runtime().backend("mpi")
     lib = ctypes.CDLL(clib)
     lib.c_floor_time.restype = ctypes.c_double
     lib.c_floor_time.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
@@ -157,22 +158,24 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             return lambda: mcrdl.reduce_scatter("mpi", out, inp)
         return lambda: mcrdl.barrier("mpi")
 
-    def mcrdl_batch(fn, op: str, steps: list):
-        """mcrdl's calls, blocking calls running the variants of `steps`."""
+    def mcrdl_batch(fn, op: str, forced: bool | None):
+        """mcrdl's calls: as the backend chose (`forced` None), or every blocking call of
+        `op` forced to the blocking (True) or nonblocking variant (backend.variant)."""
         def batch(it: int) -> float:
-            comm.set_blocking(op, steps)
-            mcrdl.barrier("mpi")
-            t0 = time.perf_counter()
-            for _ in range(it):
-                fn()
-            return slowest((time.perf_counter() - t0) / it)
+            with (contextlib.nullcontext() if forced is None
+                  else backend.variant(op, forced)):
+                mcrdl.barrier("mpi")
+                t0 = time.perf_counter()
+                for _ in range(it):
+                    fn()
+                t = (time.perf_counter() - t0) / it
+            return slowest(t)
         return batch
 
     def c_batch(op: str, blocking: bool, a, b, nbytes: int):
         args = (C_OPS[op], int(blocking), a.data_ptr(), b.data_ptr(), nbytes)
         return lambda it: slowest(lib.c_floor_time(*args, it))
 
-    from mcrdl.backends import mpi as mpi_backend
     for op in ops:
         for nbytes in ([0] if op == "barrier" else sizes):
             if op in ("all_gather", "reduce_scatter") and nbytes < 4 * n:
@@ -180,10 +183,9 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             count = nbytes // 4
             a, b = torch.zeros(max(count, 1)), torch.zeros(max(count, 1))
             fn = mcrdl_call(op, a, b, count // n)
-            steps = mpi_backend.blocking_steps(op, n, mpi_backend.blocking_mode())
-            batches = [mcrdl_batch(fn, op, steps)]
+            batches = [mcrdl_batch(fn, op, None)]
             if variants:
-                batches += [mcrdl_batch(fn, op, [(-1, forced)]) for forced in (True, False)]
+                batches += [mcrdl_batch(fn, op, forced) for forced in (True, False)]
             batches += [c_batch(op, blocking, a, b, nbytes) for blocking in (True, False)]
             its = [calibrate(bt) for bt in batches]
             ts = [[] for _ in batches]
@@ -191,7 +193,6 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
                 for k in range(len(batches)):
                     j = (tr + k) % len(batches)
                     ts[j].append(batches[j](its[j]))
-            comm.set_blocking(op, steps)
             if rank == 0:
                 print(op, nbytes, *(f"{statistics.median(t):.9g}" for t in ts), flush=True)
     mcrdl.finalize()
