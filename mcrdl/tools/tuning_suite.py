@@ -218,6 +218,9 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
     than ``margin``, or where the faster MPI variant of one of ``backends`` is an isolated
     flip. An end point that differs from its one neighbour may be a regime change: only
     the margin test applies there."""
+    def flip(win: list, i: int) -> bool:  # an interior point unlike both neighbours
+        return 0 < i < len(win) - 1 and win[i - 1] != win[i] != win[i + 1]
+
     out = []
     for op in table.ops():
         for g in table.group_sizes(op):
@@ -227,8 +230,7 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
                     sizes = sorted(set(per_v[0]) & set(per_v[1]))
                     win = [per_v[0][n] < per_v[1][n] for n in sizes]
                     out += [(op, g, n) for i, n in enumerate(sizes)
-                            if 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]
-                            and (op, g, n) not in out]
+                            if flip(win, i) and (op, g, n) not in out]
             per_b = {b: table.times(op, g, b) for b in backends}
             per_b = {b: pts for b, pts in per_b.items() if pts}
             if len(per_b) < 2:
@@ -237,9 +239,8 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
             ranked = [sorted((per_b[b][n], b) for b in per_b) for n in sizes]
             win = [r[0][1] for r in ranked]
             for i, n in enumerate(sizes):
-                flip = 0 < i < len(sizes) - 1 and win[i - 1] != win[i] != win[i + 1]
                 close = ranked[i][1][0] < margin * ranked[i][0][0]
-                if (flip or close) and (op, g, n) not in out:
+                if (flip(win, i) or close) and (op, g, n) not in out:
                     out.append((op, g, n))
     return out
 
