@@ -52,11 +52,6 @@ class CommStash:
 _stash: CommStash | None = None  # the stash of the segment running now, if any
 
 
-def stashing() -> bool:
-    """Whether a CAC segment's forward (first run or recomputation) is running now."""
-    return _stash is not None
-
-
 def through_stash(op: str, move: Callable[[], torch.Tensor]) -> torch.Tensor:
     """`move()` (a forward collective named `op`, returning its result), through the
     running segment's stash if any."""
