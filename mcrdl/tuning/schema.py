@@ -336,7 +336,6 @@ def check_steps(steps: object, src: str, path: str) -> Steps:
     return out
 
 
-
 def _check_keys(d: dict, required: tuple, allowed: tuple, src: str, path: str) -> None:
     for key in d:
         if key not in allowed:
