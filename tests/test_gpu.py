@@ -1,6 +1,8 @@
 """GPU paths (NCCL stream lanes), world size 1. Skipped where no CUDA device exists."""
 
+import math
 import os
+import re
 import sys
 
 import pytest
@@ -13,7 +15,9 @@ pytestmark = pytest.mark.skipif(
     reason="no CUDA device (torch.cuda.is_available() is False): the nccl/rccl lanes and "
     "the GPU examples run only on a GPU machine",
 )
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+GPU = os.path.join(ROOT, "tests", "gpu")
 
 
 def test_listing3_overlap_on_nccl():
@@ -34,3 +38,37 @@ def test_nccl_ops_world_of_one():
                         os.path.join(os.path.dirname(__file__), "gpu", "nccl_ops.py")],
                        timeout=300)
     assert "nccl ops OK" in out, out
+
+
+@pytest.mark.parametrize("script,expect", [
+    ("extensions_cuda.py", "cuda extensions OK"),
+    ("torch_ddp_cuda.py", "torch ddp cuda OK"),
+])
+def test_call_path_on_cuda(script, expect):
+    out = run_launcher([mpiexec_or_skip(), "-n", "1", sys.executable,
+                        os.path.join(GPU, script)], timeout=300)
+    assert expect in out, out
+
+
+# Each engine's entry point, one GPU rank: the GPU paths of training/ (nccl lanes, pinned
+# optimizer offload, bf16 autocast, kernel tuning, the MoE dispatch) on the real device.
+ENTRY_POINTS = {
+    "pipeline-bf16-offload": ["training.train_gpt", "--dtype", "bf16", "--offload-optimizer",
+                              "--activation-checkpointing"],
+    "4d-tuned-overlap": ["training.train_gpt", "--engine", "4d", "--tune-matmul",
+                         "--overlap", "all"],
+    "samo-pruned": ["training.train_gpt", "--samo", "--prune-sparsity", "0.5", "--dtype", "bf16"],
+    "moe-dtd-cac": ["training.train_moe", "--dtd", "--cac", "--activation-checkpointing",
+                    "--dtype", "bf16"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_entry_point_on_gpu(name, tmp_path):
+    cmd = [mpiexec_or_skip(), "-n", "1", sys.executable, "-m", *ENTRY_POINTS[name],
+           "--model", "tiny", "--steps", "3", "--device", "cuda", "--no-plot",
+           "--out-dir", str(tmp_path), "--metrics", str(tmp_path / "m.jsonl")]
+    out = run_launcher(cmd, env=dict(os.environ, PYTHONPATH=ROOT, MCRDL_TIMEOUT="120"),
+                       timeout=300)
+    losses = [float(x) for x in re.findall(r"step +\d+/3 \| loss (\S+)", out)]
+    assert len(losses) == 3 and all(math.isfinite(v) and 0 < v < 10 for v in losses), out

@@ -76,8 +76,6 @@ class MoETrainer:
                  debug_checks: bool | None = None):
         self.cfg = cfg
         self.device = pick_device(cfg)
-        if self.device.type != "cpu":
-            raise ValueError("train_moe runs on CPU ranks in this version (--device cpu)")
         self.backends = Backends.parse(cfg.backends)
         init_comm(self.backends, self.device, cfg.timeout)
         self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
@@ -96,7 +94,7 @@ class MoETrainer:
                             early_stop=early_stop,
                             debug_checks=cfg.debug_checks if debug_checks is None
                             else debug_checks)
-        self.model.to(dtype=DTYPES[cfg.dtype])
+        self.model.to(device=self.device, dtype=DTYPES[cfg.dtype])
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.groups.data_rank, self.layout.g_data,
                                seed=cfg.seed)
@@ -129,6 +127,7 @@ class MoETrainer:
         micro = self.batches.microbatches(self.step)
         sums = torch.zeros(4, dtype=torch.float64)  # lm, aux, kept, assigned
         for x, y in micro:
+            x, y = x.to(self.device), y.to(self.device)
             with self.timers("compute"):
                 logits, stats = self.model(x)
                 loss, lm = moe_loss(logits, y, stats, self.moe_cfg)
@@ -150,7 +149,8 @@ class MoETrainer:
         total = torch.zeros(1, dtype=torch.float64)
         with torch.no_grad():
             for x, y in micro:
-                logits, stats = self.model(x)
+                logits, stats = self.model(x.to(self.device))
+                y = y.to(self.device)
                 total += moe_loss(logits, y, stats, self.moe_cfg)[1].item()
         self.groups.world.all_reduce(total)
         return float(total) / (self.world_size * len(micro))

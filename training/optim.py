@@ -170,7 +170,8 @@ class DataParallelAdamW(_GradientComm):
                     g.copy_(r)
         if sumsq is None:
             with self.timers("optimizer"):
-                local = torch.zeros(1, dtype=torch.float64)
+                local = torch.zeros(1, dtype=torch.float64,
+                                    device=grads[0].device if grads else None)
                 for g in grads:
                     local += g.double().pow(2).sum()
             sumsq = self.global_sumsq(local) if self.cfg.grad_clip > 0 else 0.0
@@ -286,7 +287,7 @@ class BucketedAdamW(_GradientComm):
             self.step_count += 1
             self.scaler.update(False)
             return True
-        local = torch.zeros(1, dtype=torch.float64)
+        local = torch.zeros(1, dtype=torch.float64, device=self.flat_grad.device)
         for i, (a, b) in enumerate(spans):
             if works:
                 with self.timers("collective"):

@@ -107,10 +107,11 @@ class ZeroAdamW:
             s.numel = off
             s.shard = shard_range(off, s.comm.size, s.comm.rank)
             lo, hi = s.shard
-            st = {"exp_avg": torch.zeros(hi - lo, dtype=torch.float32),
-                  "exp_avg_sq": torch.zeros(hi - lo, dtype=torch.float32)}
+            dev = s.params[0].device if s.params else None  # states live beside the weights
+            st = {"exp_avg": torch.zeros(hi - lo, dtype=torch.float32, device=dev),
+                  "exp_avg_sq": torch.zeros(hi - lo, dtype=torch.float32, device=dev)}
             if any(p.dtype != torch.float32 for p in s.params):  # bf16 model: fp32 masters
-                st["master"] = torch.empty(hi - lo, dtype=torch.float32)
+                st["master"] = torch.empty(hi - lo, dtype=torch.float32, device=dev)
                 for p, a, b, off in self._pieces(s, lo, hi):
                     st["master"][a - lo:b - lo].copy_(p.detach().view(-1)[a - off:b - off])
             self.state[s.name] = st
@@ -146,7 +147,7 @@ class ZeroAdamW:
 
     def _sumsq(self, s: ParamSet, flat: torch.Tensor) -> torch.Tensor:
         """Squares of this rank's shard, each parameter weighted 1/its tensor copies."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=flat.device)
         lo, hi = s.shard
         for p, a, b, _ in self._pieces(s, lo, hi):
             sq = flat[a:b].double().pow(2).sum()
@@ -163,7 +164,8 @@ class ZeroAdamW:
             for p in s.params:
                 p.grad = None
         with self.timers("optimizer"):
-            local = torch.zeros(1, dtype=torch.float64)
+            local = torch.zeros(1, dtype=torch.float64,
+                                device=next(iter(flats.values())).device if flats else None)
             for s in self.sets:
                 local += self._sumsq(s, flats[s.name])
         if self.world.active:
@@ -189,7 +191,7 @@ class ZeroAdamW:
         if hi <= lo:
             return
         tile = min(s.tile or (hi - lo), hi - lo)
-        buf = torch.empty(tile, dtype=torch.float32)
+        buf = torch.empty(tile, dtype=torch.float32, device=flat.device)
         self.peak_temp_bytes[s.name] = max(self.peak_temp_bytes[s.name],
                                            buf.untyped_storage().nbytes())
         step = self.step_count + 1
@@ -226,7 +228,7 @@ class ZeroAdamW:
         lo, hi = s.shard
         size = -(-s.numel // s.comm.size)
         dtype = s.params[0].dtype
-        mine = torch.zeros(size, dtype=dtype)
+        mine = torch.zeros(size, dtype=dtype, device=s.params[0].device)
         for p, a, b, off in self._pieces(s, lo, hi):
             mine[a - lo:b - lo].copy_(p.data.view(-1)[a - off:b - off])
         with self.timers("collective"):

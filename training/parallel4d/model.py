@@ -183,7 +183,7 @@ class GPT4D(nn.Module):
     def owned_grad_sumsq(self) -> torch.Tensor:
         """Sum of squares (float64) of the gradients this rank owns: summed over the
         world it is the squared global norm with each piece counted once."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=next(self.parameters()).device)
         for p in self.parameters():
             if p.grad is not None and owns(p, self.comms):
                 total += p.grad.double().pow(2).sum()
