@@ -565,6 +565,26 @@ def test_stale_reasons():
     assert TuningTable({"mpi": "crafted"}).stale_reasons({"torch": "x", "gloo": "y"}) == []
     assert TuningTable({"gloo": "torch 2.1"}).stale_reasons({"gloo": "torch 2.13"}) == [
         "Gloo: table measured with 'torch 2.1', running 'torch 2.13'"]
+    # MPICH's collective selection changes what blocking calls cost (tables before it: [])
+    assert t.stale_reasons({**PROV, "mpich_coll_selection": "mpich"}) == []
+    assert TuningTable({**PROV, "mpich_coll_selection": "mcrdl"}).stale_reasons(
+        {**PROV, "mpich_coll_selection": "mpich"}) == [
+        "MPICH collective selection: table measured with 'mcrdl', running 'mpich'"]
+
+
+def test_mpich_coll_selection(monkeypatch, tmp_path):
+    from mcrdl.bootstrap import MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json
+    from mcrdl.tuning.provenance import mpich_coll_selection
+
+    monkeypatch.delenv(MPICH_POSIX_COLL_CVAR, raising=False)
+    assert mpich_coll_selection() == "mpich"
+    monkeypatch.setenv(MPICH_POSIX_COLL_CVAR, "")
+    assert mpich_coll_selection() == "mpich"
+    monkeypatch.setenv(MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json())
+    assert mpich_coll_selection() == "mcrdl"
+    mine = str(tmp_path / "sel.json")
+    monkeypatch.setenv(MPICH_POSIX_COLL_CVAR, mine)
+    assert mpich_coll_selection() == mine
 
 
 def test_current_provenance():
@@ -585,6 +605,8 @@ def test_current_provenance():
     if "mpi4py.MPI" in sys.modules:
         first = sys.modules["mpi4py.MPI"].Get_library_version().strip().splitlines()[0]
         assert p["mpi"] == first.strip()
+    from mcrdl.tuning.provenance import mpich_coll_selection
+    assert p["mpich_coll_selection"] == (mpich_coll_selection() if "MPICH" in p["mpi"] else "")
     TuningTable(p)  # valid provenance
 
 

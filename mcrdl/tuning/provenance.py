@@ -14,11 +14,14 @@ import platform
 import socket
 import sys
 
+from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json
 from . import schema
 
-#: Provenance keys whose difference makes a table stale (library versions), with the
-#: library's name in the reasons.
-VERSION_KEYS = (("mpi", "MPI library"), ("torch", "torch"), ("nccl", "NCCL"), ("gloo", "Gloo"))
+#: Provenance keys whose difference makes a table stale (library versions, and MPICH's
+#: collective selection, which changes what its blocking calls cost), with what they name
+#: in the reasons.
+VERSION_KEYS = (("mpi", "MPI library"), ("mpich_coll_selection", "MPICH collective selection"),
+                ("torch", "torch"), ("nccl", "NCCL"), ("gloo", "Gloo"))
 
 log = logging.getLogger("mcrdl")
 
@@ -48,6 +51,7 @@ def current_provenance(command: str = "") -> dict:
         "cpu_model": _cpu_model(),
         "gpu_model": torch.cuda.get_device_name(0) if cuda else "",
         "mpi": mpi,
+        "mpich_coll_selection": mpich_coll_selection() if "MPICH" in mpi else "",
         "torch": str(torch.__version__),
         "nccl": nccl,
         "gloo": (f"torch {torch.__version__}"
@@ -55,6 +59,18 @@ def current_provenance(command: str = "") -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
+
+
+def mpich_coll_selection() -> str:
+    """Which shared-memory collective selection MPICH runs with in this process (read
+    once MPI is initialized): "mcrdl" (the file mcrdl ships, mcrdl/bootstrap.py), "mpich"
+    (MPICH's own: the variable unset or empty), else the user's file."""
+    value = os.environ.get(MPICH_POSIX_COLL_CVAR, "")
+    if not value:
+        return "mpich"
+    if os.path.realpath(value) == os.path.realpath(mpich_posix_coll_json()):
+        return "mcrdl"
+    return value
 
 
 def stale_reasons(provenance: dict, current: dict) -> list[str]:

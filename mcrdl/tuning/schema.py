@@ -37,8 +37,8 @@ READS = (1, 2)
 VARIANTS = ("blocking", "nonblocking")
 
 #: Provenance keys mcrdl writes (all strings); a table may hold others (JSON scalars).
-PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "torch", "nccl",
-                   "gloo", "date", "command")
+PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "mpich_coll_selection",
+                   "torch", "nccl", "gloo", "date", "command")
 
 _TOP_KEYS = ("schema", "version", "provenance", "ops")
 _ENTRY_KEYS = {1: ("sizes", "times", "winners"),
