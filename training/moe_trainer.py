@@ -125,17 +125,20 @@ class MoETrainer:
         """One step on every rank: (the global batch's mean LM loss, True). The aux loss
         and the dropped fraction of the step are in ``self.last``."""
         micro = self.batches.microbatches(self.step)
-        sums = torch.zeros(4, dtype=torch.float64)  # lm, aux, kept, assigned
+        acc = [0.0, 0.0, 0.0, 0.0]  # lm, aux, kept, assigned
         for x, y in micro:
             x, y = x.to(self.device), y.to(self.device)
             with self.timers("compute"):
                 logits, stats = self.model(x)
                 loss, lm = moe_loss(logits, y, stats, self.moe_cfg)
                 (loss / len(micro)).backward()
-            sums += torch.tensor([lm.item(), stats.aux_loss.detach().item(), stats.kept,
-                                  stats.assigned], dtype=torch.float64)
+            for i, v in enumerate((lm.item(), stats.aux_loss.detach().item(), stats.kept,
+                                   stats.assigned)):
+                acc[i] += v
         self.optimizer.step()
         self.step += 1
+        # on the model's device: the world's all_reduce may be pinned to a GPU backend
+        sums = torch.tensor(acc, dtype=torch.float64, device=self.device)
         with self.timers("collective"):
             self.groups.world.all_reduce(sums)
         n = self.world_size * len(micro)  # every tensor rank holds the same copy
@@ -146,12 +149,12 @@ class MoETrainer:
     def eval_loss(self, step: int) -> float:
         """Collective: the mean LM loss of the global batch of `step`, no gradients."""
         micro = self.batches.microbatches(step)
-        total = torch.zeros(1, dtype=torch.float64)
+        lm_sum = 0.0
         with torch.no_grad():
             for x, y in micro:
                 logits, stats = self.model(x.to(self.device))
-                y = y.to(self.device)
-                total += moe_loss(logits, y, stats, self.moe_cfg)[1].item()
+                lm_sum += moe_loss(logits, y.to(self.device), stats, self.moe_cfg)[1].item()
+        total = torch.tensor([lm_sum], dtype=torch.float64, device=self.device)
         self.groups.world.all_reduce(total)
         return float(total) / (self.world_size * len(micro))
 
