@@ -27,6 +27,7 @@ from ..errors import DesyncError
 from ..groups import Group, bad_group_error
 from ..launch import usable_cores
 from ..ops import OPS
+from ..tuning.schema import check_steps
 from .base import Backend, Capabilities, InitContext
 
 
@@ -71,8 +72,10 @@ def blocking_mode() -> str:
 def shipped_blocking() -> dict:
     """mcrdl/tuning/mpi_blocking.json: per op and group size, the (largest bytes,
     blocking) steps measured on the reference machine (benchmarks/c_floor.py)."""
+    src = "mcrdl/tuning/mpi_blocking.json"
     doc = json.loads(resources.files("mcrdl.tuning").joinpath("mpi_blocking.json").read_text())
-    return {op: {int(g): [(int(b), bool(v)) for b, v in steps] for g, steps in by_g.items()}
+    return {op: {int(g): check_steps(steps, src, f"$.ops.{op}.{g}")
+                 for g, steps in by_g.items()}
             for op, by_g in doc["ops"].items()}
 
 
@@ -210,9 +213,9 @@ class MPIBackend(MPILaneBackend):
         differs."""
         steps = {} if table is None else table.blocking_table(self.name)
         mine = (self._blocking_mode(), steps)
-        views = self.ctx.bootstrap.all_gather_object((mine, self._oversubscribed))
-        self._oversubscribed = any(over for _, over in views)
-        views = [v for v, _ in views]
+        gathered = self.ctx.bootstrap.all_gather_object((mine, self._oversubscribed))
+        self._oversubscribed = any(over for _, over in gathered)
+        views = [v for v, _ in gathered]
         differ = [r for r, v in enumerate(views) if v != views[0]]
         if differ:
             raise DesyncError(
