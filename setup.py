@@ -71,7 +71,7 @@ def _mpi_flags() -> tuple[list[str], list[str], list[str], list[str]]:
 inc, libdirs, libs, link = _mpi_flags()
 sources = [os.path.join("mcrdl", "csrc", f) for f in
            ("module.cpp", "lane.cpp", "validate.cpp", "mpi_comm.cpp", "pccl.cpp", "fusion.cpp",
-            "watchdog.cpp")]
+            "watchdog.cpp", "front.cpp", "gil.cpp")]
 
 setup(
     ext_modules=[

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+from . import _C
 from .backends import registry
 from .errors import BackendUnavailableError, InvalidArgumentError, UnsupportedOperationError
 from .groups import Group
@@ -105,6 +106,7 @@ def finalize() -> None:
     global _runtime, _dispatch
     runtime, _runtime = _runtime, None
     _dispatch = {}
+    _C.front_invalidate()
     if runtime is not None:
         runtime.finalize()
 
@@ -238,7 +240,18 @@ def _make_operation(spec: OpSpec):
     fn.__doc__ = (f"{spec.doc}\n\n``backend``: a backend name or \"auto\"; ``group``: a "
                   "Group (None: the world); with ``async_op=True`` returns a Work, else None "
                   "once the result is ready.")
-    return fn
+    # The public object: the same steps in C, without this function's Python frame (a
+    # third of a small blocking call); it calls `fn` for whatever it does not handle, and
+    # inspect.signature follows __wrapped__ to `fn`.
+    code = fn.__code__
+    names = code.co_varnames[1:code.co_argcount]
+    defaults = (REQUIRED,) * (len(names) - len(fn.__defaults__)) + fn.__defaults__
+    reduce_at = [i for i, p in enumerate(spec.params) if p.kind is Kind.REDUCE_OP]
+    front = _C.front_op(fn, spec.name, globals(), names, defaults, REQUIRED, reduce_at,
+                        ReduceOp, to_reduce_op, UnsupportedOperationError, _alternatives)
+    front.__name__ = front.__qualname__ = spec.name
+    front.__module__, front.__doc__, front.__wrapped__ = __name__, fn.__doc__, fn
+    return front
 
 
 for _spec in OPS.values():

@@ -18,6 +18,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+from . import _C
 from .backends import registry
 from .backends.base import Backend, InitContext
 from .bootstrap import Bootstrap
@@ -113,13 +114,15 @@ class Runtime:
     def install(self) -> None:
         """(Re)build the dispatch table: the configured extensions over each base, and
         "auto" over them (mcrdl.extensions.stack). The dict is updated in place: the
-        front holds it."""
+        front holds it, and caches each entry's methods until this runs again (as the
+        extensions bind the methods below them here)."""
         tops = stack.build(self)
         router = auto.build(tops, self.auto_table, self.world.size)
         if router is not None:
             tops["auto"] = router
         self.dispatch.clear()
         self.dispatch.update(tops)
+        _C.front_invalidate()  # the front's cached methods (csrc/front.cpp)
 
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A group of world ranks (collective over the world, same ranks everywhere)."""
@@ -155,6 +158,7 @@ class Runtime:
         for b in reversed(list(self.bases.values())):
             b.finalize()
         self.dispatch.clear()
+        _C.front_invalidate()
         self.bases.clear()
         self.backends.clear()
         self.bootstrap.close()

@@ -85,6 +85,8 @@ def test_blocking_call_past_timeout_ends_the_job():
     text = _C.timeout_message("all_reduce", "mpi", "world", 2, limit)
     assert f"mcrdl: CommTimeoutError: {text}" in out, out
     assert "MPI_Abort" in out and "rank 0: skipped" not in out and "finalized" not in out, out
+    # a single-threaded rank kept the GIL in that call: the message says how not to
+    assert "the call kept the GIL" in out and "MCRDL_HOLD_GIL=never" in out, out
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
     assert len(pids) == 2, out
     deadline = time.monotonic() + 5  # the aborting rank may still be exiting
@@ -295,3 +297,91 @@ def test_ranks_with_other_variants_fail_at_init(tmp_path, differ):
                      "ranks [1]") == 2, out
     want = ("(64, True)" if differ == "table" else "'never'")
     assert want in out and "no error" not in out, out
+
+
+def test_gil_kept_only_when_nothing_else_can_need_it():
+    """MCRDL_HOLD_GIL=auto (csrc/gil.h): a blocking MPI call keeps the GIL only while the
+    interpreter has no other Python thread, no Python completion callback is pending and
+    no fusion timer runs; "never" always releases it. Two ranks: rank 1 holds a pending
+    recv with a callback until rank 0 sends."""
+    mpiexec = mpiexec_or_skip()
+    code = r"""
+import os, threading, time, torch, mcrdl
+from mcrdl import _C
+mcrdl.init(['mpi'])
+rank = mcrdl.get_rank()
+seen = {'alone': _C.may_hold_gil()}
+t = threading.Thread(target=time.sleep, args=(0.3,)); t.start()
+seen['python thread'] = _C.may_hold_gil(); t.join()
+seen['thread joined'] = _C.may_hold_gil()
+if rank == 1:
+    w = mcrdl.recv('mpi', torch.zeros(1), src=0, tag=3, async_op=True)
+    done = []
+    w.add_done_callback(lambda err: done.append(err))
+    seen['callback pending'] = _C.may_hold_gil()
+mcrdl.all_gather_object(None)  # rank 1 looked before rank 0 sends
+if rank == 0:
+    mcrdl.send('mpi', torch.ones(1), dst=1, tag=3)
+else:
+    w.wait()
+    deadline = time.monotonic() + 10
+    while not (done and _C.may_hold_gil()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen['callback ran'] = (done == [None], _C.may_hold_gil())
+with mcrdl.extensions(fusion=mcrdl.FusionConfig(wait_us=50000.0)):
+    w = mcrdl.all_reduce('mpi', torch.ones(4), async_op=True)
+    seen['fusion timer'] = _C.may_hold_gil()
+    w.wait()
+mcrdl.finalize()
+mcrdl.init(['mpi'])
+seen['next session'] = _C.may_hold_gil()
+mcrdl.finalize()
+os.environ['MCRDL_HOLD_GIL'] = 'never'
+mcrdl.init(['mpi'])
+seen['never'] = _C.may_hold_gil()
+mcrdl.finalize()
+os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "MCRDL_HOLD_GIL"}
+    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], env=env, timeout=120)
+    want = {"alone": True, "python thread": False, "thread joined": True,
+            "fusion timer": False, "next session": True, "never": False}
+    for rank, extra in ((0, {}), (1, {"callback pending": False, "callback ran": (True, True)})):
+        line = re.search(rf"SEEN {rank} (.*)", out)
+        assert line, out
+        assert eval(line.group(1)) == {**want, **extra}, out  # noqa: S307 (our own repr)
+
+
+def test_blocking_call_releases_the_gil_a_python_thread_needs():
+    """Rank 1 joins a small blocking all_reduce only after a file that a Python thread of
+    rank 0 writes while rank 0's main thread is inside that all_reduce: rank 0 must have
+    released the GIL (it has a second Python thread), or the job would hang until the
+    watchdog ended it."""
+    mpiexec = mpiexec_or_skip()
+    code = r"""
+import os, sys, threading, time, torch, mcrdl
+mcrdl.init(['mpi'], timeout=30)
+flag = sys.argv[1]
+rank = mcrdl.get_rank()
+mcrdl.barrier('mpi')
+if rank == 0:
+    def later():
+        time.sleep(0.5)  # rank 0's main thread is in the all_reduce by then
+        open(flag, 'w').close()
+    t = threading.Thread(target=later); t.start()
+    x = torch.ones(1); mcrdl.all_reduce('mpi', x); t.join()
+else:
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    x = torch.ones(1); mcrdl.all_reduce('mpi', x)
+assert x.item() == 2.0, x
+os.write(1, f'rank {rank} ok\n'.encode())
+mcrdl.finalize()
+"""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, MCRDL_MPI_BLOCKING="always", MCRDL_TIMEOUT="30")
+        env.pop("MCRDL_HOLD_GIL", None)
+        out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code,
+                            os.path.join(tmp, "flag")], env=env, timeout=120)
+    assert "rank 0 ok" in out and "rank 1 ok" in out, out

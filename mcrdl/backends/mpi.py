@@ -53,6 +53,18 @@ def idle_sleep(ranks_on_node: int) -> bool:
     return ranks_on_node > usable_cores()
 
 
+HOLD_GIL_MODES = ("auto", "never")
+
+
+def hold_gil_mode() -> str:
+    """MCRDL_HOLD_GIL: "auto" (default: a blocking MPI call keeps the GIL when nothing of
+    this process can need it meanwhile, csrc/gil.h) or "never" (always release it)."""
+    v = os.environ.get("MCRDL_HOLD_GIL", "") or "auto"
+    if v not in HOLD_GIL_MODES:
+        raise ValueError(f"MCRDL_HOLD_GIL must be one of {', '.join(HOLD_GIL_MODES)}, got {v!r}")
+    return v
+
+
 #: The collectives with a blocking variant (csrc/mpi_comm.cpp, BlockOp).
 BLOCKING_OPS = tuple(op for op in OPS if _C.MpiComm.has_blocking(op))
 BLOCKING_MODES = ("auto", "never", "always")
@@ -133,6 +145,7 @@ class MPILaneBackend(Backend):
         self.library_version = loaded
         _C.set_poll_spins(poll_spins(ctx.bootstrap.info.local_size))
         _C.set_idle_sleep(idle_sleep(ctx.bootstrap.info.local_size))
+        _C.set_hold_gil(1 if hold_gil_mode() == "auto" else 0)
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
 

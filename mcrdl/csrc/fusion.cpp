@@ -12,6 +12,7 @@
 #include <deque>
 #include <optional>
 
+#include "gil.h"
 #include "pyargs.h"
 #include "validate.h"
 
@@ -452,7 +453,10 @@ class FusionTimer {
       if (armed_ != 0 && taken_.load() < armed_) return;
       armed_ = seq;
       due_ = due;
-      if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+      if (!thread_.joinable()) {
+        user_ = std::make_unique<GilUser>();  // fire() takes the GIL
+        thread_ = std::thread([this] { loop(); });
+      }
       // A thread waiting for an earlier due time finds the new one when it wakes: only
       // an idle thread needs a wake-up (each is a context switch on a busy core).
       wake = idle_;
@@ -476,6 +480,7 @@ class FusionTimer {
       } else {
         thread_.join();
       }
+      user_.reset();
     }
   }
 
@@ -519,6 +524,7 @@ class FusionTimer {
   std::mutex mu_;
   std::condition_variable cv_;
   std::thread thread_;
+  std::unique_ptr<GilUser> user_;  // while the thread lives
   bool stopped_ = false;
   bool idle_ = true;   // waiting with no due time (or not started)
   int64_t armed_ = 0;  // 0: not armed

@@ -1,4 +1,5 @@
 // mcrdl._C: the C++ core (Work, lanes, validation, the MPI hot path).
+#include "gil.h"
 #include "lane.h"
 #include "pyargs.h"
 
@@ -9,6 +10,7 @@ namespace mcrdl {
 void bind_mpi(py::module_& m);
 void bind_pccl(py::module_& m);
 void bind_fusion(py::module_& m);
+void bind_front(py::module_& m);
 
 namespace {
 
@@ -128,7 +130,9 @@ void keep_thread_state() {
 // Work.add_done_callback: `fn` is released with the GIL taken, wherever the Work drops it
 // (never once the interpreter is going away: then it is leaked).
 void add_done_callback(Work& w, py::function fn) {
-  std::shared_ptr<py::object> held(new py::object(std::move(fn)), [](py::object* f) {
+  // Counted as a GIL user (gil.h) until released: the callback and the release take it.
+  auto user = std::make_shared<GilUser>();
+  std::shared_ptr<py::object> held(new py::object(std::move(fn)), [user](py::object* f) {
     if (!python_usable()) return;
     py::gil_scoped_acquire gil;
     delete f;
@@ -220,6 +224,10 @@ PYBIND11_MODULE(_C, m) {
         "1 ms (not 50 us): for ranks outnumbering cores.");
   m.def("set_poll_spins", &set_poll_spins, py::arg("n"),
         "Polls a waiter makes before yielding the CPU between polls (0: yield at once).");
+  m.def("set_hold_gil", &set_hold_gil, py::arg("mode"),
+        "Whether blocking MPI calls may keep the GIL: 0 never, 1 auto (csrc/gil.h).");
+  m.def("may_hold_gil", &may_hold_gil,
+        "Whether a blocking MPI call made now by this thread would keep the GIL.");
   m.def("validate", &validate_binding, py::arg("op"),
         "validate(op, *args, rank, size): the local argument checks of operation `op`, its "
         "arguments in the order of mcrdl.ops.OPS[op]; raises InvalidArgumentError. Returns "
@@ -227,4 +235,5 @@ PYBIND11_MODULE(_C, m) {
   bind_mpi(m);
   bind_pccl(m);
   bind_fusion(m);
+  bind_front(m);
 }

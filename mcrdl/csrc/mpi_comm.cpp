@@ -31,6 +31,7 @@
 #include "launch_work.h"
 #include "mpi_util.h"
 #include "pyargs.h"
+#include "gil.h"
 #include "watchdog.h"
 
 namespace mcrdl {
@@ -291,32 +292,39 @@ class MpiComm {
     return blocking_.use(static_cast<BlockOp>(block_op(op)), nbytes);
   }
 
+  // The hot ops (all_reduce, bcast, all_gather, reduce_scatter) borrow their arguments'
+  // tensors and copy one only where something must own it past the call (a Work, a
+  // queued blocking call, a finish step): see BlockArg.
   py::object all_reduce(py::handle tensor, int rop, bool async_op) {
-    c10::NoGradGuard ng;
-    at::Tensor t = to_tensor(tensor, "all_reduce", "tensor");
+    const at::Tensor& t = to_tensor(tensor, "all_reduce", "tensor");
     validate_all_reduce(t, rop);
     check_device("all_reduce", t);
     ReducePlan p = reduce_plan(t.scalar_type(), rop);
-    at::Tensor buf = p.upcast ? t.to(at::kFloat) : t;
-    const mcount n = to_mcount(buf.numel(), "all_reduce");
+    auto buf = c10::MaybeOwned<at::Tensor>::borrowed(t);
+    if (p.upcast) {
+      c10::NoGradGuard ng;
+      buf = c10::MaybeOwned<at::Tensor>::owned(t.to(at::kFloat));
+    }
+    const mcount n = to_mcount(buf->numel(), "all_reduce");
     std::function<void()> finish;
     if (p.average || p.upcast)
-      finish = [t, buf, p, size = size_] {
+      finish = [t, buf = *buf, p, size = size_] {
         c10::NoGradGuard ng;
         if (p.average) buf.div_(size);
         if (p.upcast) t.copy_(buf);
       };
+    void* d = buf->data_ptr();
     if (blocking_.use(kAllReduce, t.nbytes()))
       return run_blocking("all_reduce", "MPI_Allreduce", async_op, std::move(finish),
-                          [buf, n, p, c = comm_] {
-                            return MPIC(MPI_Allreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type,
-                                                       p.op, c);
-                          });
+                          [d, n, p, c = comm_] {
+                            return MPIC(MPI_Allreduce)(MPI_IN_PLACE, d, n, p.type, p.op, c);
+                          },
+                          [&] { return std::vector<at::Tensor>{t, *buf}; });
     auto s = std::make_shared<InFlight>();
-    s->keep = {t, buf};
+    s->keep = {t, *buf};
     return post("all_reduce", "MPI_Iallreduce", s, async_op, std::move(finish),
-                [buf, n, p, c = comm_](MPI_Request* r) {
-                  return MPIC(MPI_Iallreduce)(MPI_IN_PLACE, buf.data_ptr(), n, p.type, p.op, c, r);
+                [d, n, p, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallreduce)(MPI_IN_PLACE, d, n, p.type, p.op, c, r);
                 });
   }
 
@@ -356,50 +364,60 @@ class MpiComm {
   }
 
   py::object bcast(py::handle tensor, py::handle src_, bool async_op) {
-    at::Tensor t = to_tensor(tensor, "bcast", "tensor");
+    const at::Tensor& t = to_tensor(tensor, "bcast", "tensor");
     int64_t src = to_int(src_, "bcast", "src");
     validate_bcast(t, src, size_);
     check_device("bcast", t);
     const mcount n = to_mcount(t.numel(), "bcast");
     const MPI_Datatype dt = move_type(t.scalar_type());
     const int root = static_cast<int>(src);
+    void* d = t.data_ptr();
     if (blocking_.use(kBcast, t.nbytes()))
       return run_blocking("bcast", "MPI_Bcast", async_op, {},
-                          [t, n, dt, root, c = comm_] {
-                            return MPIC(MPI_Bcast)(t.data_ptr(), n, dt, root, c);
-                          });
+                          [d, n, dt, root, c = comm_] {
+                            return MPIC(MPI_Bcast)(d, n, dt, root, c);
+                          },
+                          [&] { return std::vector<at::Tensor>{t}; });
     auto s = std::make_shared<InFlight>();
     s->keep = {t};
     return post("bcast", "MPI_Ibcast", s, async_op, {},
-                [t, n, dt, root, c = comm_](MPI_Request* r) {
-                  return MPIC(MPI_Ibcast)(t.data_ptr(), n, dt, root, c, r);
+                [d, n, dt, root, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ibcast)(d, n, dt, root, c, r);
                 });
   }
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
-    c10::NoGradGuard ng;
-    at::Tensor in = to_tensor(input, "all_gather", "input");
+    const at::Tensor& input_t = to_tensor(input, "all_gather", "input");
     BlockArg out = to_blocks(output, "all_gather", "output", false);
-    validate_all_gather(out, in, size_);
-    check_device("all_gather", in);
-    at::Tensor recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor;
-    if (overlaps(in, recv)) in = in.clone();
-    const MPI_Datatype dt = move_type(in.scalar_type());
-    const mcount n = to_mcount(in.numel(), "all_gather");
+    validate_all_gather(out, input_t, size_);
+    check_device("all_gather", input_t);
+    auto in = c10::MaybeOwned<at::Tensor>::borrowed(input_t);
+    auto recv = out.is_list ? c10::MaybeOwned<at::Tensor>::owned(
+                                  at::empty({input_t.numel() * size_}, input_t.options()))
+                            : c10::MaybeOwned<at::Tensor>::borrowed(out.tensor());
+    if (overlaps(*in, *recv)) {
+      c10::NoGradGuard ng;
+      in = c10::MaybeOwned<at::Tensor>::owned(in->clone());
+    }
+    const MPI_Datatype dt = move_type(in->scalar_type());
+    const mcount n = to_mcount(in->numel(), "all_gather");
     std::function<void()> finish;
-    if (out.is_list) finish = [recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    const int64_t nbytes = in.nbytes() * size_;
+    if (out.is_list)
+      finish = [recv = *recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
+    const int64_t nbytes = in->nbytes() * size_;
+    const void* sd = in->data_ptr();
+    void* rd = recv->data_ptr();
     if (blocking_.use(kAllGather, nbytes))
       return run_blocking("all_gather", "MPI_Allgather", async_op, std::move(finish),
-                          [in, recv, n, dt, c = comm_] {
-                            return MPIC(MPI_Allgather)(in.data_ptr(), n, dt, recv.data_ptr(), n,
-                                                       dt, c);
-                          });
+                          [sd, rd, n, dt, c = comm_] {
+                            return MPIC(MPI_Allgather)(sd, n, dt, rd, n, dt, c);
+                          },
+                          [&] { return std::vector<at::Tensor>{*in, *recv}; });
     auto s = std::make_shared<InFlight>();
-    s->keep = {in, recv};
+    s->keep = {*in, *recv};
     return post("all_gather", "MPI_Iallgather", s, async_op, std::move(finish),
-                [in, recv, n, dt, c = comm_](MPI_Request* r) {
-                  return MPIC(MPI_Iallgather)(in.data_ptr(), n, dt, recv.data_ptr(), n, dt, c, r);
+                [sd, rd, n, dt, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Iallgather)(sd, n, dt, rd, n, dt, c, r);
                 });
   }
 
@@ -413,7 +431,7 @@ class MpiComm {
     const bool root = dst == rank_;
     at::Tensor recv;
     if (root) {
-      recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor;
+      recv = out.is_list ? at::empty({in.numel() * size_}, in.options()) : out.tensor();
       if (overlaps(in, recv)) in = in.clone();
     }
     const MPI_Datatype dt = move_type(in.scalar_type());
@@ -448,7 +466,7 @@ class MpiComm {
     const bool root = src == rank_;
     at::Tensor send;
     if (root) {
-      send = in.is_list ? flat_cat(in.list) : in.tensor;
+      send = in.is_list ? flat_cat(in.list) : in.tensor();
       if (overlaps(send, out)) send = send.clone();
     }
     const MPI_Datatype dt = move_type(out.scalar_type());
@@ -471,37 +489,44 @@ class MpiComm {
   }
 
   py::object reduce_scatter(py::handle output, py::handle input, int rop, bool async_op) {
-    c10::NoGradGuard ng;
-    at::Tensor out = to_tensor(output, "reduce_scatter", "output");
+    const at::Tensor& out = to_tensor(output, "reduce_scatter", "output");
     BlockArg in = to_blocks(input, "reduce_scatter", "input", false);
     validate_reduce_scatter(out, in, rop, size_);
     check_device("reduce_scatter", out);
     ReducePlan p = reduce_plan(out.scalar_type(), rop);
-    at::Tensor send = in.is_list ? flat_cat(in.list) : in.tensor;
-    if (p.upcast) send = send.to(at::kFloat);
-    else if (overlaps(send, out)) send = send.clone();
-    at::Tensor recv = p.upcast ? at::empty({out.numel()}, out.options().dtype(at::kFloat)) : out;
+    c10::MaybeOwned<at::Tensor> send, recv = c10::MaybeOwned<at::Tensor>::borrowed(out);
+    {
+      c10::NoGradGuard ng;
+      send = in.is_list ? c10::MaybeOwned<at::Tensor>::owned(flat_cat(in.list))
+                        : c10::MaybeOwned<at::Tensor>::borrowed(in.tensor());
+      if (p.upcast) send = c10::MaybeOwned<at::Tensor>::owned(send->to(at::kFloat));
+      else if (overlaps(*send, out)) send = c10::MaybeOwned<at::Tensor>::owned(send->clone());
+      if (p.upcast)
+        recv = c10::MaybeOwned<at::Tensor>::owned(
+            at::empty({out.numel()}, out.options().dtype(at::kFloat)));
+    }
     const mcount n = to_mcount(out.numel(), "reduce_scatter");
     std::function<void()> finish;
     if (p.average || p.upcast)
-      finish = [out, recv, p, size = size_] {
+      finish = [out, recv = *recv, p, size = size_] {
         c10::NoGradGuard ng;
         if (p.average) recv.div_(size);
         if (p.upcast) out.view({-1}).copy_(recv);
       };
     const int64_t nbytes = out.nbytes() * size_;
+    const void* sd = send->data_ptr();
+    void* rd = recv->data_ptr();
     if (blocking_.use(kReduceScatter, nbytes))
       return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", async_op,
-                          std::move(finish), [send, recv, n, p, c = comm_] {
-                            return MPIC(MPI_Reduce_scatter_block)(send.data_ptr(), recv.data_ptr(),
-                                                                  n, p.type, p.op, c);
-                          });
+                          std::move(finish), [sd, rd, n, p, c = comm_] {
+                            return MPIC(MPI_Reduce_scatter_block)(sd, rd, n, p.type, p.op, c);
+                          },
+                          [&] { return std::vector<at::Tensor>{*send, *recv, out}; });
     auto s = std::make_shared<InFlight>();
-    s->keep = {send, recv, out};
+    s->keep = {*send, *recv, out};
     return post("reduce_scatter", "MPI_Ireduce_scatter_block", s, async_op, std::move(finish),
-                [send, recv, n, p, c = comm_](MPI_Request* r) {
-                  return MPIC(MPI_Ireduce_scatter_block)(send.data_ptr(), recv.data_ptr(), n,
-                                                         p.type, p.op, c, r);
+                [sd, rd, n, p, c = comm_](MPI_Request* r) {
+                  return MPIC(MPI_Ireduce_scatter_block)(sd, rd, n, p.type, p.op, c, r);
                 });
   }
 
@@ -794,9 +819,12 @@ class MpiComm {
   // error code) under the watchdog. A blocking call with nothing queued runs it on this
   // thread (ops issued meanwhile queue behind it: Issuer::begin_direct); otherwise the
   // issue thread runs it and a Work tracks it.
-  template <typename Call>
+  // `keep()` lists the tensors a queued call must hold alive (the buffers `call` reads
+  // and writes, borrowed from the caller): asked only when the call is queued.
+  template <typename Call, typename Keep = std::vector<at::Tensor> (*)()>
   py::object run_blocking(const char* op, const char* mpi_name, bool async_op,
-                          std::function<void()> finish, Call&& call) {
+                          std::function<void()> finish, Call&& call,
+                          Keep&& keep = [] { return std::vector<at::Tensor>{}; }) {
     auto g = lock_post();
     ++blocking_calls_;
     if (!async_op && issuer_->idle()) {
@@ -805,13 +833,18 @@ class MpiComm {
       issuer_->begin_direct();
       g.unlock();
       int rc;
+      // Without the GIL unless nothing of this process can need it meanwhile (gil.h): a
+      // thread that does may be what a peer waits for (tensor fusion's timer thread takes
+      // it to flush a round).
+      const bool hold = may_hold_gil();
       {
-        WatchGuard watch(op, &backend_, &group_, seq, timeout_s_);
-        // Always without the GIL: a thread of this process may need it for a peer to reach
-        // this call (tensor fusion's timer thread takes it to flush a round), and C++ threads
-        // that take it now and then are invisible until they do.
-        py::gil_scoped_release nogil;
-        rc = call();
+        WatchGuard watch(op, &backend_, &group_, seq, timeout_s_, hold);
+        if (hold) {
+          rc = call();
+        } else {
+          py::gil_scoped_release nogil;
+          rc = call();
+        }
       }
       issuer_->end_direct();
       check_mpi(rc, mpi_name);
@@ -822,7 +855,7 @@ class MpiComm {
     w->finish = std::move(finish);
     auto is = std::make_shared<Issued>();
     // No watchdog here: the Work's bounded wait raises CommTimeoutError as for any async op.
-    issuer_->push([is, call = std::forward<Call>(call)] { is->set(call()); });
+    issuer_->push([is, call = std::forward<Call>(call), held = keep()] { is->set(call()); });
     g.unlock();
     w->test = [is, mpi_name] { return is->issued(mpi_name); };
     return launch_work(lane_, w, async_op);

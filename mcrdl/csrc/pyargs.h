@@ -17,7 +17,8 @@ void set_python_error(std::exception_ptr p);
 
 inline std::string type_name(py::handle h) { return Py_TYPE(h.ptr())->tp_name; }
 
-inline at::Tensor to_tensor(py::handle h, const char* op, const char* arg) {
+// The tensor object's at::Tensor, borrowed: valid while `h` lives (the call's arguments).
+inline const at::Tensor& to_tensor(py::handle h, const char* op, const char* arg) {
   if (!THPVariable_Check(h.ptr()))
     throw_invalid(std::string(op) + ": '" + arg + "' must be a torch.Tensor, got " +
                   (h.is_none() ? std::string("None") : type_name(h)));
@@ -65,7 +66,7 @@ inline BlockArg to_blocks(py::handle h, const char* op, const char* arg, bool al
     return b;
   }
   if (THPVariable_Check(h.ptr())) {
-    b.tensor = THPVariable_Unpack(h.ptr());
+    b.borrowed = &THPVariable_Unpack(h.ptr());
     return b;
   }
   b.is_list = true;

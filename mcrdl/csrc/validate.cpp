@@ -114,11 +114,11 @@ void check_blocks(const char* op, const char* arg, const BlockArg& b, const at::
     }
     return;
   }
-  check_tensor(op, arg, b.tensor);
-  check_same_dtype(op, arg, b.tensor, ref_arg, ref);
-  if (b.tensor.numel() != ref.numel() * size)
-    fail(op, std::string("'") + arg + "' has " + std::to_string(b.tensor.numel()) +
-                 " elements (shape " + shape_str(b.tensor) + "); expected group size (" +
+  check_tensor(op, arg, b.tensor());
+  check_same_dtype(op, arg, b.tensor(), ref_arg, ref);
+  if (b.tensor().numel() != ref.numel() * size)
+    fail(op, std::string("'") + arg + "' has " + std::to_string(b.tensor().numel()) +
+                 " elements (shape " + shape_str(b.tensor()) + "); expected group size (" +
                  std::to_string(size) + ") x " + std::to_string(ref.numel()) + " = " +
                  std::to_string(ref.numel() * size) + " elements: one block of '" + ref_arg +
                  "' (shape " + shape_str(ref) + ") per rank, concatenated along dim 0");

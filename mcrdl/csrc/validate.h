@@ -13,9 +13,13 @@ namespace mcrdl {
 // list of `size` tensors shaped like the per-rank tensor (API.md "Shapes").
 struct BlockArg {
   bool is_list = false;
-  at::Tensor tensor;
+  // The tensor, when one was given: borrowed from the caller's argument, which outlives
+  // the call (copying a tensor Python holds increfs its PyObject, and dropping the copy
+  // decrefs it under the GIL: tens of ns on the hot path). Read it with tensor().
+  const at::Tensor* borrowed = nullptr;
   std::vector<at::Tensor> list;
-  bool present() const { return is_list || tensor.defined(); }
+  bool present() const { return is_list || (borrowed && borrowed->defined()); }
+  const at::Tensor& tensor() const { return *borrowed; }
 };
 
 using Counts = std::vector<int64_t>;

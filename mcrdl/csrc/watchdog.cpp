@@ -30,12 +30,17 @@ Registry& registry() {
 }
 
 [[noreturn]] void fire(const char* op, const std::string& backend,
-                       const std::string& group, uint64_t seq, double timeout_s) {
+                       const std::string& group, uint64_t seq, double timeout_s, bool held_gil) {
   std::string msg = timeout_message(op, backend, group, seq, timeout_s);
+  const char* gil =
+      held_gil ? "mcrdl: the call kept the GIL (this rank had no other Python thread); if a "
+                 "thread that takes the GIL from C or C++ must run for the other ranks to reach "
+                 "this call, set MCRDL_HOLD_GIL=never\n"
+               : "";
   std::fprintf(stderr,
                "mcrdl: CommTimeoutError: %s\nmcrdl: a blocking MPI call cannot be interrupted; "
-               "ending the job with MPI_Abort\n",
-               msg.c_str());
+               "ending the job with MPI_Abort\n%s",
+               msg.c_str(), gil);
   std::fflush(stderr);
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();  // MPI_Abort does not return
@@ -69,10 +74,11 @@ void watch() {
       const std::string* group = s.group.load(std::memory_order_relaxed);
       const uint64_t seq = s.seq.load(std::memory_order_relaxed);
       const double timeout_s = s.timeout_s.load(std::memory_order_relaxed);
+      const bool held_gil = s.held_gil.load(std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (s.gen.load(std::memory_order_relaxed) != g1) continue;  // it completed meanwhile
       if (now - seen[i].since < std::chrono::duration<double>(timeout_s)) continue;
-      fire(op, *backend, *group, seq, timeout_s);
+      fire(op, *backend, *group, seq, timeout_s, held_gil);
     }
   }
 }

@@ -23,6 +23,7 @@ struct WatchSlot {
   std::atomic<const std::string*> backend{nullptr}, group{nullptr};
   std::atomic<uint64_t> seq{0};
   std::atomic<double> timeout_s{0.0};
+  std::atomic<bool> held_gil{false};  // the call kept the GIL (gil.h)
 };
 
 // The calling thread's slot (registered, and the watchdog thread started, on first use).
@@ -32,8 +33,9 @@ WatchSlot& watch_slot();
 class WatchGuard {
  public:
   WatchGuard(const char* op, const std::string* backend, const std::string* group, uint64_t seq,
-             double timeout_s)
+             double timeout_s, bool held_gil = false)
       : s_(watch_slot()) {
+    s_.held_gil.store(held_gil, std::memory_order_relaxed);
     s_.op.store(op, std::memory_order_relaxed);
     s_.backend.store(backend, std::memory_order_relaxed);
     s_.group.store(group, std::memory_order_relaxed);
