@@ -19,7 +19,11 @@ collectives are much slower under it), the same C calls made from inside the mcr
 them trial by trial: the fair reference where the machine's load drifts between
 programs), mcrdl (``mcrdl.<op>("mpi", ...)`` with the variant its measurements choose),
 mcrdl minus C blocking (MT), mcrdl over the better C MT variant, mcrdl over the better
-in-process C variant. ``--variants`` adds mcrdl with each variant forced (the data of
+in-process C variant and minus it; then what any Python caller pays: "py loop" (the timing
+loop calling a no-op C builtin), "C per py call" (c_floor.c's call of the variant mcrdl
+runs, made once per iteration of that loop through ctypes, which costs ~0.3-0.5 us more
+per call than a C extension: a reference at large sizes) and mcrdl over it.
+``--variants`` adds mcrdl with each variant forced (the data of
 mcrdl/tuning/mpi_blocking.json).
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import itertools
 import json
 import math
@@ -138,6 +143,8 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
     lib.c_floor_time.restype = ctypes.c_double
     lib.c_floor_time.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_long, ctypes.c_long]
+    lib.c_floor_call.restype = None
+    lib.c_floor_call.argtypes = lib.c_floor_time.argtypes[:-1]
     tmax = torch.zeros(1, dtype=torch.float64)
 
     def slowest(t: float) -> float:
@@ -145,33 +152,39 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
         mcrdl.all_reduce("mpi", tmax, op=mcrdl.ReduceOp.MAX)
         return float(tmax[0])
 
+    # The calls as functools.partial objects (no Python frame of the harness per call, as
+    # the C loop has none), on views made once (slicing costs ~1 us a call).
     def mcrdl_call(op: str, a, b, per: int):
+        call = functools.partial
         if op == "all_reduce":
-            return lambda: mcrdl.all_reduce("mpi", a)
-        # views made once: slicing a tensor costs ~1 us, which the C loop does not pay
+            return call(mcrdl.all_reduce, "mpi", a)
         if op == "all_gather":
-            out, inp = b[:per * n], a[:per]
-            return lambda: mcrdl.all_gather("mpi", out, inp)
+            return call(mcrdl.all_gather, "mpi", b[:per * n], a[:per])
         if op == "bcast":
-            return lambda: mcrdl.bcast("mpi", a, src=0)
+            return call(mcrdl.bcast, "mpi", a, 0)
         if op == "reduce_scatter":
-            out, inp = b[:per], a[:per * n]
-            return lambda: mcrdl.reduce_scatter("mpi", out, inp)
-        return lambda: mcrdl.barrier("mpi")
+            return call(mcrdl.reduce_scatter, "mpi", b[:per], a[:per * n])
+        return call(mcrdl.barrier, "mpi")
 
-    def mcrdl_batch(fn, op: str, forced: bool | None):
-        """mcrdl's calls: as the backend chose (`forced` None), or every blocking call of
-        `op` forced to the blocking (True) or nonblocking variant (backend.variant)."""
+    def loop_batch(fn, variant=contextlib.nullcontext):
+        """`fn` called in the loop that times mcrdl's calls (timeit's: no int per call),
+        inside `variant()`."""
         def batch(it: int) -> float:
-            with (contextlib.nullcontext() if forced is None
-                  else backend.variant(op, forced)):
+            with variant():
                 mcrdl.barrier("mpi")
                 t0 = time.perf_counter()
-                for _ in itertools.repeat(None, it):  # timeit's loop: no int per call
+                for _ in itertools.repeat(None, it):
                     fn()
                 t = (time.perf_counter() - t0) / it
             return slowest(t)
         return batch
+
+    def mcrdl_batch(fn, op: str, forced: bool | None):
+        """mcrdl's calls: as the backend chose (`forced` None), or every blocking call of
+        `op` forced to the blocking (True) or nonblocking variant (backend.variant)."""
+        if forced is None:
+            return loop_batch(fn)
+        return loop_batch(fn, lambda: backend.variant(op, forced))
 
     def c_batch(op: str, blocking: bool, a, b, nbytes: int):
         args = (C_OPS[op], int(blocking), a.data_ptr(), b.data_ptr(), nbytes)
@@ -188,6 +201,13 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             if variants:
                 batches += [mcrdl_batch(fn, op, forced) for forced in (True, False)]
             batches += [c_batch(op, blocking, a, b, nbytes) for blocking in (True, False)]
+            # the C call mcrdl makes, once per iteration of the same loop (through ctypes:
+            # ~0.3-0.5 us a call more than a C extension, so a reference at large sizes
+            # only), and the loop with a no-op C builtin (what any Python caller pays)
+            blk = backend.comm(None).uses_blocking(op, nbytes)
+            batches += [loop_batch(functools.partial(lib.c_floor_call, C_OPS[op], int(blk),
+                                                     a.data_ptr(), b.data_ptr(), nbytes)),
+                        loop_batch(functools.partial(id, a))]
             its = [calibrate(bt) for bt in batches]
             ts = [[] for _ in batches]
             for tr in range(trials):  # each batch in turn, starting one later every trial
@@ -238,7 +258,8 @@ def main(argv=None) -> None:
             head = ["op", "bytes", "C blocking us", "C nonblocking us", "C MT blocking us",
                     "C MT nonblocking us", "C in-proc blocking us", "C in-proc nonblocking us",
                     "mcrdl us", "mcrdl - C MT blk us", "mcrdl / best C MT",
-                    "mcrdl / best C in-proc"]
+                    "mcrdl / best C in-proc", "mcrdl - best C in-proc us", "py loop us",
+                    "C per py call us", "mcrdl / C per py call"]
             if a.variants:
                 head += ["mcrdl blk us", "mcrdl nonblk us"]
             ratios: dict[str, dict[int, float]] = {}
@@ -251,10 +272,11 @@ def main(argv=None) -> None:
                 cb, cn = c[key]
                 tb, tn = cmt[key]
                 mt = m[key]
-                ib, inb = mt[-2:]
+                ib, inb, percall, loop = mt[-4:]
                 cells = [key[0], str(key[1]), us(cb), us(cn), us(tb), us(tn), us(ib), us(inb),
                          us(mt[0]), f"{(mt[0] - tb) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}",
-                         f"{mt[0] / min(ib, inb):.2f}"]
+                         f"{mt[0] / min(ib, inb):.2f}", f"{(mt[0] - min(ib, inb)) * 1e6:+.2f}",
+                         us(loop), us(percall), f"{mt[0] / percall:.2f}"]
                 if a.variants:
                     cells += [us(mt[1]), us(mt[2])]
                     ratios.setdefault(key[0], {})[key[1]] = mt[1] / mt[2]

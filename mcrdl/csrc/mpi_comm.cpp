@@ -884,7 +884,8 @@ struct FastOps {
 };
 
 FastOps* fast_ops(PyObject* capsule) {
-  return static_cast<FastOps*>(PyCapsule_GetPointer(capsule, "mcrdl.FastOps"));
+  // Unnamed: a named capsule costs a strcmp per call; this one never leaves the functions.
+  return static_cast<FastOps*>(PyCapsule_GetPointer(capsule, nullptr));
 }
 
 MpiComm* fast_comm(FastOps* f, PyObject* group) {
@@ -949,8 +950,8 @@ PyMethodDef kFastDefs[] = {
 // slow[op]; register communicators with the returned dict's "__add__"(group, comm).
 py::dict mpi_fast_ops(py::dict slow) {
   auto* f = new FastOps();
-  py::capsule cap(f, "mcrdl.FastOps", [](PyObject* o) {
-    delete static_cast<FastOps*>(PyCapsule_GetPointer(o, "mcrdl.FastOps"));
+  py::capsule cap(f, nullptr, [](PyObject* o) {
+    delete static_cast<FastOps*>(PyCapsule_GetPointer(o, nullptr));
   });
   py::dict out;
   for (auto& def : kFastDefs) {
