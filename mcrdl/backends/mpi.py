@@ -148,6 +148,52 @@ class MPILaneBackend(Backend):
         _C.set_hold_gil(1 if hold_gil_mode() == "auto" else 0)
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
+        self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
+        # this node's ranks outnumber its cores; made the same on every rank (any node) by
+        # use_tuning_table, which the runtime calls before any operation
+        self._oversubscribed = ctx.bootstrap.info.local_size > usable_cores()
+
+    #: Whose steps of the tuning table choose the variants (the MPI library's collectives
+    #: as the backend of that name measured them).
+    blocking_source = "mpi"
+
+    @staticmethod
+    def _blocking_mode() -> str:
+        """MCRDL_MPI_BLOCKING, except that debug mode keeps the nonblocking path: its
+        checks rely on every wait being bounded and raising CommTimeoutError."""
+        from ..runtime import debug_enabled
+
+        return "never" if debug_enabled() else blocking_mode()
+
+    def use_tuning_table(self, table) -> None:
+        """Blocking calls run the variants of `table`'s steps for `blocking_source` where it
+        has them, else the shipped ones (blocking_steps). Every rank must run the same variant
+        of each call (MPI never matches a blocking collective with a nonblocking one), so
+        the ranks compare their choice (mode and steps) and raise DesyncError when it
+        differs."""
+        steps = {} if table is None else table.blocking_table(self.blocking_source)
+        mine = (self._blocking_mode(), steps)
+        gathered = self.ctx.bootstrap.all_gather_object((mine, self._oversubscribed))
+        self._oversubscribed = any(over for _, over in gathered)
+        views = [v for v, _ in gathered]
+        differ = [r for r, v in enumerate(views) if v != views[0]]
+        if differ:
+            raise DesyncError(
+                f"init: backend {self.name!r} would run other blocking variants on ranks "
+                f"{differ} than on rank 0 (MCRDL_MPI_BLOCKING, MCRDL_DEBUG and the tuning "
+                "table, e.g. MCRDL_TUNING_TABLE, must be the same on every rank); (mode, "
+                f"table steps) on rank 0: {views[0]}, on rank {differ[0]}: {views[differ[0]]}")
+        self._blocking_table = steps
+        for c in self._blocking_comms():
+            self._choose_blocking(c)
+
+    def _blocking_comms(self):
+        """The C++ communicators whose variants use_tuning_table sets."""
+        return self._comms.values()
+
+    def _choose_blocking(self, c) -> None:
+        """Set which variant the blocking calls of C++ communicator `c` run."""
+        raise NotImplementedError
 
     def comm(self, group: Group | None):
         try:
@@ -174,6 +220,7 @@ class MPILaneBackend(Backend):
 
 class MPIBackend(MPILaneBackend):
     name = "mpi"
+    blocking_source = property(lambda self: self.name)  # its own steps (cray-mpich too)
     capabilities = Capabilities(
         notes={"float16/bfloat16": "moved as 16-bit words; reduced in float32, rounded once"}
     )
@@ -182,10 +229,6 @@ class MPIBackend(MPILaneBackend):
     def __init__(self, ctx: InitContext):
         super().__init__(ctx)
         self._mpi_comms: dict[int, object] = {}
-        self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
-        # this node's ranks outnumber its cores; made the same on every rank (any node) by
-        # use_tuning_table, which the runtime calls before any operation
-        self._oversubscribed = ctx.bootstrap.info.local_size > usable_cores()
         # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
         # front calls them directly; what they do not handle goes to the methods below.
         fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
@@ -209,36 +252,6 @@ class MPIBackend(MPILaneBackend):
         for op in ops:
             c.set_blocking(op, blocking_steps(op, c.size, mode, self._blocking_table,
                                               self._oversubscribed))
-
-    @staticmethod
-    def _blocking_mode() -> str:
-        """MCRDL_MPI_BLOCKING, except that debug mode keeps the nonblocking path: its
-        checks rely on every wait being bounded and raising CommTimeoutError."""
-        from ..runtime import debug_enabled
-
-        return "never" if debug_enabled() else blocking_mode()
-
-    def use_tuning_table(self, table) -> None:
-        """Blocking calls run the variants of `table`'s steps for this backend where it has
-        them, else the shipped ones (blocking_steps). Every rank must run the same variant
-        of each call (MPI never matches a blocking collective with a nonblocking one), so
-        the ranks compare their choice (mode and steps) and raise DesyncError when it
-        differs."""
-        steps = {} if table is None else table.blocking_table(self.name)
-        mine = (self._blocking_mode(), steps)
-        gathered = self.ctx.bootstrap.all_gather_object((mine, self._oversubscribed))
-        self._oversubscribed = any(over for _, over in gathered)
-        views = [v for v, _ in gathered]
-        differ = [r for r, v in enumerate(views) if v != views[0]]
-        if differ:
-            raise DesyncError(
-                f"init: backend {self.name!r} would run other blocking variants on ranks "
-                f"{differ} than on rank 0 (MCRDL_MPI_BLOCKING, MCRDL_DEBUG and the tuning "
-                "table, e.g. MCRDL_TUNING_TABLE, must be the same on every rank); (mode, "
-                f"table steps) on rank 0: {views[0]}, on rank {differ[0]}: {views[differ[0]]}")
-        self._blocking_table = steps
-        for c in self._comms.values():
-            self._choose_blocking(c)
 
     @contextlib.contextmanager
     def variant(self, op: str, blocking: bool):

@@ -15,7 +15,10 @@ sit on one node run the inter-node algorithm over the whole group (flat).
                   group size)
 
 Algorithms (per phase): "ring", "rd" (recursive doubling / halving; any process count:
-the extra ranks fold in before and out after) and "mpi" (the MPI library's collective).
+the extra ranks fold in before and out after) and "mpi" (the MPI library's collective:
+its blocking or its nonblocking call, chosen per phase size and bytes as the "mpi"
+backend chooses, MCRDL_MPI_BLOCKING included; blocking steps of async ops run on the
+communicator's issue thread).
 The inter-node one is chosen per call by the alpha-beta cost model of
 ``pccl_cost_model`` ("auto", the default), or fixed with ``MCRDL_PCCL_INTER=ring|rd|mpi``;
 the intra-node one is "mpi" (the vendor library's role on CPU) unless
@@ -45,7 +48,7 @@ from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
 from ..ordering import IssueQueue
 from ..work import ChainedWork
 from .base import Capabilities, InitContext
-from .mpi import MPILaneBackend
+from .mpi import MPILaneBackend, blocking_steps
 from .pccl_cost_model import CostModel
 from .pccl_layout import Layout, node_ids
 
@@ -163,6 +166,23 @@ class PCCLBackend(MPILaneBackend):
                 per_node=lay.per_node, made_on=set(),
                 queue=IssueQueue(f"pccl group {group.describe()}", lambda: self.ctx.timeout))
         self._comms[group.id] = c
+        for comm in (c, self._hier[group.id].inter) if group.id in self._hier else (c,):
+            self._choose_blocking(comm)
+
+    # -- the "mpi" algorithm's blocking variant ----------------------------------------
+    def _blocking_comms(self):
+        return [*self._comms.values(), *(h.inter for h in self._hier.values())]
+
+    def _choose_blocking(self, c: _C.PcclComm) -> None:
+        """Which variant the "mpi" algorithm's MPI collectives run in each phase of `c`:
+        the "mpi" backend's choice for that op, phase size and buffer (blocking_steps, the
+        tuning table's "mpi" steps or the shipped ones; MCRDL_MPI_BLOCKING; debug mode
+        and oversubscribed nodes nonblocking), as they are the same MPI calls."""
+        mode = self._blocking_mode()
+        for op in ("all_gather", "reduce_scatter"):
+            for phase, size in (("inter", c.nodes), ("intra", c.ranks_per_node)):
+                c.set_blocking(op, phase, blocking_steps(op, size, mode, self._blocking_table,
+                                                         self._oversubscribed))
 
     def add_group(self, group: Group) -> None:
         self._make(group)

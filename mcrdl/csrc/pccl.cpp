@@ -35,9 +35,13 @@
 #include <cstring>
 #include <type_traits>
 
+#include <pybind11/stl.h>
+
+#include "issuer.h"
 #include "launch_work.h"
 #include "mpi_util.h"
 #include "pyargs.h"
+#include "watchdog.h"
 
 namespace mcrdl {
 
@@ -166,10 +170,29 @@ void copy_into(const Flat& dst, int64_t doff, const Flat& src, int64_t soff, int
     dst.view(doff, n).copy_(src.view(soff, n));
 }
 
-// One step: post requests, wait for all of them, then run `after` (may be empty).
+// One step: post requests, wait for all of them, then run `after` (may be empty). A step
+// of the MPI library's blocking collective has `block` (returning its MPI error code)
+// instead of `post`.
 struct Step {
   std::function<void(std::vector<MPI_Request>&)> post;
   std::function<void()> after;
+  std::function<int()> block = nullptr;
+  const char* block_name = "";
+};
+
+// Where a schedule's blocking steps run: on the thread of a blocking call (`caller`),
+// under the watchdog, else on the communicator's issue thread (an async op's steps are
+// driven by the lane, which must never block: the variant of a step depends only on its
+// size, never on async_op, as MPI does not match a blocking collective with a
+// nonblocking one).
+struct BlockingRun {
+  const char* op = "";     // the Work's op name (the watchdog's message)
+  std::thread::id caller;  // default: none (async)
+  std::shared_ptr<Issuer> issuer;
+  const std::string* group = nullptr;
+  uint64_t seq = 0;
+  double timeout_s = 0;
+  std::shared_ptr<std::atomic<uint64_t>> count;  // the communicator's blocking steps run
 };
 
 struct Schedule {
@@ -181,6 +204,8 @@ struct Schedule {
   std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
   std::shared_ptr<std::atomic<bool>> prev;  // the previous op of this communicator
   const char* op = "";
+  BlockingRun run;
+  std::shared_ptr<Issued> issued;  // the current blocking step, on the issue thread
 
   bool test() {
     if (prev) {
@@ -190,8 +215,16 @@ struct Schedule {
     while (i < steps.size()) {
       if (!posted) {
         reqs.clear();
-        if (steps[i].post) steps[i].post(reqs);
+        if (steps[i].block) {
+          start_blocking(steps[i]);
+        } else if (steps[i].post) {
+          steps[i].post(reqs);
+        }
         posted = true;
+      }
+      if (issued) {
+        if (!issued->issued(steps[i].block_name)) return false;
+        issued.reset();
       }
       if (!reqs.empty()) {
         int flag = 0;
@@ -204,6 +237,26 @@ struct Schedule {
     }
     done->store(true, std::memory_order_release);
     return true;
+  }
+
+  // Runs a blocking step here (the caller of a blocking op) or queues it on the issue
+  // thread (`issued` then tracks it).
+  void start_blocking(const Step& st) {
+    run.count->fetch_add(1, std::memory_order_relaxed);
+    if (std::this_thread::get_id() == run.caller) {
+      static const std::string backend = "pccl";
+      int rc;
+      {
+        // The waiter of a blocking op holds no GIL here (launch_work released it).
+        WatchGuard watch(run.op, &backend, run.group, run.seq, run.timeout_s);
+        rc = st.block();
+      }
+      check_mpi(rc, st.block_name);
+      return;
+    }
+    auto is = std::make_shared<Issued>();
+    run.issuer->push([is, fn = st.block] { is->set(fn()); });
+    issued = std::move(is);
   }
 };
 
@@ -243,16 +296,27 @@ struct Fold {
 };
 
 // All-gather of p blocks of n elements in `buf` (this rank's block already in place).
-void all_gather_steps(Schedule& s, const Flat& buf, int64_t n, const Peer& c, Algo algo) {
+// `blocking`: Algo::Mpi runs the blocking MPI collective (Step::block).
+void all_gather_steps(Schedule& s, const Flat& buf, int64_t n, const Peer& c, Algo algo,
+                      bool blocking = false) {
   const int p = c.size, r = c.rank;
   if (p == 1) return;
   // blocks [lo, hi) of buf
   auto send = [buf, n, c](auto& q, int lo, int hi, int dst) { isend(q, buf, lo * n, (hi - lo) * n, dst, c); };
   auto recv = [buf, n, c](auto& q, int lo, int hi, int src) { irecv(q, buf, lo * n, (hi - lo) * n, src, c); };
   if (algo == Algo::Mpi) {
-    s.steps.push_back({[buf, n, c](std::vector<MPI_Request>& q) {
+    const mcount bytes = to_mcount(buf.bytes(n), "pccl all_gather");
+    if (blocking) {
+      s.steps.push_back({nullptr, nullptr,
+                         [buf, bytes, c] {
+                           return MPIC(MPI_Allgather)(MPI_IN_PLACE, 0, MPI_BYTE, buf.base, bytes,
+                                                      MPI_BYTE, c.comm);
+                         },
+                         "MPI_Allgather"});
+      return;
+    }
+    s.steps.push_back({[buf, bytes, c](std::vector<MPI_Request>& q) {
                          q.push_back(MPI_REQUEST_NULL);
-                         mcount bytes = to_mcount(buf.bytes(n), "pccl all_gather");
                          check_mpi(MPIC(MPI_Iallgather)(MPI_IN_PLACE, 0, MPI_BYTE, buf.base,
                                                         bytes, MPI_BYTE, c.comm, &q.back()),
                                    "MPI_Iallgather");
@@ -311,10 +375,20 @@ void all_gather_steps(Schedule& s, const Flat& buf, int64_t n, const Peer& c, Al
 // Reduce-scatter: `acc` holds p blocks of n elements (overwritten as the work buffer),
 // `tmp` at least as many; this rank's reduced block ends in `out`.
 void reduce_scatter_steps(Schedule& s, const Flat& acc, const Flat& tmp, const Flat& out,
-                          int64_t n, int code, const Peer& c, Algo algo) {
+                          int64_t n, int code, const Peer& c, Algo algo, bool blocking = false) {
   const int p = c.size, r = c.rank;
   if (p == 1) {
     s.steps.push_back({nullptr, [=] { copy_into(out, 0, acc, 0, n); }});
+    return;
+  }
+  if (algo == Algo::Mpi && blocking) {
+    s.steps.push_back({nullptr, nullptr,
+                       [=] {
+                         return MPIC(MPI_Reduce_scatter_block)(
+                             acc.base, out.base, to_mcount(n, "pccl reduce_scatter"),
+                             move_type(acc.t.scalar_type()), mpi_op(code), c.comm);
+                       },
+                       "MPI_Reduce_scatter_block"});
     return;
   }
   if (algo == Algo::Mpi) {
@@ -435,7 +509,38 @@ class PcclComm {
     if (!identity) perm_ = std::make_shared<const Perm>(std::move(perm));
   }
 
+  ~PcclComm() { issuer_->stop(); }
+  PcclComm(const PcclComm&) = delete;
+  PcclComm& operator=(const PcclComm&) = delete;
+
   int size() const { return size_; }
+  // Blocking MPI collectives run by "mpi" phases: what tests observe of the variant choice.
+  uint64_t blocking_steps() const { return blocking_steps_->load(); }
+
+  // set_blocking(op, phase, steps): which variant the "mpi" algorithm of `op`
+  // ("all_gather" or "reduce_scatter") runs in `phase` ("inter" or "intra"), by the bytes
+  // of that phase's whole buffer (the tuning table's convention, as for the "mpi"
+  // backend): (largest bytes, blocking) steps in increasing size, -1 bytes no limit;
+  // sizes past the last step run nonblocking.
+  void set_blocking(const std::string& op, const std::string& phase,
+                    const std::vector<std::pair<int64_t, bool>>& steps) {
+    const int o = op == "all_gather" ? 0 : op == "reduce_scatter" ? 1 : -1;
+    const int p = phase == "inter" ? 0 : phase == "intra" ? 1 : -1;
+    if (o < 0 || p < 0)
+      throw_invalid("set_blocking: expected op all_gather or reduce_scatter and phase inter "
+                    "or intra, got " + op + ", " + phase);
+    std::vector<std::pair<int64_t, bool>> v;
+    int64_t last = -2;
+    for (auto [hi, b] : steps) {
+      if (hi < 0) hi = INT64_MAX;
+      if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
+      v.emplace_back(hi, b);
+      last = hi;
+    }
+    std::lock_guard<std::mutex> g(post_mu_);
+    choice_[o][p] = std::move(v);
+  }
+
   int nodes() const { return inter_.size; }
   int ranks_per_node() const { return intra_.size; }
   void set_timeout(double t) { timeout_s_ = t; }
@@ -464,8 +569,10 @@ class PcclComm {
     s->steps.push_back({nullptr, [=] { copy_into(t1, me * n, in, 0, n); }});
     std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op, *s);
-    all_gather_steps(*s, t1, n, tagged(inter_), ia);
-    if (L > 1) all_gather_steps(*s, t2, N * n, tagged(intra_), la);
+    const int64_t esz = in.t.element_size();
+    all_gather_steps(*s, t1, n, tagged(inter_), ia, blocking(0, 0, N * n * esz));
+    if (L > 1)
+      all_gather_steps(*s, t2, N * n, tagged(intra_), la, blocking(0, 1, L * N * n * esz));
     if (!direct)  // out[perm[i]] = t2[i], blocks of n
       s->steps.push_back({nullptr, [perm = perm_, out, t2, n] { perm->apply(out, t2, n, true); }});
     return launch(w, s, async_op, g);
@@ -499,8 +606,12 @@ class PcclComm {
       s->steps.push_back({nullptr, [perm = perm_, acc, in, n] { perm->apply(in, acc, n, false); }});
     std::unique_lock<std::mutex> g(post_mu_);
     auto w = make_work(op, *s);
-    if (L > 1) reduce_scatter_steps(*s, acc, tmp, mid, N * n, code, tagged(intra_), la);
-    reduce_scatter_steps(*s, mid, tmp, out, n, code, tagged(inter_), ia);
+    const int64_t esz = out.t.element_size();
+    if (L > 1)
+      reduce_scatter_steps(*s, acc, tmp, mid, N * n, code, tagged(intra_), la,
+                           blocking(1, 1, L * N * n * esz));
+    reduce_scatter_steps(*s, mid, tmp, out, n, code, tagged(inter_), ia,
+                         blocking(1, 0, N * n * esz));
     return launch(w, s, async_op, g);
   }
 
@@ -516,11 +627,26 @@ class PcclComm {
     auto w = std::make_shared<Work>(op, "pccl", group_, ++seq_, timeout_s_, lane_);
     s.prev = last_;
     last_ = s.done;
+    s.run.op = op;
+    s.run.issuer = issuer_;
+    s.run.group = &group_;
+    s.run.seq = seq_;
+    s.run.timeout_s = timeout_s_;
+    s.run.count = blocking_steps_;
     return w;
+  }
+
+  // Called with the post lock held: whether the "mpi" algorithm of op `o` in phase `p`
+  // runs the blocking collective for a buffer of `nbytes`.
+  bool blocking(int o, int p, int64_t nbytes) const {
+    for (const auto& [hi, b] : choice_[o][p])
+      if (nbytes <= hi) return b;
+    return false;
   }
 
   py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<Schedule> s, bool async_op,
                     std::unique_lock<std::mutex>& posted) {
+    if (!async_op) s->run.caller = std::this_thread::get_id();  // before anyone polls it
     posted.unlock();
     w->test = [s, work = w.get()] {  // the Work owns this function: `work` outlives it
       const size_t step = s->i;
@@ -540,6 +666,10 @@ class PcclComm {
   uint64_t seq_ = 0;
   std::shared_ptr<std::atomic<bool>> last_;
   std::mutex post_mu_;
+  std::vector<std::pair<int64_t, bool>> choice_[2][2];  // [all_gather, reduce_scatter][inter, intra]
+  std::shared_ptr<Issuer> issuer_ = std::make_shared<Issuer>();
+  std::shared_ptr<std::atomic<uint64_t>> blocking_steps_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
 };
 
 void bind_pccl(py::module_& m) {
@@ -555,6 +685,11 @@ void bind_pccl(py::module_& m) {
       .def_property_readonly("nodes", &PcclComm::nodes)
       .def_property_readonly("ranks_per_node", &PcclComm::ranks_per_node)
       .def("set_timeout", &PcclComm::set_timeout)
+      .def("set_blocking", &PcclComm::set_blocking, arg("op"), arg("phase"), arg("steps"),
+           "Which variant the \"mpi\" algorithm of op in phase runs, by size: (largest "
+           "bytes, blocking) steps, -1 bytes meaning no limit.")
+      .def_property_readonly("blocking_steps", &PcclComm::blocking_steps,
+                             "Blocking MPI collectives its \"mpi\" phases ran so far.")
       .def("all_gather", &PcclComm::all_gather, arg("output"), arg("input"), arg("inter_algo"),
            arg("intra_algo"), arg("async_op"))
       .def("reduce_scatter", &PcclComm::reduce_scatter, arg("output"), arg("input"), arg("op"),
