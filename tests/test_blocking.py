@@ -322,8 +322,8 @@ if rank == 1:
 mcrdl.all_gather_object(None)  # rank 1 looked before rank 0 sends
 if rank == 0:
     mcrdl.send('mpi', torch.ones(1), dst=1, tag=3)
-else:
-    w.wait()
+else:  # not waited on here: the lane thread completes it and runs the callback, which
+    # leaves that thread a Python thread state (not a Python thread: still kept)
     deadline = time.monotonic() + 10
     while not (done and _C.may_hold_gil()) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -294,7 +294,9 @@ py::object front_op(py::function slow, py::str method, py::dict globals, py::tup
 
 // Called with the GIL held (from Python).
 void front_invalidate() {
-  for (FrontOp* f : g_fronts) clear_cache(f);
+  const std::vector<FrontOp*> fronts = g_fronts;  // a release may run code that frees one
+  for (FrontOp* f : fronts)
+    if (std::find(g_fronts.begin(), g_fronts.end(), f) != g_fronts.end()) clear_cache(f);
 }
 
 void bind_front(py::module_& m) {

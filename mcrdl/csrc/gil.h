@@ -5,11 +5,13 @@
 // be what a peer is waiting for (a deadlock that only the watchdog ends).
 //
 // "auto" (the default): keep it when the interpreter has no Python thread but the
-// caller's and none of mcrdl's C++ threads may take it (a fusion timer is running, or a
+// caller's (and mcrdl's callback threads, below) and none of mcrdl's C++ threads may take it (a fusion timer is running, or a
 // Work has a Python completion callback pending: GilUser counts them). A C++ thread of
 // another library that takes the GIL for work the peers wait on is invisible here:
 // MCRDL_HOLD_GIL=never (docs/api.md) always releases it, and the watchdog's message says so.
 #pragma once
+
+#include <Python.h>
 
 #include <atomic>
 
@@ -21,6 +23,12 @@ int hold_gil_mode();
 
 // Whether the calling thread, which holds the GIL, may keep it through a blocking call.
 bool may_hold_gil();
+
+// A thread state that an mcrdl thread keeps between the Python callbacks it runs (a lane
+// thread, module.cpp keep_thread_state): not a Python thread for may_hold_gil, as such a
+// thread takes the GIL only for callbacks, which GilUser counts while pending. Called with
+// the GIL held.
+void register_callback_thread_state(PyThreadState* ts);
 
 // Counts, while alive, a C++ thread or callback of mcrdl that may take the GIL.
 class GilUser {

@@ -124,6 +124,7 @@ void keep_thread_state() {
   if (!kept) {
     kept = true;
     ++PyThreadState_Get()->gilstate_counter;
+    register_callback_thread_state(PyThreadState_Get());
   }
 }
 
