@@ -123,17 +123,12 @@ int block_op_of(const std::string& op) {
   return -1;
 }
 
-// Per op, which variant a blocking call of each size runs: steps (largest size in
-// bytes, blocking?) in increasing size; sizes past the last step run nonblocking. Sizes
-// are the tuning table's (mcrdl.ops nbytes: all_gather and reduce_scatter count the
-// whole gathered / reduced buffer, barrier 0).
+// Per op, which variant a blocking call of each size runs (BlockingSteps). Sizes are the
+// tuning table's (mcrdl.ops nbytes: all_gather and reduce_scatter count the whole
+// gathered / reduced buffer, barrier 0).
 struct BlockingChoice {
-  std::vector<std::pair<int64_t, bool>> steps[kBlockOps];
-  bool use(BlockOp op, int64_t nbytes) const {
-    for (const auto& [hi, blocking] : steps[op])
-      if (nbytes <= hi) return blocking;
-    return false;
-  }
+  BlockingSteps steps[kBlockOps];
+  bool use(BlockOp op, int64_t nbytes) const { return runs_blocking(steps[op], nbytes); }
 };
 
 // Everything a posted op needs until it completes: requests, count arrays, buffers.
@@ -174,16 +169,9 @@ class MpiComm {
 
   // set_blocking(op, steps): which variant calls of `op` run, by size; `steps` are
   // (largest bytes, blocking) pairs in increasing size, -1 bytes meaning no limit.
-  void set_blocking(const std::string& op, const std::vector<std::pair<int64_t, bool>>& steps) {
+  void set_blocking(const std::string& op, const BlockingSteps& steps) {
     int i = block_op(op);
-    std::vector<std::pair<int64_t, bool>> v;
-    int64_t last = -2;
-    for (auto [hi, b] : steps) {
-      if (hi < 0) hi = INT64_MAX;
-      if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
-      v.emplace_back(hi, b);
-      last = hi;
-    }
+    BlockingSteps v = checked_blocking_steps(op, steps);
     std::lock_guard<std::mutex> g(post_mu_);
     blocking_.steps[i] = std::move(v);
   }

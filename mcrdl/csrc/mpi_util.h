@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "common.h"
 
@@ -46,6 +48,30 @@ C comm_from_handle(uint64_t h) {
     return reinterpret_cast<C>(static_cast<uintptr_t>(h));
   else
     return static_cast<C>(static_cast<int64_t>(h));  // keeps the low bits of the int handle
+}
+
+// Which variant (the blocking MPI collective or the nonblocking one) runs, by size:
+// (largest bytes, blocking) steps in increasing size; sizes past the last step run
+// nonblocking. Shared by the "mpi" backend's ops and pccl's "mpi" algorithm.
+using BlockingSteps = std::vector<std::pair<int64_t, bool>>;
+
+// `steps` as given from Python (-1 bytes: no limit), checked to grow in size.
+inline BlockingSteps checked_blocking_steps(const std::string& op, const BlockingSteps& steps) {
+  BlockingSteps v;
+  int64_t last = -2;
+  for (auto [hi, b] : steps) {
+    if (hi < 0) hi = INT64_MAX;
+    if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
+    v.emplace_back(hi, b);
+    last = hi;
+  }
+  return v;
+}
+
+inline bool runs_blocking(const BlockingSteps& steps, int64_t nbytes) {
+  for (const auto& [hi, blocking] : steps)
+    if (nbytes <= hi) return blocking;
+  return false;
 }
 
 inline MPI_Datatype move_type(at::ScalarType t) {

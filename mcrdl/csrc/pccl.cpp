@@ -523,20 +523,13 @@ class PcclComm {
   // backend): (largest bytes, blocking) steps in increasing size, -1 bytes no limit;
   // sizes past the last step run nonblocking.
   void set_blocking(const std::string& op, const std::string& phase,
-                    const std::vector<std::pair<int64_t, bool>>& steps) {
+                    const BlockingSteps& steps) {
     const int o = op == "all_gather" ? 0 : op == "reduce_scatter" ? 1 : -1;
     const int p = phase == "inter" ? 0 : phase == "intra" ? 1 : -1;
     if (o < 0 || p < 0)
       throw_invalid("set_blocking: expected op all_gather or reduce_scatter and phase inter "
                     "or intra, got " + op + ", " + phase);
-    std::vector<std::pair<int64_t, bool>> v;
-    int64_t last = -2;
-    for (auto [hi, b] : steps) {
-      if (hi < 0) hi = INT64_MAX;
-      if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
-      v.emplace_back(hi, b);
-      last = hi;
-    }
+    BlockingSteps v = checked_blocking_steps(op, steps);
     std::lock_guard<std::mutex> g(post_mu_);
     choice_[o][p] = std::move(v);
   }
@@ -639,9 +632,7 @@ class PcclComm {
   // Called with the post lock held: whether the "mpi" algorithm of op `o` in phase `p`
   // runs the blocking collective for a buffer of `nbytes`.
   bool blocking(int o, int p, int64_t nbytes) const {
-    for (const auto& [hi, b] : choice_[o][p])
-      if (nbytes <= hi) return b;
-    return false;
+    return runs_blocking(choice_[o][p], nbytes);
   }
 
   py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<Schedule> s, bool async_op,
@@ -666,7 +657,7 @@ class PcclComm {
   uint64_t seq_ = 0;
   std::shared_ptr<std::atomic<bool>> last_;
   std::mutex post_mu_;
-  std::vector<std::pair<int64_t, bool>> choice_[2][2];  // [all_gather, reduce_scatter][inter, intra]
+  BlockingSteps choice_[2][2];  // [all_gather, reduce_scatter][inter, intra]
   std::shared_ptr<Issuer> issuer_ = std::make_shared<Issuer>();
   std::shared_ptr<std::atomic<uint64_t>> blocking_steps_ =
       std::make_shared<std::atomic<uint64_t>>(0);
