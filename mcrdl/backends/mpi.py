@@ -53,16 +53,21 @@ def idle_sleep(ranks_on_node: int) -> bool:
     return ranks_on_node > usable_cores()
 
 
+def _env_mode(var: str, modes: tuple[str, ...]) -> str:
+    """The value of `var`, one of `modes` (unset or empty: the first)."""
+    v = os.environ.get(var, "") or modes[0]
+    if v not in modes:
+        raise ValueError(f"{var} must be one of {', '.join(modes)}, got {v!r}")
+    return v
+
+
 HOLD_GIL_MODES = ("auto", "never")
 
 
 def hold_gil_mode() -> str:
     """MCRDL_HOLD_GIL: "auto" (default: a blocking MPI call keeps the GIL when nothing of
     this process can need it meanwhile, csrc/gil.h) or "never" (always release it)."""
-    v = os.environ.get("MCRDL_HOLD_GIL", "") or "auto"
-    if v not in HOLD_GIL_MODES:
-        raise ValueError(f"MCRDL_HOLD_GIL must be one of {', '.join(HOLD_GIL_MODES)}, got {v!r}")
-    return v
+    return _env_mode("MCRDL_HOLD_GIL", HOLD_GIL_MODES)
 
 
 #: The collectives with a blocking variant (csrc/mpi_comm.cpp, BlockOp).
@@ -73,11 +78,7 @@ BLOCKING_MODES = ("auto", "never", "always")
 def blocking_mode() -> str:
     """MCRDL_MPI_BLOCKING: "auto" (default: by the measurements), "never" (always post the
     nonblocking call and wait on it) or "always" (the blocking MPI collective)."""
-    v = os.environ.get("MCRDL_MPI_BLOCKING", "") or "auto"
-    if v not in BLOCKING_MODES:
-        raise ValueError(f"MCRDL_MPI_BLOCKING must be one of {', '.join(BLOCKING_MODES)}, "
-                         f"got {v!r}")
-    return v
+    return _env_mode("MCRDL_MPI_BLOCKING", BLOCKING_MODES)
 
 
 @cache
