@@ -17,16 +17,49 @@
  * the variants alternate trial by trial, so a change of the machine's load meets both. */
 #include <mpi.h>
 #include <stdio.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 enum { ALL_REDUCE, ALL_GATHER, BCAST, REDUCE_SCATTER, BARRIER, NOPS };
 
+/* all_gather / reduce_scatter as the blocking MPI_Allreduce of the whole buffer, of which
+ * each rank keeps its part (mcrdl's "allreduce" variant, written as a C user would: the
+ * gathered buffer zeroed but for this rank's part and OR-reduced in 64-bit words; the
+ * input reduced into a scratch buffer, this rank's block copied out). */
+static void via_allreduce(int op, float* a, float* b, long count, long per, int n) {
+  static float* scratch;
+  static long scratch_n;
+  int me;
+  MPI_Comm_rank(MPI_COMM_WORLD, &me);
+  if (op == ALL_GATHER) {
+    memset(b, 0, count * 4);
+    memcpy(b + me * per, a, per * 4);
+    if (count % 2 == 0)
+      MPI_Allreduce(MPI_IN_PLACE, b, (int)(count / 2), MPI_UINT64_T, MPI_BOR, MPI_COMM_WORLD);
+    else
+      MPI_Allreduce(MPI_IN_PLACE, b, (int)count, MPI_UINT32_T, MPI_BOR, MPI_COMM_WORLD);
+  } else {
+    if (scratch_n < count) {
+      free(scratch);
+      scratch = aligned_alloc(64, (count * 4 + 63) / 64 * 64);
+      scratch_n = count;
+    }
+    MPI_Allreduce(a, scratch, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    memcpy(b, scratch + me * per, per * 4);
+  }
+}
+
 /* One call of `op` on `bytes` (the tuning table's size: all_gather's output,
- * reduce_scatter's input) of float32, blocking or nonblocking + wait. */
+ * reduce_scatter's input) of float32, blocking (1) or nonblocking + wait (0); 2:
+ * all_gather / reduce_scatter via_allreduce (the library's callers only). */
 static void call(int op, int blocking, float* a, float* b, long bytes, int n) {
   long count = bytes / 4, per = count / n;
   MPI_Request r;
+  if (blocking == 2 && (op == ALL_GATHER || op == REDUCE_SCATTER)) {
+    via_allreduce(op, a, b, count, per, n);
+    return;
+  }
   switch (op) {
     case ALL_REDUCE:
       if (blocking) MPI_Allreduce(MPI_IN_PLACE, a, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);

@@ -51,6 +51,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: c_floor.c's rules: a trial is a batch of at least this long on the slowest rank, of
 #: at most MAX_ITERS calls.
 TRIAL_S, MAX_ITERS = 0.02, 4000
+#: A step's value in mpi_blocking.json (mcrdl.tuning.schema.STEP_VALUES, which this
+#: script does not import: its driver runs without mcrdl's extension built).
+STEP_VALUES = {"blocking": True, "nonblocking": False, "allreduce": "allreduce"}
+#: The variants --variants forces, in its columns' order; c_floor.c's mode of each.
+VARIANTS = ("blocking", "nonblocking", "allreduce")
+C_MODES = {"blocking": 1, "nonblocking": 0, "allreduce": 2}
 
 def c_ops() -> dict[str, int]:
     """c_floor.c's op numbers (c_floor_time's `op`), read from its enum, so the two files
@@ -106,22 +112,40 @@ def parse(out: str) -> dict:
     return rows
 
 
-def fit_steps(ratios: dict[int, float], margin: float = 0.97) -> list:
-    """mpi_blocking.json steps from {bytes: blocking variant time / nonblocking}: a size
-    is blocking when the ratio is below `margin` (closer is this machine's noise); then
-    the one crossover (blocking up to it, nonblocking above) that agrees with the most
-    sizes, fewer blocking sizes on a tie, at the geometric middle of the measured sizes
-    around it rounded to a power of two."""
-    sizes = sorted(ratios)
-    wins = [ratios[b] < margin for b in sizes]
-    best = max(range(len(sizes) + 1),  # k: the first k sizes blocking
-               key=lambda k: (sum(w == (i < k) for i, w in enumerate(wins)), -k))
-    if best == 0:
-        return [[-1, False]]
-    if best == len(sizes):
-        return [[-1, True]]
-    lo, hi = max(sizes[best - 1], 1), sizes[best]
-    return [[1 << round(math.log2((lo * hi) ** 0.5)), True], [-1, False]]
+def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
+    """mpi_blocking.json steps from {bytes: {variant: mcrdl's time}}: at each size the
+    blocking variant wins when under `margin` times the nonblocking one, the allreduce
+    variant (all_gather, reduce_scatter) when under `margin` times that winner (closer is
+    this machine's noise); then the split of the sizes into allreduce, blocking and
+    nonblocking runs, in that order of size, that agrees with the most sizes (fewer
+    allreduce, then fewer blocking sizes on a tie), each run ending at the geometric
+    middle of the measured sizes around its end, rounded to a power of two."""
+    sizes = sorted(times)
+
+    def winner(t: dict[str, float]) -> str:
+        w = "blocking" if t["blocking"] < margin * t["nonblocking"] else "nonblocking"
+        ar = t.get("allreduce", math.nan)
+        return "allreduce" if ar < margin * t[w] else w
+
+    wins = [winner(times[b]) for b in sizes]
+    runs = ("allreduce", "blocking", "nonblocking")
+    m = len(sizes)
+
+    def agree(k: tuple[int, int]) -> int:  # the first k[0] sizes allreduce, up to k[1] blocking
+        return sum(w == runs[(i >= k[0]) + (i >= k[1])] for i, w in enumerate(wins))
+
+    k1, k2 = max(((a, b) for a in range(m + 1) for b in range(a, m + 1)),
+                 key=lambda k: (agree(k), -k[0], -k[1]))
+    steps, start = [], 0
+    for end, v in ((k1, "allreduce"), (k2, "blocking")):
+        if end > start:
+            lo, hi = max(sizes[end - 1], 1), sizes[end] if end < m else None
+            steps.append([-1 if hi is None else 1 << round(math.log2((lo * hi) ** 0.5)),
+                          STEP_VALUES[v]])
+        start = max(start, end)
+    if not steps or steps[-1][0] != -1:
+        steps.append([-1, False])
+    return steps
 
 
 # -- the rank part (under mpiexec) --------------------------------------------------------
@@ -135,6 +159,8 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
 
     import mcrdl
     import mcrdl.api
+    from mcrdl.backends.mpi import BLOCKING_OPS
+    from mcrdl.tuning.schema import op_variants
 
     mcrdl.init(["mpi"])
     rank, n = mcrdl.get_rank(), mcrdl.get_size()
@@ -179,16 +205,19 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             return slowest(t)
         return batch
 
-    def mcrdl_batch(fn, op: str, forced: bool | None):
+    def mcrdl_batch(fn, op: str, forced: str | None):
         """mcrdl's calls: as the backend chose (`forced` None), or every blocking call of
-        `op` forced to the blocking (True) or nonblocking variant (backend.variant)."""
+        `op` forced to that variant (backend.variant)."""
         if forced is None:
             return loop_batch(fn)
         return loop_batch(fn, lambda: backend.variant(op, forced))
 
-    def c_batch(op: str, blocking: bool, a, b, nbytes: int):
-        args = (C_OPS[op], int(blocking), a.data_ptr(), b.data_ptr(), nbytes)
+    def c_batch(op: str, variant: str, a, b, nbytes: int):
+        args = (C_OPS[op], C_MODES[variant], a.data_ptr(), b.data_ptr(), nbytes)
         return lambda it: slowest(lib.c_floor_time(*args, it))
+
+    def skipped(it: int) -> float:  # a variant the op lacks
+        return math.nan
 
     for op in ops:
         for nbytes in ([0] if op == "barrier" else sizes):
@@ -197,18 +226,20 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             count = nbytes // 4
             a, b = torch.zeros(max(count, 1)), torch.zeros(max(count, 1))
             fn = mcrdl_call(op, a, b, count // n)
+            has = op_variants(op) if op in BLOCKING_OPS else ()
             batches = [mcrdl_batch(fn, op, None)]
             if variants:
-                batches += [mcrdl_batch(fn, op, forced) for forced in (True, False)]
-            batches += [c_batch(op, blocking, a, b, nbytes) for blocking in (True, False)]
+                batches += [mcrdl_batch(fn, op, v) if v in has else skipped for v in VARIANTS]
+            batches += [c_batch(op, v, a, b, nbytes) if v in has else skipped
+                        for v in VARIANTS]
             # the C call mcrdl makes, once per iteration of the same loop (through ctypes:
             # ~0.3-0.5 us a call more than a C extension, so a reference at large sizes
             # only), and the loop with a no-op C builtin (what any Python caller pays)
-            blk = backend.comm(None).uses_blocking(op, nbytes)
-            batches += [loop_batch(functools.partial(lib.c_floor_call, C_OPS[op], int(blk),
+            mode = backend.comm(None).variant(op, nbytes) if has else 1
+            batches += [loop_batch(functools.partial(lib.c_floor_call, C_OPS[op], mode,
                                                      a.data_ptr(), b.data_ptr(), nbytes)),
                         loop_batch(functools.partial(id, a))]
-            its = [calibrate(bt) for bt in batches]
+            its = [1 if bt is skipped else calibrate(bt) for bt in batches]
             ts = [[] for _ in batches]
             for tr in range(trials):  # each batch in turn, starting one later every trial
                 for k in range(len(batches)):
@@ -222,6 +253,8 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
 # -- the driver ---------------------------------------------------------------------------
 
 def us(t: float) -> str:
+    if math.isnan(t):
+        return "-"
     return f"{t * 1e6:.2f}" if t < 1e-3 else f"{t * 1e6:.0f}"
 
 
@@ -257,12 +290,13 @@ def main(argv=None) -> None:
                 check=True, capture_output=True, text=True, env=env).stdout)
             head = ["op", "bytes", "C blocking us", "C nonblocking us", "C MT blocking us",
                     "C MT nonblocking us", "C in-proc blocking us", "C in-proc nonblocking us",
-                    "mcrdl us", "mcrdl - C MT blk us", "mcrdl / best C MT",
-                    "mcrdl / best C in-proc", "mcrdl - best C in-proc us", "py loop us",
-                    "C per py call us", "mcrdl / C per py call"]
+                    "C in-proc allreduce us", "mcrdl us", "mcrdl - C MT blk us",
+                    "mcrdl - C in-proc blk us", "mcrdl / best C MT", "mcrdl / best C in-proc",
+                    "mcrdl - best C in-proc us", "py loop us", "C per py call us",
+                    "mcrdl / C per py call"]
             if a.variants:
-                head += ["mcrdl blk us", "mcrdl nonblk us"]
-            ratios: dict[str, dict[int, float]] = {}
+                head += ["mcrdl blk us", "mcrdl nonblk us", "mcrdl allreduce us"]
+            fits: dict[str, dict[int, dict[str, float]]] = {}
             print(f"\n{n} ranks (median of {a.trials} trials of the max over ranks)")
             print("| " + " | ".join(head) + " |")
             print("|" + "---|" * len(head))
@@ -272,20 +306,23 @@ def main(argv=None) -> None:
                 cb, cn = c[key]
                 tb, tn = cmt[key]
                 mt = m[key]
-                ib, inb, percall, loop = mt[-4:]
+                ib, inb, iar, percall, loop = mt[-5:]
+                best = min(t for t in (ib, inb, iar) if not math.isnan(t))
                 cells = [key[0], str(key[1]), us(cb), us(cn), us(tb), us(tn), us(ib), us(inb),
-                         us(mt[0]), f"{(mt[0] - tb) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}",
-                         f"{mt[0] / min(ib, inb):.2f}", f"{(mt[0] - min(ib, inb)) * 1e6:+.2f}",
+                         us(iar), us(mt[0]), f"{(mt[0] - tb) * 1e6:+.2f}",
+                         f"{(mt[0] - ib) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}",
+                         f"{mt[0] / best:.2f}", f"{(mt[0] - best) * 1e6:+.2f}",
                          us(loop), us(percall), f"{mt[0] / percall:.2f}"]
                 if a.variants:
-                    cells += [us(mt[1]), us(mt[2])]
-                    ratios.setdefault(key[0], {})[key[1]] = mt[1] / mt[2]
+                    cells += [us(t) for t in mt[1:4]]
+                    fits.setdefault(key[0], {})[key[1]] = {
+                        v: t for v, t in zip(VARIANTS, mt[1:4], strict=True) if not math.isnan(t)}
                 print("| " + " | ".join(cells) + " |", flush=True)
             if a.variants:
                 print(f"\nsteps for mcrdl/tuning/mpi_blocking.json, group size {n}, from this "
                       "run (fit_steps):")
-                for op, r in ratios.items():
-                    print(f'    "{op}": {{"{n}": {json.dumps(fit_steps(r))}}}')
+                for op, t in fits.items():
+                    print(f'    "{op}": {{"{n}": {json.dumps(fit_steps(t))}}}')
 
 
 if __name__ == "__main__":

@@ -34,3 +34,32 @@ def test_every_benchmark_parses_its_options(tmp_path):
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert not list(tmp_path.iterdir()), f"--help wrote files: {list(tmp_path.iterdir())}"
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+def test_c_floor_fit_steps_orders_allreduce_blocking_nonblocking():
+    """c_floor.fit_steps (the shipped mpi_blocking.json steps): the split into allreduce,
+    blocking and nonblocking runs agreeing with the most sizes, ends at the geometric
+    middle of the sizes around them; values as mcrdl.tuning.schema writes steps."""
+    import runpy
+
+    from mcrdl.tuning.schema import STEP_VALUES, check_steps
+
+    c_floor = runpy.run_path(str(BENCHMARKS[0].parent / "c_floor.py"))
+    assert c_floor["STEP_VALUES"] == STEP_VALUES
+    fit = c_floor["fit_steps"]
+
+    def t(b, nb, ar=None):
+        return {"blocking": b, "nonblocking": nb, **({} if ar is None else {"allreduce": ar})}
+
+    two = {8: t(1, 2), 4096: t(1, 2), 65536: t(3, 2), 1 << 20: t(3, 2)}
+    assert fit(two) == [[16384, True], [-1, False]]
+    assert fit({8: t(2, 2), 4096: t(2, 2)}) == [[-1, False]]  # within the margin: nonblocking
+    assert fit({8: t(1, 2)}) == [[-1, True]]
+    three = {8: t(2, 3, 1), 512: t(2, 3, 1), 4096: t(2, 3, 4), 65536: t(9, 3, 30)}
+    steps = fit(three)
+    assert steps == [[1024, "allreduce"], [16384, True], [-1, False]]
+    check_steps(steps, "fit", "$", "all_gather")
+    # an isolated win (noise) does not start a run of its own
+    noisy = {**three, 1 << 20: t(9, 8, 1), 1 << 24: t(9, 8, 30)}
+    assert fit(noisy) == [[1024, "allreduce"], [16384, True], [-1, False]]
+    assert fit({8: t(2, 3, 1), 64: t(2, 3, 1)}) == [[-1, "allreduce"]]

@@ -21,17 +21,25 @@ HERE = os.path.join(os.path.dirname(__file__), "mixing")
 def test_blocking_mode_reads_the_environment(monkeypatch):
     monkeypatch.delenv("MCRDL_MPI_BLOCKING", raising=False)
     assert mpi.blocking_mode() == "auto"
-    for mode in ("auto", "never", "always"):
+    for mode in ("auto", "never", "always", "allreduce"):
         monkeypatch.setenv("MCRDL_MPI_BLOCKING", mode)
         assert mpi.blocking_mode() == mode
     monkeypatch.setenv("MCRDL_MPI_BLOCKING", "sometimes")
-    with pytest.raises(ValueError, match="auto, never, always.*'sometimes'"):
+    with pytest.raises(ValueError, match="auto, never, always, allreduce.*'sometimes'"):
         mpi.blocking_mode()
 
 
 def test_blocking_steps_fixed_modes_and_nearest_group_size():
     assert mpi.blocking_steps("all_reduce", 2, "always") == [(-1, True)]
     assert mpi.blocking_steps("all_reduce", 2, "never") == [(-1, False)]
+    assert mpi.blocking_steps("all_gather", 2, "allreduce") == [(-1, "allreduce")]
+    assert mpi.blocking_steps("reduce_scatter", 2, "allreduce") == [(-1, "allreduce")]
+    assert mpi.blocking_steps("bcast", 2, "allreduce") == [(-1, True)]
+    # the C++ communicators' codes; pccl's phases run "allreduce" steps blocking
+    assert mpi.step_codes([(64, "allreduce"), (4096, True), (-1, False)]) == [
+        (64, 2), (4096, 1), (-1, 0)]
+    assert mpi.step_codes([(64, "allreduce"), (-1, False)], allreduce=False) == [
+        (64, 1), (-1, 0)]
     table = {"bcast": {2: [(100, True), (-1, False)], 4: [(10, True), (-1, False)]}}
     assert mpi.blocking_steps("bcast", 3, "auto", table) == [(100, True), (-1, False)]
     assert mpi.blocking_steps("bcast", 8, "auto", table) == [(10, True), (-1, False)]
@@ -104,6 +112,18 @@ def test_async_call_past_timeout_still_raises():
     m = re.search(r"rank 1: raised after ([\d.]+) s: CommTimeoutError: (.*)", out)
     assert m and m.group(2) == text and float(m.group(1)) < limit + 5, out
     assert "rank 0: finalized" in out and "rank 1: finalized" in out, out
+
+
+def test_allreduce_variant_matches_torch():
+    """all_gather and reduce_scatter forced to the "allreduce" variant (3 ranks: the world
+    and a sub-group of 2) give torch's results for every dtype and form
+    (mixing/allreduce_variant.py), and the chosen steps come back after the block."""
+    mpiexec = mpiexec_or_skip()
+    env = dict(os.environ, MCRDL_MPI_BLOCKING="never", MCRDL_TIMEOUT="60")
+    out = run_launcher([mpiexec, "-n", "3", sys.executable,
+                        os.path.join(HERE, "allreduce_variant.py")], env=env, timeout=180)
+    counts = sorted(int(c) for c in re.findall(r"rank \d: ok (\d+)", out))
+    assert counts == [172, 344, 344], out
 
 
 def test_debug_mode_keeps_the_nonblocking_path():

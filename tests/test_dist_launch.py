@@ -64,13 +64,15 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 @pytest.mark.parametrize(("nprocs", "debug", "mpi_blocking"),
                          [(1, "0", "auto"), (2, "0", "always"), (2, "0", "never"),
+                          (2, "0", "allreduce"),
                           (3, "0", "auto"), pytest.param(4, "0", "auto", marks=FULL),
                           (5, "0", "auto"), (3, "1", "auto")])
 def test_dist_conformance(nprocs, debug, mpi_blocking):
     """`mpiexec -n N python -m pytest tests/dist` exits 0; once more in debug mode
     (MCRDL_DEBUG=1), whose agreement checks must pass every correct call unchanged. At 2
     ranks the mpi backend runs every blocking call as the blocking MPI collective
-    (MCRDL_MPI_BLOCKING=always), then none (never); elsewhere by its measurements."""
+    (MCRDL_MPI_BLOCKING=always), then none (never), then all_gather and reduce_scatter
+    as MPI_Allreduce (allreduce); elsewhere by its measurements."""
     mpiexec = _mpiexec()
     if mpiexec is None:
         pytest.skip(f"no mpiexec in {os.path.join(sys.prefix, 'bin')} nor on PATH")

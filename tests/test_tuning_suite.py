@@ -116,9 +116,11 @@ def test_auto_routes_by_table(tmp_path):
 
 def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
     """mpiexec -n 2 mcrdl-tune run --backend mpi: every op with a blocking variant gets
-    both variants' times, the mpi time is the faster of the two at each size, and steps
-    derived from them; a version 1 table (no variants) resumes into a version 2 one."""
+    its variants' times (all_gather and reduce_scatter three), the mpi time is the
+    fastest at each size, and steps derived from them; a version 1 table (no variants)
+    resumes into a version 3 one."""
     from mcrdl.backends.mpi import BLOCKING_OPS
+    from mcrdl.tuning.schema import op_variants
     from mcrdl.tuning.table import TuningTable, derive_steps
 
     out = tmp_path / "variants.json"
@@ -129,20 +131,21 @@ def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
     env = dict(os.environ, MCRDL_TIMEOUT="60")
     run_launcher([*cmd, *args], env=env, timeout=120)
     doc = json.loads(out.read_text())
-    assert doc["version"] == 2 and set(doc["ops"]) == set(BLOCKING_OPS)
+    assert doc["version"] == 3 and set(doc["ops"]) == set(BLOCKING_OPS)
     for op in BLOCKING_OPS:
         entry = doc["ops"][op]["2"]
         var = entry["variants"]["mpi"]
-        assert set(var) == {"blocking", "nonblocking"}
+        assert set(var) == set(op_variants(op)), op
         for i, t in enumerate(entry["times"]["mpi"]):
             assert t is not None and t > 0
-            assert t == min(var["blocking"][i], var["nonblocking"][i]), (op, i)
+            assert t == min(ts[i] for ts in var.values()), (op, i)
         per_v = {v: dict(zip(entry["sizes"], ts, strict=True)) for v, ts in var.items()}
         assert [tuple(s) for s in entry["blocking"]["mpi"]] == derive_steps(per_v), op
         assert entry["blocking"]["mpi"][-1][0] == -1
     shown = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "show", str(out)],
                          timeout=60)
     assert shown.count("mpi:blocking mpi:nonblocking") == len(BLOCKING_OPS), shown
+    assert shown.count("mpi:nonblocking mpi:allreduce") == 2, shown
     assert shown.count("mpi blocking calls run: ") == len(BLOCKING_OPS), shown
     # the same table as version 1 wrote it: no variants, no steps
     for op in BLOCKING_OPS:

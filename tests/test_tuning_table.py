@@ -186,9 +186,9 @@ def _rename_group(new_key):
 
 BAD_DOCS = [
     ("schema", _set(["schema"], "other-table"), "$.schema", '"mcrdl-tuning-table"'),
-    ("version 3", _set(["version"], 3), "$.version",
-     "expected 1 or 2 (the table was written by a newer mcrdl: upgrade mcrdl"),
-    ("version str", _set(["version"], "1"), "$.version", "expected 1 or 2 (this mcrdl reads"),
+    ("version 4", _set(["version"], 4), "$.version",
+     "expected 1, 2 or 3 (the table was written by a newer mcrdl: upgrade mcrdl"),
+    ("version str", _set(["version"], "1"), "$.version", "expected 1, 2 or 3 (this mcrdl reads"),
     ("version bool", _set(["version"], True), "$.version", "re-run mcrdl-tune run"),
     ("v1 variants", lambda d: (d.update(version=1), _set(
         ["ops", "all_reduce", "4", "variants"], {})(d)), E, "unknown key 'variants'"),
@@ -332,8 +332,8 @@ def test_load_errors(tmp_path):
         TuningTable.load(wrong)
     old = tmp_path / "v0.json"
     old.write_text(json.dumps({**valid_doc(), "version": 0}))
-    with pytest.raises(TuningTableError, match=r"v0.json: \$.version: expected 1 or 2 "
-                       r"\(this mcrdl reads versions 1, 2; re-run mcrdl-tune run"):
+    with pytest.raises(TuningTableError, match=r"v0.json: \$.version: expected 1, 2 or 3 "
+                       r"\(this mcrdl reads versions 1, 2, 3; re-run mcrdl-tune run"):
         TuningTable.load(old)
 
 
@@ -787,7 +787,7 @@ def test_variants_round_trip_and_backend_time_is_the_faster(tmp_path):
     t.add_variant("barrier", 2, "mpi", 0, "blocking", 3e-6)
     t.add_variant("barrier", 2, "mpi", 0, "nonblocking", 2e-6)
     for n in sizes:
-        b, nb = (t.variant_times("all_reduce", 2, "mpi")[v][n] for v in schema.VARIANTS)
+        b, nb = (t.variant_times("all_reduce", 2, "mpi")[v][n] for v in schema.VARIANTS[:2])
         assert t.times("all_reduce", 2, "mpi")[n] == min(b, nb)
     steps = t.blocking_steps("all_reduce", 2, "mpi")
     assert [v for _, v in steps] == [True, False] and steps[1][0] == -1
@@ -799,7 +799,7 @@ def test_variants_round_trip_and_backend_time_is_the_faster(tmp_path):
     path = tmp_path / "v.json"
     t.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == VERSION == 2
+    assert doc["version"] == VERSION == 3
     entry = doc["ops"]["all_reduce"]["2"]
     assert entry["blocking"] == {"mpi": [list(s) for s in steps]}
     assert entry["variants"]["mpi"]["blocking"] == [_power_law(n, 1e-9, 1.0) for n in sizes]
@@ -822,6 +822,54 @@ def test_derive_steps_crossover_at_zero_bytes_is_linear_and_ties_stay_nonblockin
                               "nonblocking": {8: 2, 16: 2, 32: 2, 64: 2}})
     assert [v for _, v in steps] == [True, False, True]
     assert 16 <= steps[0][0] < 32 and 32 <= steps[1][0] < 64 and steps[2][0] == -1
+
+
+def test_allreduce_variant_derives_round_trips_and_is_checked_per_op(tmp_path):
+    """all_gather / reduce_scatter have a third variant, "allreduce": the fastest of the
+    three wins each size, steps end where the two winners' curves cross, and only those
+    ops may hold it (times or steps); a version 2 file may not."""
+    steps = tbl.derive_steps({"blocking": {8: 2, 512: 2, 4096: 2, 65536: 10},
+                              "nonblocking": {8: 3, 512: 3, 4096: 3, 65536: 5},
+                              "allreduce": {8: 1, 512: 1, 4096: 4, 65536: 40}})
+    assert [v for _, v in steps] == ["allreduce", True, False]
+    assert 512 <= steps[0][0] < 4096 and 4096 <= steps[1][0] < 65536 and steps[2][0] == -1
+    # a tie keeps the earlier of nonblocking, blocking, allreduce
+    assert tbl.derive_steps({"blocking": {8: 1}, "nonblocking": {8: 2},
+                             "allreduce": {8: 1}}) == [(-1, True)]
+    # allreduce missing at the size below: its step starts there
+    assert tbl.derive_steps({"blocking": {8: 2, 64: 2}, "nonblocking": {8: 3, 64: 3},
+                             "allreduce": {64: 1}}) == [(8, True), (-1, "allreduce")]
+    t = TuningTable(PROV)
+    for n, (b, nb, ar) in {8: (2e-6, 3e-6, 1e-6), 4096: (2e-6, 3e-6, 4e-6)}.items():
+        for v, sec in zip(("blocking", "nonblocking", "allreduce"), (b, nb, ar), strict=True):
+            t.add_variant("all_gather", 2, "mpi", n, v, sec)
+    assert t.times("all_gather", 2, "mpi") == {8: 1e-6, 4096: 2e-6}
+    steps = t.blocking_steps("all_gather", 2, "mpi")
+    assert [v for _, v in steps] == ["allreduce", True]
+    path = tmp_path / "ar.json"
+    t.save(path)
+    doc = json.loads(path.read_text())
+    entry = doc["ops"]["all_gather"]["2"]
+    assert entry["variants"]["mpi"]["allreduce"] == [1e-6, 4e-6]
+    assert entry["blocking"]["mpi"][0][1] == "allreduce"
+    assert TuningTable.load(path) == t
+    with pytest.raises(TuningTableError, match="variant must be one of blocking, nonblocking "
+                                               "for bcast"):
+        t.add_variant("bcast", 2, "mpi", 8, "allreduce", 1e-6)
+    with pytest.raises(TuningTableError, match="an integer and a boolean"):
+        t.set_blocking_steps("bcast", 2, "mpi", [[64, "allreduce"], [-1, False]])
+    t.set_blocking_steps("reduce_scatter", 2, "mpi", [[64, "allreduce"], [-1, False]])
+    bad = copy.deepcopy(doc)
+    bad["ops"]["all_gather"]["2"]["blocking"]["mpi"][0][1] = "fast"
+    with pytest.raises(TuningTableError, match=r'blocking\["mpi"\]\[0\].*or "allreduce"'):
+        TuningTable.from_dict(bad)
+    old = copy.deepcopy(doc)
+    old["version"] = 2
+    with pytest.raises(TuningTableError, match="unknown key 'allreduce'"):
+        TuningTable.from_dict(old)
+    del old["ops"]["all_gather"]["2"]["variants"]
+    with pytest.raises(TuningTableError, match="an integer and a boolean, got"):
+        TuningTable.from_dict(old)
 
 
 def test_hand_set_steps_hold_until_variants_are_measured_again():
@@ -868,7 +916,7 @@ def test_newer_version_names_the_file_and_the_fix(tmp_path):
     with pytest.raises(TuningTableError) as info:
         TuningTable.load(path)
     msg = str(info.value)
-    assert msg.startswith(f"{path}: $.version: expected 1 or 2"), msg
+    assert msg.startswith(f"{path}: $.version: expected 1, 2 or 3"), msg
     assert "upgrade mcrdl" in msg and "re-run mcrdl-tune run" in msg, msg
 
 

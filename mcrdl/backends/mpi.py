@@ -27,7 +27,7 @@ from ..errors import DesyncError
 from ..groups import Group, bad_group_error
 from ..launch import usable_cores
 from ..ops import OPS
-from ..tuning.schema import check_steps
+from ..tuning.schema import VARIANT_CODES, check_steps, op_variants, step_variant
 from .base import Backend, Capabilities, InitContext
 
 
@@ -72,12 +72,15 @@ def hold_gil_mode() -> str:
 
 #: The collectives with a blocking variant (csrc/mpi_comm.cpp, BlockOp).
 BLOCKING_OPS = tuple(op for op in OPS if _C.MpiComm.has_blocking(op))
-BLOCKING_MODES = ("auto", "never", "always")
+BLOCKING_MODES = ("auto", "never", "always", "allreduce")
 
 
 def blocking_mode() -> str:
     """MCRDL_MPI_BLOCKING: "auto" (default: by the measurements), "never" (always post the
-    nonblocking call and wait on it) or "always" (the blocking MPI collective)."""
+    nonblocking call and wait on it), "always" (the blocking MPI collective) or
+    "allreduce" (as "always", but all_gather and reduce_scatter as the blocking
+    MPI_Allreduce of the whole buffer: the variant small calls of those take by "auto"
+    at some sizes, forced for every size, e.g. to test it)."""
     return _env_mode("MCRDL_MPI_BLOCKING", BLOCKING_MODES)
 
 
@@ -87,15 +90,16 @@ def shipped_blocking() -> dict:
     blocking) steps measured on the reference machine (benchmarks/c_floor.py)."""
     src = "mcrdl/tuning/mpi_blocking.json"
     doc = json.loads(resources.files("mcrdl.tuning").joinpath("mpi_blocking.json").read_text())
-    return {op: {int(g): check_steps(steps, src, f"$.ops.{op}.{g}")
+    return {op: {int(g): check_steps(steps, src, f"$.ops.{op}.{g}", op)
                  for g, steps in by_g.items()}
             for op, by_g in doc["ops"].items()}
 
 
 def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = None,
                    oversubscribed: bool = False) -> list:
-    """The (largest bytes, blocking) steps of `op` at `group_size` (-1 bytes: no limit):
-    `mode` "always"/"never" fix the variant; "auto" takes `table` (op -> group size ->
+    """The (largest bytes, variant) steps of `op` at `group_size` (-1 bytes: no limit; the
+    variant True: blocking, False: nonblocking, or "allreduce"): `mode`
+    "always"/"never"/"allreduce" fix the variant; "auto" takes `table` (op -> group size ->
     steps, from a tuning table), else the shipped measurements, at the nearest measured
     group size (the largest one not above `group_size`, else the smallest).
 
@@ -106,6 +110,8 @@ def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = Non
     isolated call can still win blocking, but a training step loses (benchmarks/moe_step.py,
     4 ranks on 2 cores: with the shipped blocking steps all mpi 44-76 ms, auto 1.08-1.28x
     the best fixed choice, load average 36; without, 44-48 ms and 0.95-0.98x)."""
+    if mode == "allreduce":
+        return [(-1, "allreduce" if "allreduce" in op_variants(op) else True)]
     if mode != "auto":
         return [(-1, mode == "always")]
     for source in (table or {}, {} if oversubscribed else shipped_blocking()):
@@ -114,6 +120,18 @@ def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = Non
             below = [g for g in by_g if g <= group_size]
             return by_g[max(below) if below else min(by_g)]
     return [(-1, False)]
+
+
+def step_codes(steps: list, allreduce: bool = True) -> list[tuple[int, int]]:
+    """`steps` (file form: True, False or "allreduce") as the C++ communicators take them,
+    (largest bytes, variant code); without `allreduce` (pccl's phases, which have no such
+    variant) an "allreduce" step runs the blocking collective."""
+    codes = []
+    for hi, value in steps:
+        v = step_variant(value)
+        codes.append((hi, VARIANT_CODES["blocking" if v == "allreduce" and not allreduce
+                                        else v]))
+    return codes
 
 
 class MPILaneBackend(Backend):
@@ -251,17 +269,23 @@ class MPIBackend(MPILaneBackend):
         """Which variant blocking calls of `c` run."""
         mode = self._blocking_mode()
         for op in ops:
-            c.set_blocking(op, blocking_steps(op, c.size, mode, self._blocking_table,
-                                              self._oversubscribed))
+            c.set_blocking(op, step_codes(blocking_steps(op, c.size, mode, self._blocking_table,
+                                                         self._oversubscribed)))
 
     @contextlib.contextmanager
-    def variant(self, op: str, blocking: bool):
+    def variant(self, op: str, variant: str | bool):
         """Within the block, blocking calls of `op` on every communicator of this backend
-        run the blocking MPI collective (`blocking` True) or the nonblocking one and a
-        bounded wait; then the chosen steps again. Every member of a group calling `op`
-        inside must force the same variant (mcrdl-tune measures both this way)."""
+        run `variant` (mcrdl.tuning.schema.op_variants: "blocking", the blocking MPI
+        collective, also given as True; "nonblocking", the nonblocking one and a bounded
+        wait, also False; "allreduce" for all_gather and reduce_scatter); then the chosen
+        steps again. Every member of a group calling `op` inside must force the same
+        variant (mcrdl-tune measures them this way)."""
+        name = variant if isinstance(variant, str) else step_variant(bool(variant))
+        if name not in op_variants(op):
+            raise ValueError(f"variant: {op} has the variants {', '.join(op_variants(op))}, "
+                             f"got {variant!r}")
         for c in self._comms.values():
-            c.set_blocking(op, [(-1, bool(blocking))])
+            c.set_blocking(op, [(-1, VARIANT_CODES[name])])
         try:
             yield
         finally:

@@ -48,7 +48,7 @@ from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
 from ..ordering import IssueQueue
 from ..work import ChainedWork
 from .base import Capabilities, InitContext
-from .mpi import MPILaneBackend, blocking_steps
+from .mpi import MPILaneBackend, blocking_steps, step_codes
 from .pccl_cost_model import CostModel
 from .pccl_layout import Layout, node_ids
 
@@ -181,8 +181,9 @@ class PCCLBackend(MPILaneBackend):
         mode = self._blocking_mode()
         for op in ("all_gather", "reduce_scatter"):
             for phase, size in (("inter", c.nodes), ("intra", c.ranks_per_node)):
-                c.set_blocking(op, phase, blocking_steps(op, size, mode, self._blocking_table,
-                                                         self._oversubscribed))
+                steps = blocking_steps(op, size, mode, self._blocking_table,
+                                       self._oversubscribed)
+                c.set_blocking(op, phase, step_codes(steps, allreduce=False))
 
     def add_group(self, group: Group) -> None:
         self._make(group)

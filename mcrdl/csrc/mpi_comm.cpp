@@ -20,6 +20,8 @@
 #include <ATen/ops/empty.h>
 
 #include <climits>
+#include <cstddef>
+#include <cstring>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -128,8 +130,39 @@ int block_op_of(const std::string& op) {
 // gathered / reduced buffer, barrier 0).
 struct BlockingChoice {
   BlockingSteps steps[kBlockOps];
-  bool use(BlockOp op, int64_t nbytes) const { return runs_blocking(steps[op], nbytes); }
+  // The Variant of a call (kVarNonblocking is 0: `if (use(...))` means "a blocking call").
+  int use(BlockOp op, int64_t nbytes) const { return variant_at(steps[op], nbytes); }
 };
+
+// The ops with the kVarAllReduce variant.
+bool has_allreduce_variant(int op) { return op == kAllGather || op == kReduceScatter; }
+
+// all_gather's kVarAllReduce: `rd` (`total` bytes) zeroed but for this rank's `per` bytes
+// from `sd` at rank * per, then OR-reduced over the ranks in place: every byte is one
+// rank's, so the OR is exact for any dtype. Widest words the size and alignment allow.
+int or_all_gather(const void* sd, void* rd, int64_t per, int rank, int64_t total, MPI_Comm c) {
+  std::memset(rd, 0, static_cast<size_t>(total));
+  std::memcpy(static_cast<char*>(rd) + rank * per, sd, static_cast<size_t>(per));
+  const auto at = reinterpret_cast<uintptr_t>(rd);
+  const int w = (total % 8 == 0 && at % 8 == 0) ? 8 : (total % 4 == 0 && at % 4 == 0) ? 4 : 1;
+  const MPI_Datatype dt = w == 8 ? MPI_UINT64_T : w == 4 ? MPI_UINT32_T : MPI_BYTE;
+  return MPIC(MPI_Allreduce)(MPI_IN_PLACE, rd, static_cast<mcount>(total / w), dt, MPI_BOR, c);
+}
+
+// reduce_scatter's kVarAllReduce: the whole input `sd` (size blocks of `n` elements of
+// `type`) reduced into a scratch buffer of this thread, this rank's block copied to `rd`.
+int reduce_all_pick(const void* sd, void* rd, mcount n, int rank, int size, MPI_Datatype type,
+                    MPI_Op op, MPI_Comm c) {
+  int tsize = 0;
+  MPI_Type_size(type, &tsize);
+  const size_t per = static_cast<size_t>(n) * tsize, total = per * size;
+  thread_local std::vector<std::max_align_t> scratch;
+  scratch.resize((total + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
+  const int rc = MPIC(MPI_Allreduce)(sd, scratch.data(), n * size, type, op, c);
+  if (rc == MPI_SUCCESS) std::memcpy(rd, reinterpret_cast<char*>(scratch.data()) + rank * per, per);
+  if (total > (1 << 20)) std::vector<std::max_align_t>().swap(scratch);  // keep small ones only
+  return rc;
+}
 
 // Everything a posted op needs until it completes: requests, count arrays, buffers.
 struct InFlight {
@@ -171,13 +204,19 @@ class MpiComm {
   // (largest bytes, blocking) pairs in increasing size, -1 bytes meaning no limit.
   void set_blocking(const std::string& op, const BlockingSteps& steps) {
     int i = block_op(op);
-    BlockingSteps v = checked_blocking_steps(op, steps);
+    BlockingSteps v =
+        checked_blocking_steps(op, steps, has_allreduce_variant(i) ? kVariants : kVarBlocking + 1);
     std::lock_guard<std::mutex> g(post_mu_);
     blocking_.steps[i] = std::move(v);
   }
 
   // Whether a call of `op` of `nbytes` runs the blocking MPI collective.
   bool uses_blocking(const std::string& op, int64_t nbytes) const {
+    return variant(op, nbytes) != kVarNonblocking;
+  }
+
+  // The Variant a blocking call of `op` of `nbytes` runs.
+  int variant(const std::string& op, int64_t nbytes) const {
     return blocking_.use(static_cast<BlockOp>(block_op(op)), nbytes);
   }
 
@@ -296,7 +335,17 @@ class MpiComm {
     const int64_t nbytes = in->nbytes() * size_;
     const void* sd = in->data_ptr();
     void* rd = recv->data_ptr();
-    if (blocking_.use(kAllGather, nbytes))
+    const int var = blocking_.use(kAllGather, nbytes);
+    if (var == kVarAllReduce) {
+      const int64_t per = in->nbytes();
+      to_mcount(nbytes, "all_gather");
+      return run_blocking("all_gather", "MPI_Allreduce", async_op, std::move(finish),
+                          [sd, rd, per, nbytes, r = rank_, c = comm_] {
+                            return or_all_gather(sd, rd, per, r, nbytes, c);
+                          },
+                          [&] { return std::vector<at::Tensor>{*in, *recv}; });
+    }
+    if (var)
       return run_blocking("all_gather", "MPI_Allgather", async_op, std::move(finish),
                           [sd, rd, n, dt, c = comm_] {
                             return MPIC(MPI_Allgather)(sd, n, dt, rd, n, dt, c);
@@ -405,7 +454,16 @@ class MpiComm {
     const int64_t nbytes = out.nbytes() * size_;
     const void* sd = send->data_ptr();
     void* rd = recv->data_ptr();
-    if (blocking_.use(kReduceScatter, nbytes))
+    const int var = blocking_.use(kReduceScatter, nbytes);
+    if (var == kVarAllReduce) {
+      to_mcount(n * static_cast<int64_t>(size_), "reduce_scatter");
+      return run_blocking("reduce_scatter", "MPI_Allreduce", async_op, std::move(finish),
+                          [sd, rd, n, p, r = rank_, size = size_, c = comm_] {
+                            return reduce_all_pick(sd, rd, n, r, size, p.type, p.op, c);
+                          },
+                          [&] { return std::vector<at::Tensor>{*send, *recv, out}; });
+    }
+    if (var)
       return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", async_op,
                           std::move(finish), [sd, rd, n, p, c = comm_] {
                             return MPIC(MPI_Reduce_scatter_block)(sd, rd, n, p.type, p.op, c);
@@ -885,10 +943,16 @@ void bind_mpi(py::module_& m) {
       .def_static("has_blocking", [](const std::string& op) { return block_op_of(op) >= 0; },
                   arg("op"), "Whether operation `op` has a blocking variant (set_blocking).")
       .def("set_blocking", &MpiComm::set_blocking, arg("op"), arg("steps"),
-           "Which variant blocking calls of `op` run: (largest bytes, blocking) steps in "
+           "Which variant blocking calls of `op` run: (largest bytes, variant code) steps in "
            "increasing size, -1 bytes for no limit; larger sizes run nonblocking.")
       .def("uses_blocking", &MpiComm::uses_blocking, arg("op"), arg("nbytes"),
-           "Whether a blocking call of `op` of `nbytes` runs the blocking MPI collective.")
+           "Whether a blocking call of `op` of `nbytes` runs a blocking MPI collective.")
+      .def("variant", &MpiComm::variant, arg("op"), arg("nbytes"),
+           "The variant code (0 nonblocking, 1 blocking, 2 allreduce) a blocking call of "
+           "`op` of `nbytes` runs.")
+      .def_static("has_allreduce_variant",
+                  [](const std::string& op) { return has_allreduce_variant(block_op_of(op)); },
+                  arg("op"), "Whether `op` has the allreduce variant (set_blocking code 2).")
       .def("all_reduce", &MpiComm::all_reduce)
       .def("reduce", &MpiComm::reduce)
       .def("bcast", &MpiComm::bcast)

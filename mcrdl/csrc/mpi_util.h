@@ -50,28 +50,42 @@ C comm_from_handle(uint64_t h) {
     return static_cast<C>(static_cast<int64_t>(h));  // keeps the low bits of the int handle
 }
 
-// Which variant (the blocking MPI collective or the nonblocking one) runs, by size:
-// (largest bytes, blocking) steps in increasing size; sizes past the last step run
-// nonblocking. Shared by the "mpi" backend's ops and pccl's "mpi" algorithm.
-using BlockingSteps = std::vector<std::pair<int64_t, bool>>;
+// How a blocking call runs, by size: (largest bytes, variant) steps in increasing size;
+// sizes past the last step run nonblocking. Shared by the "mpi" backend's ops and pccl's
+// "mpi" algorithm. The variants (mcrdl.tuning.schema.VARIANTS, by these codes):
+enum Variant : int {
+  kVarNonblocking = 0,  // post the nonblocking collective, wait on it (bounded)
+  kVarBlocking = 1,     // the blocking MPI collective, under the watchdog
+  // all_gather / reduce_scatter only: the blocking MPI_Allreduce of the whole buffer (a
+  // bitwise OR of the zero-padded output / the reduction of the input), of which each
+  // rank keeps its part. MPICH's shared-memory allreduce of a few hundred bytes takes half
+  // the time of its allgather or reduce_scatter_block there (docs/performance.md).
+  kVarAllReduce = 2,
+  kVariants
+};
+using BlockingSteps = std::vector<std::pair<int64_t, int>>;
 
-// `steps` as given from Python (-1 bytes: no limit), checked to grow in size.
-inline BlockingSteps checked_blocking_steps(const std::string& op, const BlockingSteps& steps) {
+// `steps` as given from Python (-1 bytes: no limit), checked to grow in size and to name
+// variants below `variants` (kVarAllReduce + 1 for the ops that have that one).
+inline BlockingSteps checked_blocking_steps(const std::string& op, const BlockingSteps& steps,
+                                            int variants = kVarBlocking + 1) {
   BlockingSteps v;
   int64_t last = -2;
-  for (auto [hi, b] : steps) {
+  for (auto [hi, var] : steps) {
     if (hi < 0) hi = INT64_MAX;
     if (hi <= last) throw_invalid("set_blocking: the steps of " + op + " must grow in size");
-    v.emplace_back(hi, b);
+    if (var < 0 || var >= variants)
+      throw_invalid("set_blocking: " + op + " has no variant " + std::to_string(var));
+    v.emplace_back(hi, var);
     last = hi;
   }
   return v;
 }
 
-inline bool runs_blocking(const BlockingSteps& steps, int64_t nbytes) {
-  for (const auto& [hi, blocking] : steps)
-    if (nbytes <= hi) return blocking;
-  return false;
+inline int variant_at(const BlockingSteps& steps, int64_t nbytes) {
+  for (const auto& [hi, var] : steps)
+    if (nbytes <= hi) return var;
+  return kVarNonblocking;
 }
 
 inline MPI_Datatype move_type(at::ScalarType t) {

@@ -520,7 +520,7 @@ class PcclComm {
   // set_blocking(op, phase, steps): which variant the "mpi" algorithm of `op`
   // ("all_gather" or "reduce_scatter") runs in `phase` ("inter" or "intra"), by the bytes
   // of that phase's whole buffer (the tuning table's convention, as for the "mpi"
-  // backend): (largest bytes, blocking) steps in increasing size, -1 bytes no limit;
+  // backend): (largest bytes, variant code 0/1) steps in increasing size, -1 bytes no limit;
   // sizes past the last step run nonblocking.
   void set_blocking(const std::string& op, const std::string& phase,
                     const BlockingSteps& steps) {
@@ -632,7 +632,7 @@ class PcclComm {
   // Called with the post lock held: whether the "mpi" algorithm of op `o` in phase `p`
   // runs the blocking collective for a buffer of `nbytes`.
   bool blocking(int o, int p, int64_t nbytes) const {
-    return runs_blocking(choice_[o][p], nbytes);
+    return variant_at(choice_[o][p], nbytes) != kVarNonblocking;
   }
 
   py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<Schedule> s, bool async_op,

@@ -192,6 +192,7 @@ def _model(args) -> int:
 def _show(args) -> int:
     """Per op and group size: the time of every backend (us) at each size, the time of
     each MPI variant and which one the backend's blocking calls run, the winners."""
+    from mcrdl.tuning.schema import VARIANTS, step_variant
     from mcrdl.tuning.sizes import format_size
     from mcrdl.tuning.table import TuningTable
 
@@ -210,15 +211,14 @@ def _show(args) -> int:
             per_v = {b: table.variant_times(op, g, b) for b in backends}
             per_v = {b: v for b, v in per_v.items() if v}
             steps = {b: table.blocking_steps(op, g, b) for b in backends}
-            cols = [*backends, *(f"{b}:{v}" for b in per_v for v in ("blocking",
-                                                                        "nonblocking"))]
+            names = [v for v in VARIANTS if any(v in pv for pv in per_v.values())]
+            cols = [*backends, *(f"{b}:{v}" for b in per_v for v in names)]
             print(f"\n{op}, {g} ranks (us)")
             w = [max(10, len(c)) for c in cols]
             print(f"  {'size':>8} " + " ".join(f"{c:>{x}}" for c, x in zip(cols, w, strict=True)))
             for n in sorted({n for pts in per_b.values() for n in pts}):
                 row = [us(per_b[b].get(n)) for b in backends]
-                row += [us(per_v[b].get(v, {}).get(n)) for b in per_v
-                        for v in ("blocking", "nonblocking")]
+                row += [us(per_v[b].get(v, {}).get(n)) for b in per_v for v in names]
                 print(f"  {format_size(n):>8} "
                       + " ".join(f"{c:>{x}}" for c, x in zip(row, w, strict=True)))
             print("  winners: " + ", ".join(f"{b} from {format_size(n)}"
@@ -226,7 +226,7 @@ def _show(args) -> int:
             for b, st in steps.items():
                 if st:
                     print(f"  {b} blocking calls run: " + ", ".join(
-                        f"{'blocking' if v else 'nonblocking'} "
+                        f"{step_variant(v)} "
                         + (f"up to {format_size(hi)} B" if hi >= 0
                            else "above" if i else "at every size")
                         for i, (hi, v) in enumerate(st)))

@@ -102,16 +102,16 @@ def overlapped_call(op: str, backend: str, count: int, dtype, device, rank: int,
 
 
 def variants_of(backend: str, op: str, k: int) -> tuple[str, ...]:
-    """The variants measured for a point: both of schema.VARIANTS for a single blocking
-    call of an op with a blocking variant on an mpi backend, else ("",): the backend as
-    configured. The same on every rank (the plan must be)."""
+    """The variants measured for a point: those of the op (schema.op_variants) for a single
+    blocking call of an op with a blocking variant on an mpi backend, else ("",): the
+    backend as configured. The same on every rank (the plan must be)."""
     from mcrdl.api import current_runtime
     from mcrdl.backends.mpi import BLOCKING_OPS
-    from mcrdl.tuning.schema import VARIANTS
+    from mcrdl.tuning.schema import op_variants
 
     if k != 1 or op not in BLOCKING_OPS:
         return ("",)
-    return VARIANTS if hasattr(current_runtime().backend(backend), "variant") else ("",)
+    return op_variants(op) if hasattr(current_runtime().backend(backend), "variant") else ("",)
 
 
 def forced(backend: str, op: str, variant: str):
@@ -121,7 +121,7 @@ def forced(backend: str, op: str, variant: str):
         return contextlib.nullcontext()
     from mcrdl.api import current_runtime
 
-    return current_runtime().backend(backend).variant(op, variant == "blocking")
+    return current_runtime().backend(backend).variant(op, variant)
 
 
 def measure_point(cfg: SuiteConfig, op: str, k: int, backend: str, count: int, rank: int,

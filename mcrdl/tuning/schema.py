@@ -9,9 +9,11 @@ layout raises ``VERSION`` and says here how an older document reads, if it still
 - version 1: no ``variants`` or ``blocking`` keys in an entry. It reads as it is; the
   mpi backends then run the variants of their shipped measurements
   (mcrdl/tuning/mpi_blocking.json).
-- version 2 (written now): an entry may hold ``variants`` (per backend, the times of
-  the blocking and the nonblocking MPI call) and ``blocking`` (per backend, the
-  (largest bytes, blocking) steps its blocking calls run).
+- version 2: an entry may hold ``variants`` (per backend, the times of the blocking and
+  the nonblocking MPI call) and ``blocking`` (per backend, the (largest bytes, blocking)
+  steps its blocking calls run). It reads as it is.
+- version 3 (written now): as 2, and all_gather / reduce_scatter entries may hold the
+  times of the "allreduce" variant, which a step then names as ``"allreduce"``.
 
 A version above ``VERSION`` is refused with a message naming the file and the fix.
 """
@@ -29,12 +31,31 @@ from typing import NamedTuple
 from ..errors import InvalidArgumentError
 
 SCHEMA = "mcrdl-tuning-table"
-VERSION = 2
+VERSION = 3
 #: The versions a reader accepts (see the module docstring for how each reads).
-READS = (1, 2)
-#: The two ways an MPI backend runs a blocking call: the blocking MPI collective, or the
-#: nonblocking one and a bounded wait (mcrdl/backends/mpi.py).
-VARIANTS = ("blocking", "nonblocking")
+READS = (1, 2, 3)
+#: The ways an MPI backend runs a blocking call: the blocking MPI collective, the
+#: nonblocking one and a bounded wait, or (ALLREDUCE_OPS only) the blocking MPI_Allreduce
+#: of the whole buffer, of which each rank keeps its part (mcrdl/backends/mpi.py).
+VARIANTS = ("blocking", "nonblocking", "allreduce")
+#: The ops with the "allreduce" variant.
+ALLREDUCE_OPS = ("all_gather", "reduce_scatter")
+#: A step's variant as written in a file: true, false or the variant's name.
+STEP_VALUES = {"blocking": True, "nonblocking": False, "allreduce": "allreduce"}
+#: The variant codes of the C++ communicators (mcrdl/csrc/mpi_util.h, Variant).
+VARIANT_CODES = {"nonblocking": 0, "blocking": 1, "allreduce": 2}
+
+
+def op_variants(op: str) -> tuple[str, ...]:
+    """The variants a blocking call of `op` may run (the first two for most ops)."""
+    return VARIANTS if op in ALLREDUCE_OPS else VARIANTS[:2]
+
+
+def step_variant(value: bool | str) -> str:
+    """The variant name of a step's value (True, False or "allreduce")."""
+    return ("allreduce" if value == "allreduce" else "blocking" if value is True
+            else "nonblocking")
+
 
 #: Provenance keys mcrdl writes (all strings); a table may hold others (JSON scalars).
 PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "mpich_coll_selection",
@@ -42,15 +63,17 @@ PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "mpich_col
 
 _TOP_KEYS = ("schema", "version", "provenance", "ops")
 _ENTRY_KEYS = {1: ("sizes", "times", "winners"),
-               2: ("sizes", "times", "winners", "variants", "blocking")}
+               2: ("sizes", "times", "winners", "variants", "blocking"),
+               3: ("sizes", "times", "winners", "variants", "blocking")}
 _MISS = object()
 
 #: The measured times of a table: op -> group size -> backend -> {nbytes: seconds}.
 Times = dict[str, dict[int, dict[str, dict[int, float]]]]
 #: The times of each MPI variant: (op, group size, backend) -> variant -> {nbytes: seconds}.
 VariantTimes = dict[tuple[str, int, str], dict[str, dict[int, float]]]
-#: (largest bytes, blocking) steps in increasing size, -1 bytes: no limit.
-Steps = list[tuple[int, bool]]
+#: (largest bytes, variant) steps in increasing size, -1 bytes: no limit; the variant as
+#: STEP_VALUES writes it (True: blocking, False: nonblocking, "allreduce").
+Steps = list[tuple[int, bool | str]]
 
 
 class TuningTableError(InvalidArgumentError):
@@ -111,7 +134,8 @@ def encode(provenance: dict, times: Times,
             "times": {b: [per_b[b].get(n) for n in sizes] for b in sorted(per_b)},
             "winners": [[n, b] for n, b in winners(op, g)],
         }
-        var = {b: {v: [variants[op, g, b].get(v, {}).get(n) for n in sizes] for v in VARIANTS}
+        var = {b: {v: [variants[op, g, b].get(v, {}).get(n) for n in sizes]
+                   for v in VARIANTS if v in VARIANTS[:2] or v in variants[op, g, b]}
                for b in sorted(per_b) if (op, g, b) in variants}
         if var:
             entry["variants"] = var
@@ -239,7 +263,8 @@ def _check_version(version: object, src: str) -> int:
     else:
         why = (f"this mcrdl reads versions {', '.join(map(str, READS))}; re-run mcrdl-tune "
                "run to regenerate it")
-    _fail(src, "$.version", f"{' or '.join(map(str, READS))} ({why})", version)
+    listed = ", ".join(map(str, READS[:-1])) + f" or {READS[-1]}"
+    _fail(src, "$.version", f"{listed} ({why})", version)
 
 
 def _read_entry(op: str, gkey: str, entry: object, version: int,
@@ -281,7 +306,7 @@ def _read_entry(op: str, gkey: str, entry: object, version: int,
             _fail(src, bpath, "a backend of this entry's times", backend)
         if not isinstance(per_v, dict):
             _fail(src, bpath, 'an object {"blocking": [...], "nonblocking": [...]}', per_v)
-        _check_keys(per_v, (), VARIANTS, src, bpath)
+        _check_keys(per_v, (), op_variants(op) if version >= 3 else VARIANTS[:2], src, bpath)
         for v, ts in per_v.items():
             yield from _read_times(op, g, backend, v, sizes, ts, src, f"{bpath}.{v}")
     blocking = entry.get("blocking", {})
@@ -289,7 +314,8 @@ def _read_entry(op: str, gkey: str, entry: object, version: int,
         _fail(src, f"{path}.blocking", "an object {backend: [[largest bytes, blocking], "
               "...]}", blocking)
     for backend, st in blocking.items():
-        steps[op, g, backend] = check_steps(st, src, f"{path}.blocking[{_key(backend)}]")
+        steps[op, g, backend] = check_steps(st, src, f"{path}.blocking[{_key(backend)}]",
+                                            op if version >= 3 else "")
     winners = entry.get("winners", [])
     if not isinstance(winners, list):
         _fail(src, f"{path}.winners", "a list of [from_bytes, backend] pairs", winners)
@@ -315,19 +341,20 @@ def _read_times(op: str, g: int, backend: str, variant: str, sizes: list, ts: ob
         yield Point(op, g, backend, sizes[i], float(t), variant)
 
 
-def check_steps(steps: object, src: str, path: str) -> Steps:
-    """Blocking steps as (int, bool) pairs once valid: [largest bytes, blocking] pairs,
-    largest bytes >= 0 and increasing, -1 (no limit) only last (TuningTableError naming
-    `src` and `path` otherwise)."""
+def check_steps(steps: object, src: str, path: str, op: str = "") -> Steps:
+    """Steps once valid: [largest bytes, variant] pairs, largest bytes >= 0 and increasing,
+    -1 (no limit) only last, the variant true (blocking), false (nonblocking) or, for the
+    ALLREDUCE_OPS `op`, "allreduce" (TuningTableError naming `src` and `path` otherwise)."""
     if not isinstance(steps, (list, tuple)) or not steps:
         _fail(src, path, "a non-empty list of [largest bytes, blocking] pairs", steps)
+    allreduce = op in ALLREDUCE_OPS
     out: Steps = []
     for i, step in enumerate(steps):
         if not (isinstance(step, (list, tuple)) and len(step) == 2
                 and isinstance(step[0], int) and not isinstance(step[0], bool)
-                and isinstance(step[1], bool)):
+                and (isinstance(step[1], bool) or (allreduce and step[1] == "allreduce"))):
             _fail(src, f"{path}[{i}]", "a [largest bytes, blocking] pair: an integer and a "
-                  "boolean", step)
+                  "boolean" + (' or "allreduce"' if allreduce else ""), step)
         hi = step[0]
         if hi < -1 or (out and (out[-1][0] == -1 or (hi != -1 and hi <= out[-1][0]))):
             _fail(src, f"{path}[{i}][0]", "sizes >= 0 in increasing order, -1 (no limit) "

@@ -79,9 +79,9 @@ class TuningTable:
         to the ones derived from the variant times."""
         where = (f"add_variant({op!r}, {group_size!r}, {backend!r}, {nbytes!r}, {variant!r}, "
                  f"{seconds!r})")
-        if variant not in schema.VARIANTS:
+        if variant not in schema.op_variants(op):
             raise TuningTableError(f"{where}: variant must be one of "
-                                   f"{', '.join(schema.VARIANTS)}")
+                                   f"{', '.join(schema.op_variants(op))} for {op}")
         g, b, n, t = _checked(where, op, group_size, backend, nbytes, seconds)
         per_v = self._variants.setdefault((op, g, b), {})
         per_v.setdefault(variant, {})[n] = t
@@ -94,7 +94,7 @@ class TuningTable:
         nonblocking), instead of deriving them from the variant times."""
         where = f"set_blocking_steps({op!r}, {group_size!r}, {backend!r})"
         g, b, _, _ = _checked(where, op, group_size, backend, 0, 0.0)
-        self._steps[op, g, b] = schema.check_steps(steps, where, "steps")
+        self._steps[op, g, b] = schema.check_steps(steps, where, "steps", op)
 
     def _set(self, op: str, g: int, backend: str, n: int, seconds: float) -> None:
         self._times.setdefault(op, {}).setdefault(g, {}).setdefault(backend, {})[n] = seconds
@@ -344,25 +344,32 @@ class TuningTable:
 
 
 def derive_steps(per_variant: dict[str, dict[int, float]]) -> schema.Steps | None:
-    """The (largest bytes, blocking) steps of the faster variant at each size where both
-    were measured (a tie keeps the nonblocking call, whose waits raise CommTimeoutError).
-    Between two measured sizes whose winners differ the step ends where the two
-    variants' predictions cross (the interpolation of :meth:`TuningTable.predict`); the
-    last step has no limit (-1). None when no size has both variants."""
-    blocking, nonblocking = (per_variant.get(v, {}) for v in schema.VARIANTS)
-    sizes = sorted(set(blocking) & set(nonblocking))
+    """The (largest bytes, variant) steps of the fastest variant at each size where the
+    blocking and the nonblocking variant were measured (a tie keeps the earlier of
+    nonblocking, blocking, allreduce: the nonblocking call's waits raise
+    CommTimeoutError). Between two measured sizes whose winners differ the step ends
+    where the two winners' predictions cross (the
+    interpolation of :meth:`TuningTable.predict`); the last step has no limit (-1). None
+    when no size has the blocking and the nonblocking variant."""
+    order = ("nonblocking", "blocking", "allreduce")
+    curves = {v: per_variant[v] for v in order if per_variant.get(v)}
+    if "blocking" not in curves or "nonblocking" not in curves:
+        return None
+    sizes = sorted(set(curves["blocking"]) & set(curves["nonblocking"]))
     if not sizes:
         return None
     steps: schema.Steps = []
-    for i, n in enumerate(sizes):
-        choice = blocking[n] < nonblocking[n]
-        if steps and steps[-1][1] == choice:
-            steps.pop()  # the run of this choice goes on
-        elif steps:
-            lo = sizes[i - 1]
-            steps[-1] = (_crossover(lo, blocking[lo], nonblocking[lo], n, blocking[n],
-                                    nonblocking[n]), steps[-1][1])
-        steps.append((-1, choice))
+    prev = None
+    for n in sizes:
+        # the dict keeps `order`, so a tie goes to the earlier variant
+        win = min((v for v in curves if n in curves[v]), key=lambda v: curves[v][n])
+        if prev is not None and win != prev[1]:
+            lo, a, b = prev[0], curves[prev[1]], curves[win]
+            end = _crossover(lo, a[lo], b[lo], n, a[n], b[n]) if lo in b else lo
+            steps[-1] = (end, steps[-1][1])
+        if prev is None or win != prev[1]:
+            steps.append((-1, schema.STEP_VALUES[win]))
+        prev = (n, win)
     return steps
 
 
