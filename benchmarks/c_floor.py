@@ -119,7 +119,8 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
     this machine's noise); then the split of the sizes into allreduce, blocking and
     nonblocking runs, in that order of size, that agrees with the most sizes (fewer
     allreduce, then fewer blocking sizes on a tie), each run ending at the geometric
-    middle of the measured sizes around its end, rounded to a power of two."""
+    middle of the measured sizes around its end, rounded to a power of two (kept below
+    the next measured size)."""
     sizes = sorted(times)
 
     def winner(t: dict[str, float]) -> str:
@@ -140,8 +141,9 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
     for end, v in ((k1, "allreduce"), (k2, "blocking")):
         if end > start:
             lo, hi = max(sizes[end - 1], 1), sizes[end] if end < m else None
-            steps.append([-1 if hi is None else 1 << round(math.log2((lo * hi) ** 0.5)),
-                          STEP_VALUES[v]])
+            # kept in [lo, hi): the measured sizes on either side keep their winner
+            mid = None if hi is None else 1 << round(math.log2((lo * hi) ** 0.5))
+            steps.append([-1 if hi is None else min(max(mid, lo), hi - 1), STEP_VALUES[v]])
         start = max(start, end)
     if not steps or steps[-1][0] != -1:
         steps.append([-1, False])

@@ -63,3 +63,7 @@ def test_c_floor_fit_steps_orders_allreduce_blocking_nonblocking():
     noisy = {**three, 1 << 20: t(9, 8, 1), 1 << 24: t(9, 8, 30)}
     assert fit(noisy) == [[1024, "allreduce"], [16384, True], [-1, False]]
     assert fit({8: t(2, 3, 1), 64: t(2, 3, 1)}) == [[-1, "allreduce"]]
+    # a bound never reaches the next measured size (round(log2(sqrt(128 * 256))) = 8)
+    tight = fit({128: t(2, 3, 1), 256: t(1, 3, 2), 512: t(3, 1, 3)})
+    assert tight == [[255, "allreduce"], [256, True], [-1, False]]
+    check_steps(tight, "fit", "$", "reduce_scatter")

@@ -836,6 +836,10 @@ def test_allreduce_variant_derives_round_trips_and_is_checked_per_op(tmp_path):
     # a tie keeps the earlier of nonblocking, blocking, allreduce
     assert tbl.derive_steps({"blocking": {8: 1}, "nonblocking": {8: 2},
                              "allreduce": {8: 1}}) == [(-1, True)]
+    # the earlier winner missing at the next size (an interrupted run): the step ends at
+    # the last size it won
+    assert tbl.derive_steps({"blocking": {8: 2, 64: 2, 512: 1}, "nonblocking": {8: 3, 64: 3,
+                             512: 3}, "allreduce": {8: 1}}) == [(8, "allreduce"), (-1, True)]
     # allreduce missing at the size below: its step starts there
     assert tbl.derive_steps({"blocking": {8: 2, 64: 2}, "nonblocking": {8: 3, 64: 3},
                              "allreduce": {64: 1}}) == [(8, True), (-1, "allreduce")]
@@ -956,3 +960,10 @@ def test_suspicious_points_include_isolated_variant_flips():
     for n in sizes:  # a second backend far behind: no backend flips, still the variant one
         t.add("all_reduce", 2, "gloo", n, 1e-3)
     assert suspicious_points(t, ["mpi", "gloo"], 1.25) == [("all_reduce", 2, 512)]
+    # three variants (all_gather): allreduce wins but at 512, where blocking does
+    t3 = TuningTable(PROV)
+    for n in sizes:
+        t3.add_variant("all_gather", 2, "mpi", n, "blocking", 2e-6)
+        t3.add_variant("all_gather", 2, "mpi", n, "nonblocking", 3e-6)
+        t3.add_variant("all_gather", 2, "mpi", n, "allreduce", 4e-6 if n == 512 else 1e-6)
+    assert suspicious_points(t3, ["mpi"], 1.25) == [("all_gather", 2, 512)]

@@ -87,7 +87,7 @@ def blocking_mode() -> str:
 @cache
 def shipped_blocking() -> dict:
     """mcrdl/tuning/mpi_blocking.json: per op and group size, the (largest bytes,
-    blocking) steps measured on the reference machine (benchmarks/c_floor.py)."""
+    variant) steps measured on the reference machine (benchmarks/c_floor.py)."""
     src = "mcrdl/tuning/mpi_blocking.json"
     doc = json.loads(resources.files("mcrdl.tuning").joinpath("mpi_blocking.json").read_text())
     return {op: {int(g): check_steps(steps, src, f"$.ops.{op}.{g}", op)

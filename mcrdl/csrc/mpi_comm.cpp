@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <unordered_map>
 
@@ -137,30 +138,58 @@ struct BlockingChoice {
 // The ops with the kVarAllReduce variant.
 bool has_allreduce_variant(int op) { return op == kAllGather || op == kReduceScatter; }
 
+// This thread's scratch buffer of the allreduce variant, at least `bytes` long and aligned
+// for any type: grown as needed, given back after a call above 1 MiB (forced variants).
+struct Scratch {
+  std::unique_ptr<std::max_align_t[]> p;
+  size_t n = 0;
+  char* get(size_t bytes) {
+    if (bytes > n) {
+      n = (bytes + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t);
+      p.reset(new std::max_align_t[n]);
+      n *= sizeof(std::max_align_t);
+    }
+    return reinterpret_cast<char*>(p.get());
+  }
+  void trim() {
+    if (n > (1 << 20)) p.reset(), n = 0;
+  }
+};
+thread_local Scratch scratch_;
+
 // all_gather's kVarAllReduce: `rd` (`total` bytes) zeroed but for this rank's `per` bytes
 // from `sd` at rank * per, then OR-reduced over the ranks in place: every byte is one
-// rank's, so the OR is exact for any dtype. Widest words the size and alignment allow.
+// rank's, so the OR is exact for any dtype. The word size follows from `total` alone, as
+// every rank must pass the same datatype and count; an output not aligned for it (a view)
+// is reduced in the scratch buffer and copied back.
 int or_all_gather(const void* sd, void* rd, int64_t per, int rank, int64_t total, MPI_Comm c) {
-  std::memset(rd, 0, static_cast<size_t>(total));
-  std::memcpy(static_cast<char*>(rd) + rank * per, sd, static_cast<size_t>(per));
-  const auto at = reinterpret_cast<uintptr_t>(rd);
-  const int w = (total % 8 == 0 && at % 8 == 0) ? 8 : (total % 4 == 0 && at % 4 == 0) ? 4 : 1;
+  const int w = total % 8 == 0 ? 8 : total % 4 == 0 ? 4 : 1;
   const MPI_Datatype dt = w == 8 ? MPI_UINT64_T : w == 4 ? MPI_UINT32_T : MPI_BYTE;
-  return MPIC(MPI_Allreduce)(MPI_IN_PLACE, rd, static_cast<mcount>(total / w), dt, MPI_BOR, c);
+  const bool aligned = reinterpret_cast<uintptr_t>(rd) % w == 0;
+  char* buf = aligned ? static_cast<char*>(rd) : scratch_.get(static_cast<size_t>(total));
+  std::memset(buf, 0, static_cast<size_t>(total));
+  std::memcpy(buf + rank * per, sd, static_cast<size_t>(per));
+  const int rc =
+      MPIC(MPI_Allreduce)(MPI_IN_PLACE, buf, static_cast<mcount>(total / w), dt, MPI_BOR, c);
+  if (!aligned) {
+    if (rc == MPI_SUCCESS) std::memcpy(rd, buf, static_cast<size_t>(total));
+    scratch_.trim();
+  }
+  return rc;
 }
 
 // reduce_scatter's kVarAllReduce: the whole input `sd` (size blocks of `n` elements of
-// `type`) reduced into a scratch buffer of this thread, this rank's block copied to `rd`.
+// `type`) reduced into this thread's scratch buffer, this rank's block copied to `rd`.
 int reduce_all_pick(const void* sd, void* rd, mcount n, int rank, int size, MPI_Datatype type,
                     MPI_Op op, MPI_Comm c) {
   int tsize = 0;
-  MPI_Type_size(type, &tsize);
-  const size_t per = static_cast<size_t>(n) * tsize, total = per * size;
-  thread_local std::vector<std::max_align_t> scratch;
-  scratch.resize((total + sizeof(std::max_align_t) - 1) / sizeof(std::max_align_t));
-  const int rc = MPIC(MPI_Allreduce)(sd, scratch.data(), n * size, type, op, c);
-  if (rc == MPI_SUCCESS) std::memcpy(rd, reinterpret_cast<char*>(scratch.data()) + rank * per, per);
-  if (total > (1 << 20)) std::vector<std::max_align_t>().swap(scratch);  // keep small ones only
+  int rc = MPI_Type_size(type, &tsize);
+  if (rc != MPI_SUCCESS) return rc;
+  const size_t per = static_cast<size_t>(n) * tsize;
+  char* buf = scratch_.get(per * size);
+  rc = MPIC(MPI_Allreduce)(sd, buf, n * size, type, op, c);
+  if (rc == MPI_SUCCESS) std::memcpy(rd, buf + rank * per, per);
+  scratch_.trim();
   return rc;
 }
 
@@ -201,7 +230,7 @@ class MpiComm {
   void set_timeout(double t) { timeout_s_ = t; }
 
   // set_blocking(op, steps): which variant calls of `op` run, by size; `steps` are
-  // (largest bytes, blocking) pairs in increasing size, -1 bytes meaning no limit.
+  // (largest bytes, variant code) pairs in increasing size, -1 bytes meaning no limit.
   void set_blocking(const std::string& op, const BlockingSteps& steps) {
     int i = block_op(op);
     BlockingSteps v =

@@ -9,7 +9,8 @@
 initialized backend over a size sweep (default powers of two, 8 B .. 64 MiB) at the
 world size and sub-group sizes 2, 4, ...; rank 0 shows a progress bar and writes the
 table atomically as it goes. On the mpi backends each collective with a blocking
-variant is timed both as the blocking MPI call and as the nonblocking one; the table
+variant is timed as the blocking MPI call, as the nonblocking one and (all_gather,
+reduce_scatter) as one blocking MPI_Allreduce of the whole buffer; the table
 records which one their blocking calls run, per op, group size and size. Point "auto"
 and the mpi backends at the table with ``mcrdl.init(tuning_table=PATH)`` or
 ``MCRDL_TUNING_TABLE=PATH``. ``show`` prints a table's times, winners and variants.

@@ -9,10 +9,11 @@ each op is also timed as K async ops in flight at once (time per op), as the MCR
 paper does; those rows are stored under ``"<op>@overlap<K>"``.
 
 On the mpi backends (those with a ``variant`` method: "mpi", "cray-mpich") each
-collective with a blocking variant is measured twice per point, once as the blocking
-MPI collective and once as the nonblocking one with a bounded wait (forced per
-communicator for the measurement); the table keeps both times, records the backend's
-time as the faster one, and derives from them the (largest bytes, blocking) steps its
+collective with a blocking variant is measured once per variant: as the blocking MPI
+collective, as the nonblocking one with a bounded wait, and for all_gather and
+reduce_scatter as the blocking MPI_Allreduce of the whole buffer (each forced per
+communicator for the measurement); the table keeps every variant's times, records the
+backend's time as the fastest one, and derives from them the (largest bytes, variant) steps its
 blocking calls run (``TuningTable.add_variant``, ``blocking_steps``). Overlapped rows
 run the async calls with the variants chosen when the run started.
 
@@ -225,10 +226,11 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
     for op in table.ops():
         for g in table.group_sizes(op):
             for b in backends:
-                per_v = list(table.variant_times(op, g, b).values())
-                if len(per_v) == 2:
-                    sizes = sorted(set(per_v[0]) & set(per_v[1]))
-                    win = [per_v[0][n] < per_v[1][n] for n in sizes]
+                per_v = table.variant_times(op, g, b)
+                if "blocking" in per_v and "nonblocking" in per_v:
+                    sizes = sorted(set(per_v["blocking"]) & set(per_v["nonblocking"]))
+                    win = [min((v for v in per_v if n in per_v[v]), key=lambda v: per_v[v][n])
+                           for n in sizes]
                     out += [(op, g, n) for i, n in enumerate(sizes)
                             if flip(win, i) and (op, g, n) not in out]
             per_b = {b: table.times(op, g, b) for b in backends}

@@ -85,7 +85,8 @@ def plot_table(path: str, out_dir: str = ".") -> list[str]:
                 for v, pts in sorted(table.variant_times(op, g, b).items()):
                     if pts:
                         ax.plot([n for n in sorted(pts)], [pts[n] * 1e6 for n in sorted(pts)],
-                                linestyle="--" if v == "blocking" else ":", linewidth=1,
+                                linestyle={"blocking": "--", "allreduce": "-."}.get(v, ":"),
+                                linewidth=1,
                                 label=f"{b} ({v})", color=color[b])
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")

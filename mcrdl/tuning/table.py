@@ -21,7 +21,7 @@ Nothing here does I/O except ``load`` and ``save``.
 For the mpi backends a table also records how their blocking calls run (the blocking
 MPI collective or the nonblocking one and a bounded wait, ``schema.VARIANTS``): the time
 of each variant (``add_variant``; the backend's time is the faster one) and, per (op,
-group size), the (largest bytes, blocking) steps its communicators run
+group size), the (largest bytes, variant) steps its communicators run
 (``blocking_steps``), derived from the variant times unless set by hand.
 """
 
@@ -89,7 +89,7 @@ class TuningTable:
         self._set(op, g, b, n, min(pts[n] for pts in per_v.values() if n in pts))
 
     def set_blocking_steps(self, op: str, group_size: int, backend: str, steps) -> None:
-        """Fix the (largest bytes, blocking) steps of `backend`'s blocking calls of `op` at
+        """Fix the (largest bytes, variant) steps of `backend`'s blocking calls of `op` at
         `group_size` (-1 bytes: no limit; larger sizes than the last step run
         nonblocking), instead of deriving them from the variant times."""
         where = f"set_blocking_steps({op!r}, {group_size!r}, {backend!r})"
@@ -126,7 +126,7 @@ class TuningTable:
                                                               {}).items()}
 
     def blocking_steps(self, op: str, group_size: int, backend: str) -> schema.Steps | None:
-        """The (largest bytes, blocking) steps of `backend`'s blocking calls of `op` at
+        """The (largest bytes, variant) steps of `backend`'s blocking calls of `op` at
         `group_size`: set by hand or read from the file, else derived from the variant
         times (:func:`derive_steps`); None without either."""
         key = (op, group_size, backend)
@@ -365,7 +365,7 @@ def derive_steps(per_variant: dict[str, dict[int, float]]) -> schema.Steps | Non
         win = min((v for v in curves if n in curves[v]), key=lambda v: curves[v][n])
         if prev is not None and win != prev[1]:
             lo, a, b = prev[0], curves[prev[1]], curves[win]
-            end = _crossover(lo, a[lo], b[lo], n, a[n], b[n]) if lo in b else lo
+            end = _crossover(lo, a[lo], b[lo], n, a[n], b[n]) if lo in b and n in a else lo
             steps[-1] = (end, steps[-1][1])
         if prev is None or win != prev[1]:
             steps.append((-1, schema.STEP_VALUES[win]))

@@ -46,6 +46,13 @@ def main() -> None:
                     mcrdl.all_gather("mpi", out, mine, group=group)
                     assert torch.equal(out, ref), (dt, per, out, ref)
                     assert torch.equal(mine, kept)
+                    # rank 0's output a view 1 element off its storage: not aligned for
+                    # the OR's words where the other ranks' are (every rank must still
+                    # pass MPI the same datatype and count)
+                    store = torch.full((per * g + 1,), 5).to(dt)
+                    view = store[1:] if r == 0 else store[:-1]
+                    mcrdl.all_gather("mpi", view, mine, group=group)
+                    assert torch.equal(view, ref), (dt, per, "view")
                     lst = [torch.empty(per, dtype=dt) for _ in range(g)]
                     mcrdl.all_gather("mpi", lst, mine, group=group, async_op=True).wait()
                     assert torch.equal(torch.cat(lst), ref), (dt, per)
@@ -54,7 +61,7 @@ def main() -> None:
                     mcrdl.all_gather("mpi", inplace, inplace[r * per:(r + 1) * per],
                                      group=group)
                     assert torch.equal(inplace, ref), (dt, per)
-                    checks += 3
+                    checks += 4
                     if dt == torch.bool:
                         continue
                     inp = torch.cat([piece(r + k, per, dt) for k in range(g)])
