@@ -11,6 +11,7 @@ import pytest
 
 from mcrdl import _C
 from mcrdl.backends import mpi
+from mcrdl.tuning.schema import op_variants
 
 from ._launch import mpiexec_or_skip, run_launcher
 from .test_mixing import _alive
@@ -35,6 +36,9 @@ def test_blocking_steps_fixed_modes_and_nearest_group_size():
     assert mpi.blocking_steps("all_gather", 2, "allreduce") == [(-1, "allreduce")]
     assert mpi.blocking_steps("reduce_scatter", 2, "allreduce") == [(-1, "allreduce")]
     assert mpi.blocking_steps("bcast", 2, "allreduce") == [(-1, True)]
+    # the ops with the allreduce variant: the schema's list is the C++ communicators'
+    for op in mpi.BLOCKING_OPS:
+        assert _C.MpiComm.has_allreduce_variant(op) == ("allreduce" in op_variants(op)), op
     # the C++ communicators' codes; pccl's phases run "allreduce" steps blocking
     assert mpi.step_codes([(64, "allreduce"), (4096, True), (-1, False)]) == [
         (64, 2), (4096, 1), (-1, 0)]

@@ -251,7 +251,8 @@ class MpiComm {
 
   // The hot ops (all_reduce, bcast, all_gather, reduce_scatter) borrow their arguments'
   // tensors and copy one only where something must own it past the call (a Work, a
-  // queued blocking call, a finish step): see BlockArg.
+  // queued blocking call, a finish step): see BlockArg. Each lists those once, as `held`
+  // (what a Work or a queued blocking call holds).
   py::object all_reduce(py::handle tensor, int rop, bool async_op) {
     const at::Tensor& t = to_tensor(tensor, "all_reduce", "tensor");
     validate_all_reduce(t, rop);
@@ -271,14 +272,15 @@ class MpiComm {
         if (p.upcast) t.copy_(buf);
       };
     void* d = buf->data_ptr();
+    auto held = [&] { return std::vector<at::Tensor>{t, *buf}; };
     if (blocking_.use(kAllReduce, t.nbytes()))
       return run_blocking("all_reduce", "MPI_Allreduce", async_op, std::move(finish),
                           [d, n, p, c = comm_] {
                             return MPIC(MPI_Allreduce)(MPI_IN_PLACE, d, n, p.type, p.op, c);
                           },
-                          [&] { return std::vector<at::Tensor>{t, *buf}; });
+                          held);
     auto s = std::make_shared<InFlight>();
-    s->keep = {t, *buf};
+    s->keep = held();
     return post("all_reduce", "MPI_Iallreduce", s, async_op, std::move(finish),
                 [d, n, p, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Iallreduce)(MPI_IN_PLACE, d, n, p.type, p.op, c, r);
@@ -329,14 +331,15 @@ class MpiComm {
     const MPI_Datatype dt = move_type(t.scalar_type());
     const int root = static_cast<int>(src);
     void* d = t.data_ptr();
+    auto held = [&] { return std::vector<at::Tensor>{t}; };
     if (blocking_.use(kBcast, t.nbytes()))
       return run_blocking("bcast", "MPI_Bcast", async_op, {},
                           [d, n, dt, root, c = comm_] {
                             return MPIC(MPI_Bcast)(d, n, dt, root, c);
                           },
-                          [&] { return std::vector<at::Tensor>{t}; });
+                          held);
     auto s = std::make_shared<InFlight>();
-    s->keep = {t};
+    s->keep = held();
     return post("bcast", "MPI_Ibcast", s, async_op, {},
                 [d, n, dt, root, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Ibcast)(d, n, dt, root, c, r);
@@ -364,6 +367,7 @@ class MpiComm {
     const int64_t nbytes = in->nbytes() * size_;
     const void* sd = in->data_ptr();
     void* rd = recv->data_ptr();
+    auto held = [&] { return std::vector<at::Tensor>{*in, *recv}; };
     const int var = blocking_.use(kAllGather, nbytes);
     if (var == kVarAllReduce) {
       const int64_t per = in->nbytes();
@@ -372,16 +376,16 @@ class MpiComm {
                           [sd, rd, per, nbytes, r = rank_, c = comm_] {
                             return or_all_gather(sd, rd, per, r, nbytes, c);
                           },
-                          [&] { return std::vector<at::Tensor>{*in, *recv}; });
+                          held);
     }
     if (var)
       return run_blocking("all_gather", "MPI_Allgather", async_op, std::move(finish),
                           [sd, rd, n, dt, c = comm_] {
                             return MPIC(MPI_Allgather)(sd, n, dt, rd, n, dt, c);
                           },
-                          [&] { return std::vector<at::Tensor>{*in, *recv}; });
+                          held);
     auto s = std::make_shared<InFlight>();
-    s->keep = {*in, *recv};
+    s->keep = held();
     return post("all_gather", "MPI_Iallgather", s, async_op, std::move(finish),
                 [sd, rd, n, dt, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Iallgather)(sd, n, dt, rd, n, dt, c, r);
@@ -483,6 +487,7 @@ class MpiComm {
     const int64_t nbytes = out.nbytes() * size_;
     const void* sd = send->data_ptr();
     void* rd = recv->data_ptr();
+    auto held = [&] { return std::vector<at::Tensor>{*send, *recv, out}; };
     const int var = blocking_.use(kReduceScatter, nbytes);
     if (var == kVarAllReduce) {
       to_mcount(n * static_cast<int64_t>(size_), "reduce_scatter");
@@ -490,16 +495,16 @@ class MpiComm {
                           [sd, rd, n, p, r = rank_, size = size_, c = comm_] {
                             return reduce_all_pick(sd, rd, n, r, size, p.type, p.op, c);
                           },
-                          [&] { return std::vector<at::Tensor>{*send, *recv, out}; });
+                          held);
     }
     if (var)
       return run_blocking("reduce_scatter", "MPI_Reduce_scatter_block", async_op,
                           std::move(finish), [sd, rd, n, p, c = comm_] {
                             return MPIC(MPI_Reduce_scatter_block)(sd, rd, n, p.type, p.op, c);
                           },
-                          [&] { return std::vector<at::Tensor>{*send, *recv, out}; });
+                          held);
     auto s = std::make_shared<InFlight>();
-    s->keep = {*send, *recv, out};
+    s->keep = held();
     return post("reduce_scatter", "MPI_Ireduce_scatter_block", s, async_op, std::move(finish),
                 [sd, rd, n, p, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Ireduce_scatter_block)(sd, rd, n, p.type, p.op, c, r);
