@@ -73,9 +73,11 @@ def _run(n, *args, mode, timeout):
 
 def test_work_wait_raises_the_watchdog_text():
     """The nonblocking path's CommTimeoutError text is the one the watchdog prints
-    (_C.timeout_message): an async recv that nothing sends, waited with a timeout."""
+    (_C.timeout_message): an async recv that nothing sends, waited with a timeout. Then
+    finalize drains for the init timeout, naming that recv after 1 s, and says it
+    abandoned it."""
     mpiexec = mpiexec_or_skip()
-    code = ("import time, torch, mcrdl\nfrom mcrdl import _C\nmcrdl.init(['mpi'], timeout=30)\n"
+    code = ("import time, torch, mcrdl\nfrom mcrdl import _C\nmcrdl.init(['mpi'], timeout=3)\n"
             "if mcrdl.get_rank() == 1:\n"
             "    w = mcrdl.recv('mpi', torch.empty(1), src=0, tag=7, async_op=True)\n"
             "    try:\n        w.wait(timeout=0.25)\n    except mcrdl.CommTimeoutError as e:\n"
@@ -84,6 +86,11 @@ def test_work_wait_raises_the_watchdog_text():
             "mcrdl.barrier('mpi')\nmcrdl.finalize()\n")
     out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=60)
     assert "texts agree: recv on backend 'mpi' (group world, sequence number 1)" in out, out
+    why, recv = "mcrdl: the 'mpi' backend was finalized", "recv (group world, sequence number 1)"
+    assert (f"{why}: waiting up to 2 s more for 1 op still in flight on lane 'mpi': {recv} "
+            "(a rank may never post its side)") in out, out
+    assert f"{why}: abandoned 1 op that did not complete: {recv}" in out, out
+    assert out.count("mcrdl: the 'mpi' backend") == 2, out  # rank 0 had nothing in flight
 
 
 def test_blocking_call_past_timeout_ends_the_job():

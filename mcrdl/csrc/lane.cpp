@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <sstream>
 #include <thread>
 
@@ -259,21 +260,66 @@ void Lane::synchronize(double timeout_s) {
   for (auto& w : snapshot) w->wait(timeout_s);
 }
 
+namespace {
+
+// A drain still waiting this long names its ops on stderr: one that waits for a peer
+// which never posts its side (a recv nothing sends) would otherwise be a silent wait of
+// the whole timeout.
+constexpr double kDrainQuietS = 1.0;
+
+// "recv (group world, sequence number 1), ..." for the ops not finished yet; their count.
+std::pair<std::string, size_t> unfinished(const std::vector<std::shared_ptr<Work>>& ws) {
+  std::ostringstream s;
+  size_t n = 0;
+  for (auto& w : ws) {
+    if (w->finished()) continue;
+    if (n < 4)
+      s << (n ? ", " : "") << w->op() << " (group " << w->group() << ", sequence number "
+        << w->seq() << ")";
+    ++n;
+  }
+  if (n > 4) s << " and " << n - 4 << " more";
+  return {s.str(), n};
+}
+
+}  // namespace
+
 void Lane::shutdown(const std::string& why, double drain_s) {
   std::vector<std::shared_ptr<Work>> left;
+  bool drained = true;
   {
     std::unique_lock<std::mutex> g(mu_);
     if (stop_ && !thread_.joinable()) return;
     // Let ops every rank posted finish (the lane thread keeps progressing them), unless
     // the backend failed: then they may never complete.
-    if (healthy() && drain_s > 0)
-      drained_.wait_for(g, std::chrono::duration<double>(drain_s),
-                        [this] { return inflight_.empty(); });
+    if (healthy() && drain_s > 0) {
+      auto empty = [this] { return inflight_.empty(); };
+      const double quiet = std::min(drain_s, kDrainQuietS);
+      drained = drained_.wait_for(g, std::chrono::duration<double>(quiet), empty);
+      if (!drained && drain_s > quiet) {
+        auto [ops, n] = unfinished(inflight_);
+        std::fprintf(stderr,
+                     "mcrdl: %s: waiting up to %.3g s more for %zu op%s still in flight on "
+                     "lane '%s': %s (a rank may never post its side)\n",
+                     why.c_str(), drain_s - quiet, n, n == 1 ? "" : "s", name_.c_str(),
+                     ops.c_str());
+        std::fflush(stderr);
+        drained = drained_.wait_for(g, std::chrono::duration<double>(drain_s - quiet), empty);
+      }
+    }
     stop_ = true;
     left.swap(inflight_);
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (!drained) {
+    auto [ops, n] = unfinished(left);
+    if (n) {
+      std::fprintf(stderr, "mcrdl: %s: abandoned %zu op%s that did not complete: %s\n",
+                   why.c_str(), n, n == 1 ? "" : "s", ops.c_str());
+      std::fflush(stderr);
+    }
+  }
   for (auto& w : left) w->abandon(ErrorKind::BackendUnavailable, w->op() + ": " + why);
 }
 

@@ -2,7 +2,8 @@
 mpi4py reference (mcrdl/backends/pccl_ref.py). Run under mpiexec with
 MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
-Checked, for every dtype and every reduce op that applies, sizes 0, 1, 7 and 1000
+Checked, for every dtype (one per path with PCCL_TEST_ALGOS=core) and every reduce op
+that applies, sizes 0, 1, 7 and 1000
 (multi-dimensional too), tensor and list forms, blocking and async, on the world and
 on a permuted sub-group (mixed_order), with each (inter, intra) algorithm pair:
   all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, RTOL for
@@ -29,16 +30,18 @@ from mcrdl.backends.pccl import use_algorithms  # noqa: E402
 # layouts only: flat ones have no intra-node phase)
 ALGOS = [("auto", "mpi"), ("ring", "ring"), ("rd", "rd"), ("auto", "gloo"), ("mpi", "rd"),
          ("rd", "mpi")]
-# larger worlds keep the launch short: pccl's own phases only (Gloo at 8 ranks on 2 cores
-# costs 100-300 ms an op; its intra-node phase is checked at 4 ranks, and at 6 in the
-# wide sweep, MCRDL_TEST_FULL=1)
+SHAPES = ((0,), (1,), (7,), (1000,), (3, 5))
+# One dtype per path of pccl's (float, half reduced in float32, integers, bool moved and
+# reduced as uint8): what the Gloo intra-node phase is checked with (Gloo's own dtype
+# handling is the dist suite's), and every algorithm in larger worlds.
+PATH_DTYPES = ("float32", "bfloat16", "int64", "uint8", "bool")
+# Larger worlds keep the launch short (8 ranks on 2 cores: 20-30 ms an op): pccl's own
+# phases only (Gloo costs 100-300 ms an op there; its intra-node phase is checked at 4
+# ranks, and at 6 in the wide sweep, MCRDL_TEST_FULL=1), on one dtype per path (a dtype's
+# handling does not depend on the layout; every dtype runs at 2 and 4 ranks).
 CORE = os.environ.get("PCCL_TEST_ALGOS") == "core"
 if CORE:
     ALGOS = ALGOS[:3]
-SHAPES = ((0,), (1,), (7,), (1000,), (3, 5))
-# the Gloo intra-node phase: one dtype per path of pccl's (float, half reduced in float32,
-# integers, bool moved and reduced as uint8); Gloo's own dtype handling is the dist suite's
-GLOO_DTYPES = ("float32", "bfloat16", "int64", "uint8", "bool")
 
 
 def mixed_order(world_nodes: list[int]) -> list[int]:
@@ -81,7 +84,7 @@ def main() -> int:
                 if rank not in ranks:
                     continue
                 me, p = ranks.index(rank), len(ranks)
-                for dtype in GLOO_DTYPES if intra == "gloo" else R.DTYPES:
+                for dtype in PATH_DTYPES if intra == "gloo" or CORE else R.DTYPES:
                     for shape in SHAPES:
                         key = (inter, intra, gi)
                         checks += check_all_gather(dtype, shape, group, ranks, me, p, key)
