@@ -5,9 +5,11 @@
  * C_FLOOR_THREAD_MULTIPLE=1 initializes MPI with MPI_THREAD_MULTIPLE, as mcrdl must
  * (its lane threads call MPI): MPICH's small collectives are much slower then.
  *
- * Built with -shared -DC_FLOOR_LIB it is a library instead: c_floor.py calls
- * c_floor_time() from inside its mcrdl ranks, on the same buffers as mcrdl's calls and
- * interleaved with them trial by trial (the in-process reference).
+ * Built with -shared -DC_FLOOR_LIB (and Python's include directory) it is a library
+ * instead: c_floor.py calls c_floor_time() from inside its mcrdl ranks (through ctypes,
+ * once per batch), on the same buffers as mcrdl's calls and interleaved with them trial
+ * by trial (the in-process reference); the same file is the CPython extension module
+ * `c_floor`, whose call() makes one call from a Python loop (the Python caller's floor).
  *
  * Fairness rules, for both: buffers are allocated once, 64-byte aligned and written
  * before any timing (as torch.zeros does for mcrdl's); the calls per trial are
@@ -15,6 +17,10 @@
  * calibration batches doubling as warm-up): a count from the size alone assumed about
  * 1 us per small call, while with more ranks than cores a call takes milliseconds; and
  * the variants alternate trial by trial, so a change of the machine's load meets both. */
+#ifdef C_FLOOR_LIB
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>  /* first, as Python requires */
+#endif
 #include <mpi.h>
 #include <stdio.h>
 #include <stdint.h>
@@ -116,14 +122,35 @@ double c_floor_time(int op, int blocking, void* a, void* b, long bytes, long it)
   return batch(op, blocking, (float*)a, (float*)b, bytes, n, it);
 }
 
-/* One call: c_floor.py calls it once per iteration of a Python loop, through ctypes, as
- * mcrdl's calls are made (the reference for what a Python caller of C pays per call). */
-void c_floor_call(int op, int blocking, void* a, void* b, long bytes) {
+#ifdef C_FLOOR_LIB
+/* c_floor.call(op, blocking, a, b, bytes): one call, made once per iteration of a Python
+ * loop as mcrdl's calls are (the reference for what a Python caller of C pays per call).
+ * A METH_FASTCALL function that converts five ints and nothing more: the smallest entry
+ * from Python into C. ctypes and pybind11 entries are not a floor: their calls run
+ * 3-15% slower at 256 KiB-4 MiB (docs/performance.md). */
+static PyObject* py_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "call(op, blocking, a, b, bytes): 5 arguments");
+    return NULL;
+  }
+  const long op = PyLong_AsLong(args[0]), blocking = PyLong_AsLong(args[1]);
+  void* a = PyLong_AsVoidPtr(args[2]);
+  void* b = PyLong_AsVoidPtr(args[3]);
+  const long bytes = PyLong_AsLong(args[4]);
+  if (PyErr_Occurred()) return NULL;
   int n;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  call(op, blocking, (float*)a, (float*)b, bytes, n);
+  call((int)op, (int)blocking, (float*)a, (float*)b, bytes, n);
+  Py_RETURN_NONE;
 }
-#ifndef C_FLOOR_LIB
+
+static PyMethodDef methods[] = {
+    {"call", (PyCFunction)(void (*)(void))py_call, METH_FASTCALL, "one call of an op"},
+    {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "c_floor", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_c_floor(void) { return PyModule_Create(&module); }
+#else
 static const char* NAMES[NOPS] = {"all_reduce", "all_gather", "bcast", "reduce_scatter",
                                   "barrier"};
 

@@ -21,8 +21,8 @@ programs), mcrdl (``mcrdl.<op>("mpi", ...)`` with the variant its measurements c
 mcrdl minus C blocking (MT), mcrdl over the better C MT variant, mcrdl over the better
 in-process C variant and minus it; then what any Python caller pays: "py loop" (the timing
 loop calling a no-op C builtin), "C per py call" (c_floor.c's call of the variant mcrdl
-runs, made once per iteration of that loop through ctypes, which costs ~0.3-0.5 us more
-per call than a C extension: a reference at large sizes) and mcrdl over it.
+runs, made once per iteration of that loop through the smallest C extension function
+there is: c_floor.c is also the CPython module `c_floor`) and mcrdl over it.
 ``--variants`` adds mcrdl with each variant forced (the data of
 mcrdl/tuning/mpi_blocking.json).
 """
@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import importlib.util
 import itertools
 import json
 import math
@@ -42,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 
@@ -96,8 +98,8 @@ def build(out_dir: str) -> tuple[str, str]:
     exe, lib = os.path.join(out_dir, "c_floor"), os.path.join(out_dir, "libc_floor.so")
     src = os.path.join(HERE, "c_floor.c")
     subprocess.run([mpicc, "-O2", "-o", exe, src], check=True)
-    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", "-DC_FLOOR_LIB", "-o", lib, src],
-                   check=True)
+    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", "-DC_FLOOR_LIB",
+                    "-I" + sysconfig.get_paths()["include"], "-o", lib, src], check=True)
     return exe, lib
 
 
@@ -171,8 +173,9 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
     lib.c_floor_time.restype = ctypes.c_double
     lib.c_floor_time.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_long, ctypes.c_long]
-    lib.c_floor_call.restype = None
-    lib.c_floor_call.argtypes = lib.c_floor_time.argtypes[:-1]
+    spec = importlib.util.spec_from_file_location("c_floor", clib)
+    cmod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cmod)
     tmax = torch.zeros(1, dtype=torch.float64)
 
     def slowest(t: float) -> float:
@@ -234,11 +237,11 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
                 batches += [mcrdl_batch(fn, op, v) if v in has else skipped for v in VARIANTS]
             batches += [c_batch(op, v, a, b, nbytes) if v in has else skipped
                         for v in VARIANTS]
-            # the C call mcrdl makes, once per iteration of the same loop (through ctypes:
-            # ~0.3-0.5 us a call more than a C extension, so a reference at large sizes
-            # only), and the loop with a no-op C builtin (what any Python caller pays)
+            # the C call mcrdl makes, once per iteration of the same loop (through the
+            # c_floor module's METH_FASTCALL function), and the loop with a no-op C
+            # builtin (what any Python caller pays)
             mode = backend.comm(None).variant(op, nbytes) if has else 1
-            batches += [loop_batch(functools.partial(lib.c_floor_call, C_OPS[op], mode,
+            batches += [loop_batch(functools.partial(cmod.call, C_OPS[op], mode,
                                                      a.data_ptr(), b.data_ptr(), nbytes)),
                         loop_batch(functools.partial(id, a))]
             its = [1 if bt is skipped else calibrate(bt) for bt in batches]
