@@ -39,7 +39,7 @@ import torch
 
 import mcrdl
 from mcrdl.ops import COLLECTIVES
-from mcrdl.tuning.table import TuningTable
+from mcrdl.tuning.table import TuningTable, variant_winners
 
 from .bench import DTYPES, device_for, element_count, make_call, time_call
 
@@ -226,13 +226,10 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
     for op in table.ops():
         for g in table.group_sizes(op):
             for b in backends:
-                per_v = table.variant_times(op, g, b)
-                if "blocking" in per_v and "nonblocking" in per_v:
-                    sizes = sorted(set(per_v["blocking"]) & set(per_v["nonblocking"]))
-                    win = [min((v for v in per_v if n in per_v[v]), key=lambda v: per_v[v][n])
-                           for n in sizes]
-                    out += [(op, g, n) for i, n in enumerate(sizes)
-                            if flip(win, i) and (op, g, n) not in out]
+                wins = variant_winners(table.variant_times(op, g, b))
+                win = [v for _, v in wins]
+                out += [(op, g, n) for i, (n, _) in enumerate(wins)
+                        if flip(win, i) and (op, g, n) not in out]
             per_b = {b: table.times(op, g, b) for b in backends}
             per_b = {b: pts for b, pts in per_b.items() if pts}
             if len(per_b) < 2:

@@ -343,34 +343,41 @@ class TuningTable:
 # -- helpers ------------------------------------------------------------------------
 
 
+#: The order in which variants win ties: the nonblocking call first (its waits raise
+#: CommTimeoutError), then the blocking call, then the allreduce formulation.
+_TIE_ORDER = ("nonblocking", "blocking", "allreduce")
+
+
+def variant_winners(per_variant: dict[str, dict[int, float]]) -> list[tuple[int, str]]:
+    """(size, fastest variant) at each size where the blocking and the nonblocking variant
+    were measured, in increasing size (a tie goes to the earlier in ``_TIE_ORDER``);
+    empty when no size has both."""
+    curves = {v: per_variant[v] for v in _TIE_ORDER if per_variant.get(v)}
+    if "blocking" not in curves or "nonblocking" not in curves:
+        return []
+    sizes = sorted(set(curves["blocking"]) & set(curves["nonblocking"]))
+    # `curves` keeps _TIE_ORDER, and min keeps the first of equal times
+    return [(n, min((v for v in curves if n in curves[v]), key=lambda v: curves[v][n]))
+            for n in sizes]
+
+
 def derive_steps(per_variant: dict[str, dict[int, float]]) -> schema.Steps | None:
     """The (largest bytes, variant) steps of the fastest variant at each size where the
-    blocking and the nonblocking variant were measured (a tie keeps the earlier of
-    nonblocking, blocking, allreduce: the nonblocking call's waits raise
-    CommTimeoutError). Between two measured sizes whose winners differ the step ends
-    where the two winners' predictions cross (the
-    interpolation of :meth:`TuningTable.predict`); the last step has no limit (-1). None
-    when no size has the blocking and the nonblocking variant."""
-    order = ("nonblocking", "blocking", "allreduce")
-    curves = {v: per_variant[v] for v in order if per_variant.get(v)}
-    if "blocking" not in curves or "nonblocking" not in curves:
-        return None
-    sizes = sorted(set(curves["blocking"]) & set(curves["nonblocking"]))
-    if not sizes:
-        return None
+    blocking and the nonblocking variant were measured (:func:`variant_winners`). Between
+    two measured sizes whose winners differ the step ends where the two winners'
+    predictions cross (the interpolation of :meth:`TuningTable.predict`); the last step
+    has no limit (-1). None when no size has the blocking and the nonblocking variant."""
     steps: schema.Steps = []
     prev = None
-    for n in sizes:
-        # the dict keeps `order`, so a tie goes to the earlier variant
-        win = min((v for v in curves if n in curves[v]), key=lambda v: curves[v][n])
+    for n, win in variant_winners(per_variant):
         if prev is not None and win != prev[1]:
-            lo, a, b = prev[0], curves[prev[1]], curves[win]
+            lo, a, b = prev[0], per_variant[prev[1]], per_variant[win]
             end = _crossover(lo, a[lo], b[lo], n, a[n], b[n]) if lo in b and n in a else lo
             steps[-1] = (end, steps[-1][1])
         if prev is None or win != prev[1]:
             steps.append((-1, schema.STEP_VALUES[win]))
         prev = (n, win)
-    return steps
+    return steps or None
 
 
 def _crossover(x0: int, b0: float, n0: float, x1: int, b1: float, n1: float) -> int:
