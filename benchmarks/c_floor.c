@@ -5,11 +5,11 @@
  * C_FLOOR_THREAD_MULTIPLE=1 initializes MPI with MPI_THREAD_MULTIPLE, as mcrdl must
  * (its lane threads call MPI): MPICH's small collectives are much slower then.
  *
- * Built with -shared -DC_FLOOR_LIB (and Python's include directory) it is a library
- * instead: c_floor.py calls c_floor_time() from inside its mcrdl ranks (through ctypes,
- * once per batch), on the same buffers as mcrdl's calls and interleaved with them trial
- * by trial (the in-process reference); the same file is the CPython extension module
- * `c_floor`, whose call() makes one call from a Python loop (the Python caller's floor).
+ * Built with -shared -DC_FLOOR_LIB (and Python's include directory) it is the CPython
+ * extension module `c_floor` instead: c_floor.py's mcrdl ranks call its time() (the
+ * in-process reference) on the same buffers as mcrdl's calls, interleaved with them
+ * trial by trial, and its call() once per iteration of a Python loop (the Python
+ * caller's floor).
  *
  * Fairness rules, for both: buffers are allocated once, 64-byte aligned and written
  * before any timing (as torch.zeros does for mcrdl's); the calls per trial are
@@ -113,39 +113,51 @@ static double batch(int op, int blocking, float* a, float* b, long bytes, int n,
   return (MPI_Wtime() - t0) / it;
 }
 
-/* The library entry point (c_floor.py's in-process reference): seconds per call of `it`
- * calls of `op` (0 all_reduce, 1 all_gather, 2 bcast, 3 reduce_scatter, 4 barrier) on
- * MPI_COMM_WORLD, on this rank. */
-double c_floor_time(int op, int blocking, void* a, void* b, long bytes, long it) {
-  int n;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return batch(op, blocking, (float*)a, (float*)b, bytes, n, it);
+#ifdef C_FLOOR_LIB
+/* The module c_floor, which c_floor.py's rank part imports. */
+
+/* The `want` integer arguments of `sig` into `v`; 0 with a Python error set if they are
+ * not that. */
+static int int_args(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, const char* sig,
+                    long long* v) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s takes %zd arguments, got %zd", sig, want, nargs);
+    return 0;
+  }
+  for (Py_ssize_t i = 0; i < want; ++i) v[i] = PyLong_AsLongLong(args[i]);
+  return !PyErr_Occurred();
 }
 
-#ifdef C_FLOOR_LIB
+/* c_floor.time(op, blocking, a, b, bytes, it): the in-process reference, seconds per call
+ * of `it` calls of `op` (0 all_reduce, 1 all_gather, 2 bcast, 3 reduce_scatter, 4
+ * barrier) on MPI_COMM_WORLD, on this rank. */
+static PyObject* py_time(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  long long v[6];
+  int n;
+  (void)self;
+  if (!int_args(args, nargs, 6, "time(op, blocking, a, b, bytes, it)", v)) return NULL;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return PyFloat_FromDouble(batch((int)v[0], (int)v[1], (float*)(intptr_t)v[2],
+                                  (float*)(intptr_t)v[3], (long)v[4], n, (long)v[5]));
+}
+
 /* c_floor.call(op, blocking, a, b, bytes): one call, made once per iteration of a Python
  * loop as mcrdl's calls are (the reference for what a Python caller of C pays per call).
  * A METH_FASTCALL function that converts five ints and nothing more: the smallest entry
  * from Python into C. ctypes and pybind11 entries are not a floor: their calls run
  * 3-15% slower at 256 KiB-4 MiB (docs/performance.md). */
 static PyObject* py_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "call(op, blocking, a, b, bytes): 5 arguments");
-    return NULL;
-  }
-  const long op = PyLong_AsLong(args[0]), blocking = PyLong_AsLong(args[1]);
-  void* a = PyLong_AsVoidPtr(args[2]);
-  void* b = PyLong_AsVoidPtr(args[3]);
-  const long bytes = PyLong_AsLong(args[4]);
-  if (PyErr_Occurred()) return NULL;
+  long long v[5];
   int n;
+  (void)self;
+  if (!int_args(args, nargs, 5, "call(op, blocking, a, b, bytes)", v)) return NULL;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
-  call((int)op, (int)blocking, (float*)a, (float*)b, bytes, n);
+  call((int)v[0], (int)v[1], (float*)(intptr_t)v[2], (float*)(intptr_t)v[3], (long)v[4], n);
   Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
+    {"time", (PyCFunction)(void (*)(void))py_time, METH_FASTCALL, "seconds per call"},
     {"call", (PyCFunction)(void (*)(void))py_call, METH_FASTCALL, "one call of an op"},
     {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "c_floor", NULL, -1, methods};

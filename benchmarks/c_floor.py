@@ -5,7 +5,7 @@ and the nonblocking one (+ MPI_Wait) called from C, and mcrdl's blocking call.
                                  [--trials 7] [--variants]
 
 Builds benchmarks/c_floor.c with the MPI library's ``mpicc`` (``$MPICC``, else the one
-beside this Python, as setup.py finds it), as a program and as a library, runs the
+beside this Python, as setup.py finds it), as a program and as a Python module, runs the
 program and this script's rank part under ``mpiexec -n N`` for each N, and prints one
 table per world size. Times are the median over trials of the per-trial maximum over
 ranks of the mean time per call (float32, sizes as the tuning table counts them:
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import importlib.util
 import itertools
@@ -61,9 +60,9 @@ VARIANTS = ("blocking", "nonblocking", "allreduce")
 C_MODES = {"blocking": 1, "nonblocking": 0, "allreduce": 2}
 
 def c_ops() -> dict[str, int]:
-    """c_floor.c's op numbers (c_floor_time's `op`), read from its enum, so the two files
-    cannot disagree: ``enum { ALL_REDUCE, ALL_GATHER, ..., NOPS }`` -> {"all_reduce": 0,
-    ...}."""
+    """c_floor.c's op numbers (the `op` of its module's time() and call()), read from its
+    enum, so the two files cannot disagree: ``enum { ALL_REDUCE, ALL_GATHER, ..., NOPS }``
+    -> {"all_reduce": 0, ...}."""
     with open(os.path.join(HERE, "c_floor.c")) as f:
         body = re.search(r"enum\s*\{([^}]*)\}", f.read()).group(1)
     names = [n.strip().lower() for n in body.split(",") if n.strip() and n.strip() != "NOPS"]
@@ -91,11 +90,13 @@ def _mpiexec() -> str:
 
 
 def build(out_dir: str) -> tuple[str, str]:
-    """c_floor.c as a program and as a library (its in-process reference)."""
+    """c_floor.c as a program and as the CPython module `c_floor` (the in-process
+    references)."""
     mpicc = os.environ.get("MPICC") or os.path.join(sys.prefix, "bin", "mpicc")
     if not os.path.exists(mpicc):
         mpicc = shutil.which("mpicc") or mpicc
-    exe, lib = os.path.join(out_dir, "c_floor"), os.path.join(out_dir, "libc_floor.so")
+    exe = os.path.join(out_dir, "c_floor")
+    lib = os.path.join(out_dir, "c_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
     src = os.path.join(HERE, "c_floor.c")
     subprocess.run([mpicc, "-O2", "-o", exe, src], check=True)
     subprocess.run([mpicc, "-O2", "-shared", "-fPIC", "-DC_FLOOR_LIB",
@@ -169,10 +170,6 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
     mcrdl.init(["mpi"])
     rank, n = mcrdl.get_rank(), mcrdl.get_size()
     backend = mcrdl.api.current_runtime().backend("mpi")
-    lib = ctypes.CDLL(clib)
-    lib.c_floor_time.restype = ctypes.c_double
-    lib.c_floor_time.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_long, ctypes.c_long]
     spec = importlib.util.spec_from_file_location("c_floor", clib)
     cmod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cmod)
@@ -219,7 +216,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
 
     def c_batch(op: str, variant: str, a, b, nbytes: int):
         args = (C_OPS[op], C_MODES[variant], a.data_ptr(), b.data_ptr(), nbytes)
-        return lambda it: slowest(lib.c_floor_time(*args, it))
+        return lambda it: slowest(cmod.time(*args, it))
 
     def skipped(it: int) -> float:  # a variant the op lacks
         return math.nan
@@ -271,7 +268,7 @@ def main(argv=None) -> None:
     p.add_argument("--variants", action="store_true")
     p.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ops", nargs="+", help=argparse.SUPPRESS)  # the rank part's, from C
-    p.add_argument("--clib", help=argparse.SUPPRESS)  # the rank part's c_floor library
+    p.add_argument("--clib", help=argparse.SUPPRESS)  # the rank part's c_floor module
     a = p.parse_args(argv)
     if a.rank_part:
         rank_part(a.ops, a.sizes, a.trials, a.variants, a.clib)

@@ -5,10 +5,11 @@
 // be what a peer is waiting for (a deadlock that only the watchdog ends).
 //
 // "auto" (the default): keep it when the interpreter has no Python thread but the
-// caller's (and mcrdl's callback threads, below) and none of mcrdl's C++ threads may take it (a fusion timer is running, or a
-// Work has a Python completion callback pending: GilUser counts them). A C++ thread of
-// another library that takes the GIL for work the peers wait on is invisible here:
-// MCRDL_HOLD_GIL=never (docs/api.md) always releases it, and the watchdog's message says so.
+// caller's (and mcrdl's callback threads, below) and none of mcrdl's C++ threads may take
+// it (a fusion timer is running, or a Work has a Python completion callback pending:
+// GilUser counts them). A C++ thread of another library that takes the GIL for work the
+// peers wait on is invisible here: MCRDL_HOLD_GIL=never (docs/api.md) always releases it,
+// and the watchdog's message says so.
 #pragma once
 
 #include <Python.h>

@@ -3,9 +3,9 @@ mpi4py reference (mcrdl/backends/pccl_ref.py). Run under mpiexec with
 MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
 Checked, for every dtype (one per path with PCCL_TEST_ALGOS=core) and every reduce op
-that applies, sizes 0, 1, 7 and 1000
-(multi-dimensional too), tensor and list forms, blocking and async, on the world and
-on a permuted sub-group (mixed_order), with each (inter, intra) algorithm pair:
+that applies, sizes 0, 1, 7 and 1000 (multi-dimensional too), tensor and list forms,
+blocking and async, on the world and on a permuted sub-group (mixed_order), with each
+(inter, intra) algorithm pair:
   all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, RTOL for
   floating sums/products as the conformance tests). Then the flat C++ ring/rd
   algorithms and the Python reference on the same inputs agree bit for bit on integer
