@@ -120,10 +120,11 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
     blocking variant wins when under `margin` times the nonblocking one, the allreduce
     variant (all_gather, reduce_scatter) when under `margin` times that winner (closer is
     this machine's noise); then the split of the sizes into allreduce, blocking and
-    nonblocking runs, in that order of size, that agrees with the most sizes (fewer
-    allreduce, then fewer blocking sizes on a tie), each run ending at the geometric
-    middle of the measured sizes around its end, rounded to a power of two (kept below
-    the next measured size)."""
+    nonblocking runs, in that order of size, that agrees with the most sizes (on a tie
+    the one whose variants lose least to the fastest, summed over sizes as log(time /
+    fastest time), then fewer allreduce, then fewer blocking sizes), each run ending at
+    the geometric middle of the measured sizes around its end, rounded to a power of two
+    (kept below the next measured size)."""
     sizes = sorted(times)
 
     def winner(t: dict[str, float]) -> str:
@@ -138,8 +139,16 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
     def agree(k: tuple[int, int]) -> int:  # the first k[0] sizes allreduce, up to k[1] blocking
         return sum(w == runs[(i >= k[0]) + (i >= k[1])] for i, w in enumerate(wins))
 
+    def loss(k: tuple[int, int]) -> float:  # a variant not measured at a size: infinite
+        lost = 0.0
+        for i, b in enumerate(sizes):
+            chosen = times[b].get(runs[(i >= k[0]) + (i >= k[1])], math.nan)
+            best = min(v for v in times[b].values() if not math.isnan(v))
+            lost += math.inf if math.isnan(chosen) else math.log(chosen / best)
+        return lost
+
     k1, k2 = max(((a, b) for a in range(m + 1) for b in range(a, m + 1)),
-                 key=lambda k: (agree(k), -k[0], -k[1]))
+                 key=lambda k: (agree(k), -loss(k), -k[0], -k[1]))
     steps, start = [], 0
     for end, v in ((k1, "allreduce"), (k2, "blocking")):
         if end > start:
