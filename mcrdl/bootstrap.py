@@ -27,16 +27,19 @@ from .launch import LaunchInfo, detect, usable_cores
 # are several times faster than its point-to-point algorithms at small sizes, but its
 # built-in selection (maint/tuning/coll/ch4/posix_generic.json) takes them only when MPI
 # is not initialized with MPI_THREAD_MULTIPLE ("is_multi_threaded=no"), which mcrdl's lanes
-# need. mcrdl/tuning/mpich_posix_coll.json is that selection without the condition,
-# handed to MPICH through its CVAR before MPI_Init. Sound because under ch4's default
-# per-VCI locking a thread waiting inside one of these collectives holds no MPICH lock
-# (other threads' MPI calls proceed), and the algorithms' state is per communicator,
-# which MPI already forbids two concurrent collectives on (mcrdl's Issuer orders them).
-# A value the user set wins; the empty string restores MPICH's own selection. Other MPI
-# libraries ignore the variable. Only when the node's ranks fit its cores: these
-# algorithms spin on shared memory, and a rank spinning while the peer it waits for is
-# descheduled costs whole time slices (4 ranks on 2 cores: 8 B all_reduce 6.8 ms against
-# 0.3 ms, 16 MiB 16.8 s against 20 ms; docs/performance.md).
+# need. mcrdl/tuning/mpich_posix_coll.json is that selection without the condition up to
+# the measured crossovers, handed to MPICH through its CVAR before MPI_Init: allreduce
+# and reduce up to 4 KiB, bcast up to 16 KiB at 2 ranks and at every size on more. Above
+# them it keeps MPICH's own tree (the condition fails under MULTIPLE, and MPICH runs its
+# generic algorithms, 1.3-4x faster there: docs/performance.md). Sound because under
+# ch4's default per-VCI locking a thread waiting inside one of these collectives holds no
+# MPICH lock (other threads' MPI calls proceed), and the algorithms' state is per
+# communicator, which MPI already forbids two concurrent collectives on (mcrdl's Issuer
+# orders them). A value the user set wins; the empty string restores MPICH's own
+# selection. Other MPI libraries ignore the variable. Only when the node's ranks fit its
+# cores: these algorithms spin on shared memory, and a rank spinning while the peer it
+# waits for is descheduled costs whole time slices (4 ranks on 2 cores: 8 B all_reduce
+# 6.8 ms against 0.3 ms, 16 MiB 16.8 s against 20 ms; docs/performance.md).
 MPICH_POSIX_COLL_CVAR = "MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE"
 
 

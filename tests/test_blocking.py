@@ -147,28 +147,39 @@ def test_debug_mode_keeps_the_nonblocking_path():
     assert "debug: nonblocking" in out, out
 
 
+def _select(tree, coll, comm_size, nbytes, threaded, commutative=True):
+    """The algorithm an MPICH collective selection tree (its JSON) picks, None where none
+    matches (MPICH then runs its generic algorithms). Each level is tried in order: the
+    first key whose condition holds is followed, as MPICH's csel does."""
+    def holds(key):
+        if key == "any" or key.endswith("=any") or key == "comm_type=intra":
+            return True
+        name, op, val = next((key.partition(o)[0], o, key.partition(o)[2])
+                             for o in ("<=", "<", "=") if o in key)
+        value = {"collective": coll, "is_multi_threaded": "yes" if threaded else "no",
+                 "is_commutative": "yes" if commutative else "no",
+                 "avg_msg_size": nbytes, "comm_size": comm_size}[name]
+        return {"=": lambda: value == val, "<=": lambda: value <= int(val),
+                "<": lambda: value < int(val)}[op]()
+
+    node = tree
+    while True:
+        key = next((k for k in node if k.startswith("algorithm=") or holds(k)), None)
+        if key is None:
+            return None
+        if key.startswith("algorithm="):
+            return key.split("=", 1)[1]
+        node = node[key]
 
 
-def _strip_thread_condition(node):
-    """MPICH's selection tree with every "is_multi_threaded=no" level spliced into its
-    parent (and any "=yes" branch dropped): what it selects when threading is ignored."""
-    if not isinstance(node, dict):
-        return node
-    out = {}
-    for key, child in node.items():
-        if key == "is_multi_threaded=no":
-            out.update(_strip_thread_condition(child))
-        elif not key.startswith("is_multi_threaded="):
-            out[key] = _strip_thread_condition(child)
-    return out
-
-
-def test_shipped_mpich_selection_is_mpichs_own_without_the_thread_condition():
-    """mcrdl/tuning/mpich_posix_coll.json (handed to MPICH before MPI_Init) selects what
-    the MPI library's built-in shared-memory selection does, minus is_multi_threaded:
-    compared with the JSON embedded in the libmpi this interpreter's MPICH ships."""
+def test_shipped_mpich_selection_is_mpichs_own_up_to_measured_sizes():
+    """mcrdl/tuning/mpich_posix_coll.json (handed to MPICH before MPI_Init) selects, under
+    MPI_THREAD_MULTIPLE, what the MPI library's built-in shared-memory selection picks
+    single-threaded, up to the measured crossovers (bootstrap.py, docs/performance.md),
+    and MPICH's own multi-threaded choice (its generic algorithms) above them; single-
+    threaded, exactly what MPICH picks. Compared with the JSON embedded in the libmpi this
+    interpreter's MPICH ships, over world sizes 2-64 and sizes 1 B-16 MiB."""
     import glob
-    import json
 
     from mcrdl import bootstrap
 
@@ -184,8 +195,24 @@ def test_shipped_mpich_selection_is_mpichs_own_without_the_thread_condition():
     builtin = json.loads(blob[at:blob.index(b"\0", at)])
     with open(bootstrap.mpich_posix_coll_json()) as f:
         shipped = json.load(f)
-    assert shipped == _strip_thread_condition(builtin)
-    assert "is_multi_threaded" not in json.dumps(shipped)
+    assert set(shipped) == set(builtin)
+    # the largest size at which MPICH's shared-memory algorithm is kept under MULTIPLE
+    # (per world size), as measured: bcast's crossover is at 2 ranks only
+    limit = {"bcast": lambda n: 16384 if n <= 2 else 1 << 40, "barrier": lambda n: 1 << 40,
+             "allreduce": lambda n: 4096, "reduce": lambda n: 4096}
+    for key in builtin:
+        coll = key.split("=")[1]
+        for n in (2, 3, 4, 8, 64):
+            for nbytes in [0] + [1 << k for k in range(25)]:
+                for commutative in (True, False):
+                    args = (coll, n, nbytes)
+                    single = _select(builtin, *args, threaded=False, commutative=commutative)
+                    assert _select(shipped, *args, threaded=False,
+                                   commutative=commutative) == single, args
+                    want = single if nbytes <= limit[coll](n) else _select(
+                        builtin, *args, threaded=True, commutative=commutative)
+                    assert _select(shipped, *args, threaded=True,
+                                   commutative=commutative) == want, (args, commutative)
 
 
 def test_mpich_selection_variable_set_before_init_unless_the_user_did():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import logging
 import os
 import pathlib
@@ -63,13 +64,17 @@ def current_provenance(command: str = "") -> dict:
 
 def mpich_coll_selection() -> str:
     """Which shared-memory collective selection MPICH runs with in this process (read
-    once MPI is initialized): "mcrdl" (the file mcrdl ships, mcrdl/bootstrap.py), "mpich"
-    (MPICH's own: the variable unset or empty), else the user's file."""
+    once MPI is initialized): "mcrdl:<digest>" (the file mcrdl ships, mcrdl/bootstrap.py,
+    with the first 12 hex digits of its SHA-256: its size limits change between
+    releases, and with them what the blocking calls cost), "mpich" (MPICH's own: the
+    variable unset or empty), else the user's file."""
     value = os.environ.get(MPICH_POSIX_COLL_CVAR, "")
     if not value:
         return "mpich"
-    if os.path.realpath(value) == os.path.realpath(mpich_posix_coll_json()):
-        return "mcrdl"
+    shipped = mpich_posix_coll_json()
+    if os.path.realpath(value) == os.path.realpath(shipped):
+        with open(shipped, "rb") as f:
+            return "mcrdl:" + hashlib.sha256(f.read()).hexdigest()[:12]
     return value
 
 
