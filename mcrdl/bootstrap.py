@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
 from .groups import Group, bad_group_error
-from .launch import LaunchInfo, detect, usable_cores
+from .launch import LaunchInfo, detect, node_cores_for_ranks
 
 # MPICH's shared-memory ("release_gather") blocking bcast, barrier, allreduce and reduce
 # are several times faster than its point-to-point algorithms at small sizes, but its
@@ -61,7 +61,7 @@ def mpi_module():
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
-        default = mpich_selection_default(detect().local_size, usable_cores())
+        default = mpich_selection_default(detect().local_size, node_cores_for_ranks())
         if default is not None:
             os.environ.setdefault(MPICH_POSIX_COLL_CVAR, default)
     from mpi4py import MPI

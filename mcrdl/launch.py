@@ -22,6 +22,73 @@ def usable_cores() -> int:
     return n or 1
 
 
+def affinity() -> frozenset[int]:
+    """The CPUs this process may run on (all online CPUs where the OS has no masks)."""
+    if hasattr(os, "sched_getaffinity"):
+        return frozenset(os.sched_getaffinity(0))
+    return frozenset(range(os.cpu_count() or 1))
+
+
+def cpu_list_size(text: str) -> int:
+    """The number of CPUs in a Linux CPU list such as "0-3,8,10-11"."""
+    n = 0
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def node_cpus() -> int:
+    """The CPUs this job may use on this node: the cpuset of the process's cgroup (a
+    container's or a batch job's limit) where one is readable, else the online CPUs."""
+    paths = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:  # this process's own cgroup: v2 ("0::/path"), v1 cpuset
+                _, controllers, path = line.strip().split(":", 2)
+                path = path.rstrip("/")
+                if controllers == "":
+                    paths.append(f"/sys/fs/cgroup{path}/cpuset.cpus.effective")
+                elif "cpuset" in controllers.split(","):
+                    paths.append(f"/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus")
+    except (OSError, ValueError):
+        pass
+    paths += ["/sys/fs/cgroup/cpuset.cpus.effective",  # v2, cgroup namespace root
+              "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"]  # v1
+    for path in paths:
+        try:
+            with open(path) as f:
+                n = cpu_list_size(f.read())
+        except (OSError, ValueError):
+            continue
+        if n:
+            return n
+    return os.cpu_count() or 1
+
+
+def node_cores_for_ranks() -> int:
+    """How many cores this node's ranks spread over, as one rank sees it before any
+    communication: its affinity mask, unless a launcher bound it to a part of the node
+    (mpiexec -bind-to core, srun --cpu-bind, Open MPI's default): binders give each rank
+    cores of its own, so then all the CPUs the node lets the job use. Ranks bound to
+    shared CPUs are found once the ranks can compare their masks
+    (:func:`node_layout`)."""
+    mine, node = usable_cores(), node_cpus()
+    return node if mine < node else mine
+
+
+def node_layout(masks: list[tuple[str, frozenset[int]]]) -> dict[str, tuple[int, int]]:
+    """From every rank's (host name, affinity mask): per node, its ranks and the CPUs
+    their masks cover together, as {host: (ranks, CPUs)}; a node is oversubscribed where
+    ranks > CPUs."""
+    nodes: dict[str, tuple[int, frozenset[int]]] = {}
+    for host, mask in masks:
+        n, cpus = nodes.get(host, (0, frozenset()))
+        nodes[host] = (n + 1, cpus | mask)
+    return {h: (n, len(c)) for h, (n, c) in nodes.items()}
+
+
 def _env_int(*names: str) -> int | None:
     for n in names:
         v = os.environ.get(n)

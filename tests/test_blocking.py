@@ -4,6 +4,7 @@ contract (a watchdog ends the job with MPI_Abort, printing the CommTimeoutError 
 import json
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -232,6 +233,63 @@ def test_mpich_selection_variable_set_before_init_unless_the_user_did():
     # oversubscribed nodes keep MPICH's own selection (the shared-memory ones spin)
     assert bootstrap.mpich_selection_default(2, 2) == bootstrap.mpich_posix_coll_json()
     assert bootstrap.mpich_selection_default(3, 2) is None
+
+
+def test_node_cores_for_ranks_counts_bound_ranks_as_spread(monkeypatch):
+    """A rank bound to part of the node (a launcher's binding) counts the node's CPUs, an
+    unbound one its mask; init's exchange of masks finds ranks bound to shared CPUs."""
+    from mcrdl import launch
+
+    assert launch.cpu_list_size("0-3,8,10-11\n") == 7 and launch.cpu_list_size("5") == 1
+    monkeypatch.setattr(launch, "node_cpus", lambda: 16)
+    monkeypatch.setattr(launch, "usable_cores", lambda: 1)  # bound to one core
+    assert launch.node_cores_for_ranks() == 16
+    monkeypatch.setattr(launch, "usable_cores", lambda: 16)  # unbound
+    assert launch.node_cores_for_ranks() == 16
+    monkeypatch.setattr(launch, "node_cpus", lambda: 64)  # a cpuset the mask does not show
+    monkeypatch.setattr(launch, "usable_cores", lambda: 64)
+    assert launch.node_cores_for_ranks() == 64
+    a, b = frozenset({0}), frozenset({1})
+    assert launch.node_layout([("n0", a), ("n0", b), ("n1", a | b)]) == {
+        "n0": (2, 2), "n1": (1, 2)}
+    assert launch.node_layout([("n0", a), ("n0", a), ("n1", b)]) == {"n0": (2, 1), "n1": (1, 1)}
+    from mcrdl.backends import mpi
+    monkeypatch.delenv("MCRDL_POLL_SPINS", raising=False)
+    monkeypatch.delenv("MCRDL_IDLE_SLEEP", raising=False)
+    assert mpi.poll_spins(2, 2) == 64 and mpi.poll_spins(2, 1) == 0
+    assert mpi.idle_sleep(2, 2) is False and mpi.idle_sleep(2, 1) is True
+
+
+@pytest.mark.skipif(not shutil.which("taskset"), reason="needs taskset (util-linux)")
+def test_bound_ranks_are_not_oversubscribed_and_shared_cpus_are():
+    """2 ranks bound to a core each (mpiexec -bind-to core) keep the core-per-rank policy
+    (spinning waiters, MPICH's shared-memory selection, the shipped blocking steps); 2
+    ranks whose masks hold one CPU between them are oversubscribed, and init says so."""
+    from mcrdl import bootstrap
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    mpiexec = mpiexec_or_skip()
+    var = bootstrap.MPICH_POSIX_COLL_CVAR
+    code = ("import os, mcrdl, mcrdl.api\nmcrdl.init(['mpi'])\n"
+            "b = mcrdl.api.current_runtime().backend('mpi')\n"
+            "print(f'rank {mcrdl.get_rank()}: cpus {sorted(os.sched_getaffinity(0))} over '"
+            f"f'{{b._oversubscribed}} selection {{os.environ.get(\"{var}\", \"\")!r}} '"
+            "f'blocking {b.comm(None).uses_blocking(\"all_reduce\", 8)}', flush=True)\n"
+            "mcrdl.finalize()\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in (var, "MCRDL_MPI_BLOCKING", "MCRDL_IDLE_SLEEP", "MCRDL_POLL_SPINS")}
+    sel = repr(bootstrap.mpich_posix_coll_json())
+    out = run_launcher([mpiexec, "-bind-to", "core", "-n", "2", sys.executable, "-c", code],
+                       env=env, timeout=60)
+    assert re.findall(r"cpus \[(\d+)\]", out) and len(set(re.findall(
+        r"cpus \[(\d+)\]", out))) == 2, out  # each rank on a core of its own
+    assert out.count(f"over False selection {sel} blocking True") == 2, out
+    assert "CPU(s)" not in out, out
+    out = run_launcher(["taskset", "-c", "0", mpiexec, "-n", "2", sys.executable, "-c", code],
+                       env=env, timeout=60)
+    assert out.count(f"over True selection {sel} blocking False") == 2, out
+    assert "2 ranks of node" in out and "run on 1 CPU(s)" in out and var in out, out
 
 
 def test_blocking_collective_waiting_on_another_thread_of_its_rank():

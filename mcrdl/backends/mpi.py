@@ -17,40 +17,45 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
+import socket
 from functools import cache
 from importlib import resources
 
 from .. import _C
-from ..bootstrap import mpi_module
+from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpi_module, mpich_posix_coll_json
 from ..errors import DesyncError
 from ..groups import Group, bad_group_error
-from ..launch import usable_cores
+from ..launch import affinity, node_cores_for_ranks, node_layout
 from ..ops import OPS
 from ..tuning.schema import VARIANT_CODES, check_steps, op_variants, step_variant
 from .base import Backend, Capabilities, InitContext
 
+log = logging.getLogger("mcrdl")
 
-def poll_spins(ranks_on_node: int) -> int:
-    """Polls before yielding: spin when this node's ranks fit its cores, else yield at once
-    (MCRDL_POLL_SPINS overrides). See csrc/lane.cpp for the measurements."""
+
+def poll_spins(ranks_on_node: int, cores: int | None = None) -> int:
+    """Polls before yielding: spin when this node's ranks fit the `cores` they spread over
+    (default: launch.node_cores_for_ranks()), else yield at once (MCRDL_POLL_SPINS
+    overrides). See csrc/lane.cpp for the measurements."""
     if os.environ.get("MCRDL_POLL_SPINS"):
         return int(os.environ["MCRDL_POLL_SPINS"])
-    return 64 if ranks_on_node <= usable_cores() else 0
+    return 64 if ranks_on_node <= (cores or node_cores_for_ranks()) else 0
 
 
-def idle_sleep(ranks_on_node: int) -> bool:
+def idle_sleep(ranks_on_node: int, cores: int | None = None) -> bool:
     """Whether waiters sleep after 100 us without progress (instead of yielding until done)
     and idle lane threads in slices growing to 1 ms (instead of 50 us): when this node's
-    ranks outnumber its cores, a rank waiting for busy peers must leave them the cores
-    (MCRDL_IDLE_SLEEP=0/1 overrides). See csrc/lane.cpp (Backoff) for the policy and its
-    measurements."""
+    ranks outnumber the `cores` they spread over (as poll_spins), a rank waiting for busy
+    peers must leave them the cores (MCRDL_IDLE_SLEEP=0/1 overrides). See csrc/lane.cpp
+    (Backoff) for the policy and its measurements."""
     v = os.environ.get("MCRDL_IDLE_SLEEP", "")
     if v:
         if v not in ("0", "1"):
             raise ValueError(f"MCRDL_IDLE_SLEEP must be 0 or 1, got {v!r}")
         return v == "1"
-    return ranks_on_node > usable_cores()
+    return ranks_on_node > (cores or node_cores_for_ranks())
 
 
 def _env_mode(var: str, modes: tuple[str, ...]) -> str:
@@ -168,9 +173,10 @@ class MPILaneBackend(Backend):
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
         self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
-        # this node's ranks outnumber its cores; made the same on every rank (any node) by
-        # use_tuning_table, which the runtime calls before any operation
-        self._oversubscribed = ctx.bootstrap.info.local_size > usable_cores()
+        # this node's ranks outnumber its cores (as this rank sees it); made exact and the
+        # same on every rank (any node) by use_tuning_table, which the runtime calls
+        # before any operation
+        self._oversubscribed = ctx.bootstrap.info.local_size > node_cores_for_ranks()
 
     #: Whose steps of the tuning table choose the variants (the MPI library's collectives
     #: as the backend of that name measured them).
@@ -192,8 +198,9 @@ class MPILaneBackend(Backend):
         differs."""
         steps = {} if table is None else table.blocking_table(self.blocking_source)
         mine = (self._blocking_mode(), steps)
-        gathered = self.ctx.bootstrap.all_gather_object((mine, self._oversubscribed))
-        self._oversubscribed = any(over for _, over in gathered)
+        gathered = self.ctx.bootstrap.all_gather_object(
+            (mine, (socket.gethostname(), affinity())))
+        self._settle_oversubscription([where for _, where in gathered])
         views = [v for v, _ in gathered]
         differ = [r for r, v in enumerate(views) if v != views[0]]
         if differ:
@@ -205,6 +212,28 @@ class MPILaneBackend(Backend):
         self._blocking_table = steps
         for c in self._blocking_comms():
             self._choose_blocking(c)
+
+    def _settle_oversubscription(self, masks: list) -> None:
+        """The exact oversubscription, from every rank's (host, affinity mask): a node whose
+        ranks outnumber the CPUs their masks cover together (before init each rank could
+        only assume that a launcher binding it gave it cores of its own). The same on every
+        rank; this node's waiters poll accordingly."""
+        layout = node_layout(masks)
+        self._oversubscribed = any(n > cpus for n, cpus in layout.values())
+        host = socket.gethostname()
+        ranks, cpus = layout[host]
+        _C.set_poll_spins(poll_spins(ranks, cpus))
+        _C.set_idle_sleep(idle_sleep(ranks, cpus))
+        if ranks > cpus and self.ctx.bootstrap.info.local_rank == 0:
+            selection = os.environ.get(MPICH_POSIX_COLL_CVAR) == mpich_posix_coll_json()
+            log.warning(
+                "mcrdl: %d ranks of node %s run on %d CPU(s) (their affinity masks together): "
+                "waiters yield and sleep, and blocking MPI calls run nonblocking%s. Bind each "
+                "rank to cores of its own (mpiexec -bind-to core, srun --cpu-bind=cores) or "
+                "to none.", ranks, host, cpus,
+                "; MPICH's shared-memory collectives, selected before MPI_Init when each rank "
+                f"seemed to have cores of its own, spin (set {MPICH_POSIX_COLL_CVAR}= to leave "
+                "them out)" if selection else "")
 
     def _blocking_comms(self):
         """The C++ communicators whose variants use_tuning_table sets."""
