@@ -292,10 +292,10 @@ def test_wait_policy_follows_cores_and_env(monkeypatch):
     """Idle lanes sleep longer (and waiters yield at once) only when ranks outnumber
     cores; MCRDL_IDLE_SLEEP / MCRDL_POLL_SPINS override, and a bad value is named."""
     from mcrdl.backends import mpi
-    from mcrdl.launch import usable_cores
+    from mcrdl.launch import node_cores_for_ranks
     monkeypatch.delenv("MCRDL_IDLE_SLEEP", raising=False)
     monkeypatch.delenv("MCRDL_POLL_SPINS", raising=False)
-    cores = usable_cores()
+    cores = node_cores_for_ranks()
     assert mpi.idle_sleep(cores) is False and mpi.idle_sleep(cores + 1) is True
     assert mpi.poll_spins(cores) == 64 and mpi.poll_spins(cores + 1) == 0
     monkeypatch.setenv("MCRDL_IDLE_SLEEP", "0")
