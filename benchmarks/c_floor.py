@@ -143,8 +143,11 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
         lost = 0.0
         for i, b in enumerate(sizes):
             chosen = times[b].get(runs[(i >= k[0]) + (i >= k[1])], math.nan)
-            best = min(v for v in times[b].values() if not math.isnan(v))
-            lost += math.inf if math.isnan(chosen) else math.log(chosen / best)
+            best = min((v for v in times[b].values() if 0 < v < math.inf), default=math.nan)
+            if math.isnan(chosen):
+                lost = math.inf
+            elif 0 < chosen < math.inf and not math.isnan(best):
+                lost += math.log(chosen / best)
         return lost
 
     k1, k2 = max(((a, b) for a in range(m + 1) for b in range(a, m + 1)),

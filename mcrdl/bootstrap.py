@@ -29,7 +29,7 @@ from .launch import LaunchInfo, detect, node_cores_for_ranks
 # is not initialized with MPI_THREAD_MULTIPLE ("is_multi_threaded=no"), which mcrdl's lanes
 # need. mcrdl/tuning/mpich_posix_coll.json is that selection without the condition up to
 # the measured crossovers, handed to MPICH through its CVAR before MPI_Init: allreduce
-# and reduce up to 4 KiB, bcast up to 16 KiB at 2 ranks and at every size on more. Above
+# and reduce up to 4 KiB, bcast up to 16 KiB at 2 ranks a node, every size on more. Above
 # them it keeps MPICH's own tree (the condition fails under MULTIPLE, and MPICH runs its
 # generic algorithms, 1.3-4x faster there: docs/performance.md). Sound because under
 # ch4's default per-VCI locking a thread waiting inside one of these collectives holds no

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 # Environment variables that mean "an MPI process manager started this process".
@@ -22,11 +23,23 @@ def usable_cores() -> int:
     return n or 1
 
 
-def affinity() -> frozenset[int]:
-    """The CPUs this process may run on (all online CPUs where the OS has no masks)."""
-    if hasattr(os, "sched_getaffinity"):
-        return frozenset(os.sched_getaffinity(0))
-    return frozenset(range(os.cpu_count() or 1))
+def affinity_bits() -> int:
+    """The CPUs this process may run on as a bit mask (bit i: CPU i; all online CPUs
+    where the OS has no masks): compact enough to gather from every rank."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(
+        os.cpu_count() or 1)
+    return sum(1 << c for c in cpus)
+
+
+def node_id() -> str:
+    """This node's name for grouping ranks: the host name and the kernel's boot id (two
+    containers or machines may share a host name)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}" if boot else socket.gethostname()
 
 
 def cpu_list_size(text: str) -> int:
@@ -40,20 +53,32 @@ def cpu_list_size(text: str) -> int:
 
 
 def node_cpus() -> int:
-    """The CPUs this job may use on this node: the cpuset of the process's cgroup (a
-    container's or a batch job's limit) where one is readable, else the online CPUs."""
+    """The CPUs this job may use on this node: the cpuset of the process's cgroup, or of
+    the nearest parent that has one (a container's, a systemd slice's or a batch job's
+    limit), where readable; else the online CPUs."""
     paths = []
     try:
         with open("/proc/self/cgroup") as f:
-            for line in f:  # this process's own cgroup: v2 ("0::/path"), v1 cpuset
-                _, controllers, path = line.strip().split(":", 2)
-                path = path.rstrip("/")
-                if controllers == "":
-                    paths.append(f"/sys/fs/cgroup{path}/cpuset.cpus.effective")
-                elif "cpuset" in controllers.split(","):
-                    paths.append(f"/sys/fs/cgroup/cpuset{path}/cpuset.effective_cpus")
-    except (OSError, ValueError):
-        pass
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:  # this process's own cgroup: v2 ("0::/path"), v1 ("N:cpuset:/path")
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            root, name = "/sys/fs/cgroup", "cpuset.cpus.effective"
+        elif "cpuset" in controllers.split(","):
+            root, name = "/sys/fs/cgroup/cpuset", "cpuset.effective_cpus"
+        else:
+            continue
+        path = path.rstrip("/")
+        while True:  # the nearest cgroup up the tree that has a cpuset file
+            paths.append(f"{root}{path}/{name}")
+            if not path:
+                break
+            path = path.rsplit("/", 1)[0]
     paths += ["/sys/fs/cgroup/cpuset.cpus.effective",  # v2, cgroup namespace root
               "/sys/fs/cgroup/cpuset/cpuset.effective_cpus"]  # v1
     for path in paths:
@@ -71,22 +96,24 @@ def node_cores_for_ranks() -> int:
     """How many cores this node's ranks spread over, as one rank sees it before any
     communication: its affinity mask, unless a launcher bound it to a part of the node
     (mpiexec -bind-to core, srun --cpu-bind, Open MPI's default): binders give each rank
-    cores of its own, so then all the CPUs the node lets the job use. Ranks bound to
-    shared CPUs are found once the ranks can compare their masks
-    (:func:`node_layout`)."""
+    cores of its own, so then all the CPUs the node lets the job use. A mask narrowed by
+    something else this cannot see (taskset or numactl over the whole job, a cpuset it
+    cannot read) looks the same: ranks that then share CPUs are found once the ranks can
+    compare their masks (:func:`node_layout`; the mpi backend warns), too late only for
+    what is chosen before MPI_Init (bootstrap.mpich_selection_default)."""
     mine, node = usable_cores(), node_cpus()
     return node if mine < node else mine
 
 
-def node_layout(masks: list[tuple[str, frozenset[int]]]) -> dict[str, tuple[int, int]]:
-    """From every rank's (host name, affinity mask): per node, its ranks and the CPUs
-    their masks cover together, as {host: (ranks, CPUs)}; a node is oversubscribed where
+def node_layout(masks: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
+    """From every rank's (node id, affinity bit mask): per node, its ranks and the CPUs
+    their masks cover together, as {node: (ranks, CPUs)}; a node is oversubscribed where
     ranks > CPUs."""
-    nodes: dict[str, tuple[int, frozenset[int]]] = {}
-    for host, mask in masks:
-        n, cpus = nodes.get(host, (0, frozenset()))
-        nodes[host] = (n + 1, cpus | mask)
-    return {h: (n, len(c)) for h, (n, c) in nodes.items()}
+    nodes: dict[str, tuple[int, int]] = {}
+    for node, mask in masks:
+        n, cpus = nodes.get(node, (0, 0))
+        nodes[node] = (n + 1, cpus | mask)
+    return {h: (n, bin(c).count("1")) for h, (n, c) in nodes.items()}
 
 
 def _env_int(*names: str) -> int | None:

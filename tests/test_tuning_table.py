@@ -582,8 +582,9 @@ def test_mpich_coll_selection(monkeypatch, tmp_path):
     monkeypatch.setenv(MPICH_POSIX_COLL_CVAR, "")
     assert mpich_coll_selection() == "mpich"
     monkeypatch.setenv(MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json())
-    with open(mpich_posix_coll_json(), "rb") as f:  # the file's version: its digest
-        assert mpich_coll_selection() == "mcrdl:" + hashlib.sha256(f.read()).hexdigest()[:12]
+    with open(mpich_posix_coll_json()) as f:  # the file's version: its content's digest
+        canonical = json.dumps(json.load(f), separators=(",", ":")).encode()
+    assert mpich_coll_selection() == "mcrdl:" + hashlib.sha256(canonical).hexdigest()[:12]
     mine = str(tmp_path / "sel.json")
     monkeypatch.setenv(MPICH_POSIX_COLL_CVAR, mine)
     assert mpich_coll_selection() == mine

@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 from functools import cache
 from importlib import resources
 
@@ -27,7 +26,7 @@ from .. import _C
 from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpi_module, mpich_posix_coll_json
 from ..errors import DesyncError
 from ..groups import Group, bad_group_error
-from ..launch import affinity, node_cores_for_ranks, node_layout
+from ..launch import affinity_bits, node_cores_for_ranks, node_id, node_layout
 from ..ops import OPS
 from ..tuning.schema import VARIANT_CODES, check_steps, op_variants, step_variant
 from .base import Backend, Capabilities, InitContext
@@ -198,8 +197,7 @@ class MPILaneBackend(Backend):
         differs."""
         steps = {} if table is None else table.blocking_table(self.blocking_source)
         mine = (self._blocking_mode(), steps)
-        gathered = self.ctx.bootstrap.all_gather_object(
-            (mine, (socket.gethostname(), affinity())))
+        gathered = self.ctx.bootstrap.all_gather_object((mine, (node_id(), affinity_bits())))
         self._settle_oversubscription([where for _, where in gathered])
         views = [v for v, _ in gathered]
         differ = [r for r, v in enumerate(views) if v != views[0]]
@@ -214,23 +212,25 @@ class MPILaneBackend(Backend):
             self._choose_blocking(c)
 
     def _settle_oversubscription(self, masks: list) -> None:
-        """The exact oversubscription, from every rank's (host, affinity mask): a node whose
-        ranks outnumber the CPUs their masks cover together (before init each rank could
-        only assume that a launcher binding it gave it cores of its own). The same on every
-        rank; this node's waiters poll accordingly."""
+        """The exact oversubscription, from every rank's (node id, affinity bit mask): a
+        node whose ranks outnumber the CPUs their masks cover together (before init each
+        rank could only assume that a launcher binding it gave it cores of its own). The
+        same on every rank; this node's waiters poll accordingly, and its first rank warns
+        when it is oversubscribed."""
         layout = node_layout(masks)
         self._oversubscribed = any(n > cpus for n, cpus in layout.values())
-        host = socket.gethostname()
-        ranks, cpus = layout[host]
+        me = masks[self.ctx.bootstrap.rank][0]
+        ranks, cpus = layout[me]
         _C.set_poll_spins(poll_spins(ranks, cpus))
         _C.set_idle_sleep(idle_sleep(ranks, cpus))
-        if ranks > cpus and self.ctx.bootstrap.info.local_rank == 0:
+        first = next(r for r, (node, _) in enumerate(masks) if node == me)
+        if ranks > cpus and first == self.ctx.bootstrap.rank:
             selection = os.environ.get(MPICH_POSIX_COLL_CVAR) == mpich_posix_coll_json()
             log.warning(
                 "mcrdl: %d ranks of node %s run on %d CPU(s) (their affinity masks together): "
-                "waiters yield and sleep, and blocking MPI calls run nonblocking%s. Bind each "
-                "rank to cores of its own (mpiexec -bind-to core, srun --cpu-bind=cores) or "
-                "to none.", ranks, host, cpus,
+                "waiters yield and sleep, and the shipped blocking steps give way to "
+                "nonblocking calls%s. Bind each rank to cores of its own (mpiexec -bind-to "
+                "core, srun --cpu-bind=cores) or to none.", ranks, me.split("/")[0], cpus,
                 "; MPICH's shared-memory collectives, selected before MPI_Init when each rank "
                 f"seemed to have cores of its own, spin (set {MPICH_POSIX_COLL_CVAR}= to leave "
                 "them out)" if selection else "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -65,7 +66,7 @@ def current_provenance(command: str = "") -> dict:
 def mpich_coll_selection() -> str:
     """Which shared-memory collective selection MPICH runs with in this process (read
     once MPI is initialized): "mcrdl:<digest>" (the file mcrdl ships, mcrdl/bootstrap.py,
-    with the first 12 hex digits of its SHA-256: its size limits change between
+    with the first 12 hex digits of the SHA-256 of its JSON: its size limits change between
     releases, and with them what the blocking calls cost), "mpich" (MPICH's own: the
     variable unset or empty), else the user's file."""
     value = os.environ.get(MPICH_POSIX_COLL_CVAR, "")
@@ -73,8 +74,9 @@ def mpich_coll_selection() -> str:
         return "mpich"
     shipped = mpich_posix_coll_json()
     if os.path.realpath(value) == os.path.realpath(shipped):
-        with open(shipped, "rb") as f:
-            return "mcrdl:" + hashlib.sha256(f.read()).hexdigest()[:12]
+        with open(shipped) as f:  # of its content (key order kept), not its formatting
+            canonical = json.dumps(json.load(f), separators=(",", ":"))
+        return "mcrdl:" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
     return value
 
 
