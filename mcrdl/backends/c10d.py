@@ -47,8 +47,9 @@ _BOOL_OP = {ReduceOp.BOR: dist.ReduceOp.MAX, ReduceOp.BAND: dist.ReduceOp.MIN,
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of a contiguous tensor (shares memory)."""
-    return t.view(-1)
+    """A 1-D view of a contiguous tensor (shares memory): the tensor itself when it is
+    1-D already (a view costs ~0.4 us a call, a third of a small call's Python)."""
+    return t if t.dim() == 1 else t.view(-1)
 
 
 def _root_buffers(buffers, root: int, g, n: int) -> list[list[torch.Tensor]]:
@@ -247,15 +248,28 @@ class C10dBackend(Backend):
 
     # -- helpers -------------------------------------------------------------------
     def _run(self, g: _PG, op: str, works, finish, async_op, wait_only=False):
-        step = LibraryWait(works, op, g.name, next(g.seq), self.ctx.timeout, self, wait_only)
+        seq = next(g.seq)
+        if not async_op:
+            # A blocking call waits right here, as a LibraryWait step of a ChainedWork
+            # would under the default timeout (a plain wait of each work; the library's
+            # errors turned into mcrdl's), without making either object: on NCCL their
+            # creation and dispatch were 1-3 us of mcrdl's 3-7 us a call over c10d's own.
+            try:
+                for work in works:
+                    work.wait()
+            except RuntimeError as exc:
+                LibraryWait(works, op, g.name, seq, self.ctx.timeout, self)._raise(
+                    exc, self.ctx.timeout)
+            if finish is not None:
+                with torch.no_grad():
+                    finish()
+            return None
+        step = LibraryWait(works, op, g.name, seq, self.ctx.timeout, self, wait_only)
         w = ChainedWork([step], finish, self.name)
-        if async_op:
-            if len(self._inflight) >= 64:  # amortized: drop the ones already complete
-                self._inflight = [x for x in self._inflight if not x[1].settled()]
-            self._inflight.append((w, step))
-            return w
-        w.wait()
-        return None
+        if len(self._inflight) >= 64:  # amortized: drop the ones already complete
+            self._inflight = [x for x in self._inflight if not x[1].settled()]
+        self._inflight.append((w, step))
+        return w
 
     def _reduce_args(self, t: torch.Tensor, op: ReduceOp):
         """(buffer to reduce, torch.distributed op, whether to divide by the group size),
