@@ -18,9 +18,16 @@ def test_mcrdl_info_lists_every_backend_with_a_reason():
     assert b["pccl"]["available"] and b["pccl"]["ops"] == 3
     assert not b["cray-mpich"]["available"]
     assert "not Cray MPICH" in b["cray-mpich"]["why"] and "'mpi'" in b["cray-mpich"]["why"]
+    c = info["cpus"]  # the single process's own view of its node
+    assert c["mask"] >= 1 and c["node"] >= c["mask"] and c["ranks_spread_over"] >= c["mask"]
+    assert c["oversubscribed"] is False
+    # a singleton MPI world fits its cores: mcrdl's MPICH selection, named by its digest
+    sel = info["mpich_coll_selection"]
+    assert sel.startswith("mcrdl:") if "MPICH" in info["mpi"] else sel == "", info
     text = subprocess.run([sys.executable, "-m", "mcrdl.tools.info"], capture_output=True,
                           text=True, timeout=120, check=True).stdout
     assert "cray-mpich" in text and "unavailable" in text and "pccl" in text
+    assert "cpus: " in text and "a core each or more" in text, text
 
 
 def test_cray_mpich_detection_and_settings():

@@ -1,5 +1,6 @@
 """mcrdl-info: what this process can use: every backend, available or not and why, the
-launcher's view (rank, size, ranks per node), and the libraries.
+launcher's view (rank, size, ranks per node), the CPUs its node's ranks spread over (as
+the mpi backend judges oversubscription before init), and the libraries.
 
     mcrdl-info                 # one process
     mpiexec -n 4 mcrdl-info    # rank 0 prints; the launch is detected as MPI
@@ -19,7 +20,7 @@ def collect() -> dict:
 
     from mcrdl import __version__
     from mcrdl.backends import registry
-    from mcrdl.launch import detect
+    from mcrdl.launch import detect, node_cores_for_ranks, node_cpus, usable_cores
 
     launch = detect()
     backends = {}
@@ -35,14 +36,17 @@ def collect() -> dict:
             except Exception as exc:  # a broken plug-in still gets listed
                 entry["why"] = f"class does not load: {exc}"
         backends[name] = entry
-    mpi = ""
+    mpi, selection = "", ""
     if launch.mpi_world:
         try:
             from mcrdl.bootstrap import mpi_module
+            from mcrdl.tuning.provenance import mpich_coll_selection
 
             mpi = " ".join(mpi_module().Get_library_version().strip().splitlines()[0].split())
+            selection = mpich_coll_selection() if "MPICH" in mpi else ""
         except Exception as exc:
             mpi = f"does not load: {exc}"
+    spread = node_cores_for_ranks()
     return {
         "mcrdl": __version__,
         "python": platform.python_version(),
@@ -54,6 +58,11 @@ def collect() -> dict:
         "size": launch.size,
         "local_size": launch.local_size,
         "ranks_per_node_override": os.environ.get("MCRDL_RANKS_PER_NODE", ""),
+        # what the mpi backend assumes before init (launch.node_cores_for_ranks; init
+        # then compares every rank's mask)
+        "cpus": {"mask": usable_cores(), "node": node_cpus(), "ranks_spread_over": spread,
+                 "oversubscribed": launch.local_size > spread},
+        "mpich_coll_selection": selection,
         "backends": backends,
     }
 
@@ -75,6 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     rpn = info["ranks_per_node_override"]
     print(f"launch: {info['launcher']}, {info['size']} ranks, {info['local_size']} on this node"
           + (f" (MCRDL_RANKS_PER_NODE={rpn})" if rpn else ""))
+    c = info["cpus"]
+    print(f"cpus: {c['mask']} in this rank's affinity mask, {c['node']} for the job on this node; "
+          f"its {info['local_size']} rank(s) spread over {c['ranks_spread_over']}: "
+          + ("oversubscribed (waiters yield and sleep; the shipped blocking steps give way "
+             "to nonblocking calls)"
+             if c["oversubscribed"] else "a core each or more"))
+    if info["mpich_coll_selection"]:
+        print(f"MPICH shared-memory collective selection: {info['mpich_coll_selection']}")
     print(f"{'backend':<12} {'status':<12} details")
     for name, b in info["backends"].items():
         if b["available"] and not b.get("why"):
