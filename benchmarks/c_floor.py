@@ -139,15 +139,17 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.97) -> list:
     def agree(k: tuple[int, int]) -> int:  # the first k[0] sizes allreduce, up to k[1] blocking
         return sum(w == runs[(i >= k[0]) + (i >= k[1])] for i, w in enumerate(wins))
 
+    best = [min((v for v in times[b].values() if 0 < v < math.inf), default=math.nan)
+            for b in sizes]
+
     def loss(k: tuple[int, int]) -> float:  # a variant not measured at a size: infinite
         lost = 0.0
         for i, b in enumerate(sizes):
             chosen = times[b].get(runs[(i >= k[0]) + (i >= k[1])], math.nan)
-            best = min((v for v in times[b].values() if 0 < v < math.inf), default=math.nan)
             if math.isnan(chosen):
                 lost = math.inf
-            elif 0 < chosen < math.inf and not math.isnan(best):
-                lost += math.log(chosen / best)
+            elif 0 < chosen < math.inf and not math.isnan(best[i]):
+                lost += math.log(chosen / best[i])
         return lost
 
     k1, k2 = max(((a, b) for a in range(m + 1) for b in range(a, m + 1)),

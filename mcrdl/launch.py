@@ -17,18 +17,17 @@ _MPI_MARKERS = (
 )
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return n or 1
-
-
 def affinity_bits() -> int:
     """The CPUs this process may run on as a bit mask (bit i: CPU i; all online CPUs
     where the OS has no masks): compact enough to gather from every rank."""
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(
         os.cpu_count() or 1)
     return sum(1 << c for c in cpus)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    return bin(affinity_bits()).count("1") or 1
 
 
 def node_id() -> str:

@@ -166,8 +166,9 @@ class MPILaneBackend(Backend):
                 "rebuild mcrdl (pip install --no-build-isolation .) with the same MPI"
             )
         self.library_version = loaded
-        _C.set_poll_spins(poll_spins(ctx.bootstrap.info.local_size))
-        _C.set_idle_sleep(idle_sleep(ctx.bootstrap.info.local_size))
+        local, cores = ctx.bootstrap.info.local_size, node_cores_for_ranks()
+        _C.set_poll_spins(poll_spins(local, cores))
+        _C.set_idle_sleep(idle_sleep(local, cores))
         _C.set_hold_gil(1 if hold_gil_mode() == "auto" else 0)
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
@@ -175,7 +176,7 @@ class MPILaneBackend(Backend):
         # this node's ranks outnumber its cores (as this rank sees it); made exact and the
         # same on every rank (any node) by use_tuning_table, which the runtime calls
         # before any operation
-        self._oversubscribed = ctx.bootstrap.info.local_size > node_cores_for_ranks()
+        self._oversubscribed = local > cores
 
     #: Whose steps of the tuning table choose the variants (the MPI library's collectives
     #: as the backend of that name measured them).
