@@ -4,9 +4,11 @@ mcrdl creates its own process groups (it never touches torch.distributed's defau
 group), one per mcrdl group, on the TCP store set up by the bootstrap (under mpiexec
 rank 0 opens it on a free port and broadcasts the address over MPI; under torchrun the
 env:// variables are used). c10d runs every op asynchronously in issue order, which is
-these backends' lane: Gloo on its own threads; NCCL/RCCL on their own CUDA streams,
-ordered against the caller's current stream by events, where ``Work.wait()`` makes the
-caller's current stream wait (no host synchronisation).
+these backends' lane: Gloo on its own threads; NCCL/RCCL async ops on their own CUDA
+streams, ordered against the caller's current stream by events, where ``Work.wait()``
+makes the caller's current stream wait (no host synchronisation), and blocking calls on
+the caller's current stream itself (c10d's ``asyncOp=False``, as torch.distributed's own
+blocking calls: the same order, without the events).
 
 Operations a library lacks are built on what it has: the v variants and the list form
 of all_to_all on ``alltoall_base`` with packing/unpacking; AVG as SUM then a division
@@ -29,6 +31,13 @@ from ..groups import Group, bad_group_error
 from ..ops import ReduceOp, reduce_plan
 from ..work import ChainedWork, ThreadedWait, poll_until
 from .base import Backend, InitContext
+
+try:  # not in torch.distributed's namespace
+    from torch._C._distributed_c10d import AllgatherOptions
+except ImportError:  # pragma: no cover - torch builds without c10d have no Gloo either
+    AllgatherOptions = None
+#: whether c10d's options carry the call's asyncOp (torch >= 2.7)
+_HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")
 
 _TORCH_OP = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -156,6 +165,18 @@ class LibraryWait:
 _WAITER_LOCK = threading.Lock()
 
 
+class _Rule:
+    """How a c10d backend reduces one (dtype, op) (ops.reduce_plan): the dtype reduced,
+    c10d's op, whether to divide by the group size after, and the options objects of
+    the calls that use it."""
+
+    __slots__ = ("dtype", "top", "average", "options")
+
+    def __init__(self, dtype: torch.dtype, top, average: bool):
+        self.dtype, self.top, self.average = dtype, top, average
+        self.options: dict[tuple, object] = {}
+
+
 class _PG:
     """One c10d process group plus mcrdl's bookkeeping for a group."""
 
@@ -187,6 +208,11 @@ class C10dBackend(Backend):
         #: why the backend is unusable (an op timed out), or None
         self.failed: str | None = None
         self._inflight: list[tuple[ChainedWork, LibraryWait]] = []
+        # Per-call constants, made once: the reduction rule of each (dtype, op) and the
+        # c10d options objects, which the library reads during the call and never keeps
+        # (0.7-0.9 us a call each when built anew).
+        self._rules: dict[tuple[torch.dtype, ReduceOp], _Rule] = {}
+        self._options: dict[tuple, object] = {}
         self._world = self._make(ctx.world)
 
     def _new_pg(self, store, rank: int, size: int):
@@ -197,8 +223,8 @@ class C10dBackend(Backend):
         """Raise BackendUnavailableError for a tensor this backend cannot use."""
         raise NotImplementedError
 
-    def _barrier_options(self):
-        return dist.BarrierOptions()
+    def _barrier_options(self, async_op: bool):
+        return self._opts(dist.BarrierOptions, async_op)
 
     def _make(self, group: Group) -> _PG:
         store = dist.PrefixStore(f"{self.name}/{group.id}", self._store)
@@ -254,12 +280,15 @@ class C10dBackend(Backend):
             # would under the default timeout (a plain wait of each work; the library's
             # errors turned into mcrdl's), without making either object: on NCCL their
             # creation and dispatch were 1-3 us of mcrdl's 3-7 us a call over c10d's own.
+            # A library may return no work for a blocking call (asyncOp False), having
+            # ordered it itself: NCCL's, which ran it on the caller's stream.
             try:
                 for work in works:
-                    work.wait()
+                    if work is not None:
+                        work.wait()
             except RuntimeError as exc:
-                LibraryWait(works, op, g.name, seq, self.ctx.timeout, self)._raise(
-                    exc, self.ctx.timeout)
+                LibraryWait([w for w in works if w is not None], op, g.name, seq,
+                            self.ctx.timeout, self)._raise(exc, self.ctx.timeout)
             if finish is not None:
                 with torch.no_grad():
                     finish()
@@ -271,29 +300,56 @@ class C10dBackend(Backend):
         self._inflight.append((w, step))
         return w
 
-    def _reduce_args(self, t: torch.Tensor, op: ReduceOp):
-        """(buffer to reduce, torch.distributed op, whether to divide by the group size),
-        by the shared rule of ops.reduce_plan (the libraries reduce 16-bit floats)."""
-        plan = reduce_plan(t.dtype, op, native_avg=self.native_avg, native_half=True)
-        if t.dtype == torch.bool:
-            return t.view(torch.uint8), _BOOL_OP[plan.op], False
-        buf = t if plan.dtype == t.dtype else t.to(plan.dtype)
-        return buf, _TORCH_OP[plan.op], plan.average
+    def _reduce_args(self, t: torch.Tensor, op: ReduceOp) -> tuple[torch.Tensor, _Rule]:
+        """(buffer to reduce, its _Rule) by the shared rule of ops.reduce_plan (the
+        libraries reduce 16-bit floats); the rule is made once per (dtype, op)."""
+        rule = self._rules.get((t.dtype, op))
+        if rule is None:
+            plan = reduce_plan(t.dtype, op, native_avg=self.native_avg, native_half=True)
+            rule = self._rules[t.dtype, op] = _Rule(
+                plan.dtype, (_BOOL_OP if t.dtype == torch.bool else _TORCH_OP)[plan.op],
+                plan.average)
+        if rule.dtype == t.dtype:
+            return t, rule
+        return (t.view(rule.dtype) if t.dtype == torch.bool else t.to(rule.dtype)), rule
 
-    def _alltoall(self, g, out, inp, out_splits, in_splits):
+    def _opts(self, cls, async_op: bool, rule: _Rule | None = None, root: int | None = None,
+              **fields):
+        """A c10d options object of class `cls`: the call's ``asyncOp``, ``reduceOp`` of
+        `rule`, ``rootRank`` `root` and `fields`; made once per value and kept (in the
+        rule for reductions: no hashing of c10d's op enum, 0.15 us), since the library
+        copies what it needs during the call. ``asyncOp`` is set as torch.distributed's
+        own functions set it: NCCL runs a blocking call (asyncOp False) on the caller's
+        current stream, without the event, stream wait and tensor stashing of its side
+        stream."""
+        cache = self._options if rule is None else rule.options
+        key = (cls, async_op, root, *fields.items()) if fields else (cls, async_op, root)
+        opts = cache.get(key)
+        if opts is None:
+            opts = cls()
+            if _HAS_ASYNC_OP:
+                opts.asyncOp = async_op
+            if rule is not None:
+                opts.reduceOp = rule.top
+            if root is not None:
+                opts.rootRank = root
+            for name, value in fields.items():
+                setattr(opts, name, value)
+            cache[key] = opts
+        return opts
+
+    def _alltoall(self, g, out, inp, out_splits, in_splits, async_op):
         return g.pg.alltoall_base(out, inp, out_splits, in_splits,
-                                  dist.AllToAllOptions())
+                                  self._opts(dist.AllToAllOptions, async_op))
 
     # -- operations ----------------------------------------------------------------
     def all_reduce(self, tensor, op, group, async_op):
         g = self._group(group)
         _C.validate("all_reduce", tensor, op, g.rank, g.size)
         self._check_device("all_reduce", tensor)
-        buf, top, divide = self._reduce_args(tensor, op)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = top
-        work = g.pg.allreduce([buf], opts)
-        finish = (lambda: tensor.copy_(buf.div_(g.size))) if divide else None
+        buf, rule = self._reduce_args(tensor, op)
+        work = g.pg.allreduce([buf], self._opts(dist.AllreduceOptions, async_op, rule))
+        finish = (lambda: tensor.copy_(buf.div_(g.size))) if rule.average else None
         return self._run(g, "all_reduce", [work], finish, async_op)
 
     def reduce(self, tensor, dst, op, group, async_op):
@@ -302,23 +358,16 @@ class C10dBackend(Backend):
         self._check_device("reduce", tensor)
         root = dst == g.rank
         target = tensor if root else tensor.clone()  # others' tensor stays unchanged
-        buf, top, divide = self._reduce_args(target, op)
-        opts = dist.ReduceOptions()
-        opts.reduceOp = top
-        opts.rootRank = dst
-        opts.rootTensor = 0
-        work = g.pg.reduce([buf], opts)
-        finish = (lambda: tensor.copy_(buf.div_(g.size))) if (root and divide) else None
+        buf, rule = self._reduce_args(target, op)
+        work = g.pg.reduce([buf], self._opts(dist.ReduceOptions, async_op, rule, dst))
+        finish = (lambda: tensor.copy_(buf.div_(g.size))) if (root and rule.average) else None
         return self._run(g, "reduce", [work], finish, async_op)
 
     def bcast(self, tensor, src, group, async_op):
         g = self._group(group)
         _C.validate("bcast", tensor, src, g.rank, g.size)
         self._check_device("bcast", tensor)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
-        work = g.pg.broadcast([tensor], opts)
+        work = g.pg.broadcast([tensor], self._opts(dist.BroadcastOptions, async_op, root=src))
         return self._run(g, "bcast", [work], None, async_op)
 
     def all_gather(self, output, input, group, async_op):
@@ -326,10 +375,11 @@ class C10dBackend(Backend):
         _C.validate("all_gather", output, input, g.rank, g.size)
         self._check_device("all_gather", input)
         inp = input.clone() if _overlaps(input, output) else input
+        opts = self._opts(AllgatherOptions, async_op)
         if isinstance(output, torch.Tensor):
-            work = g.pg._allgather_base(_flat(output), _flat(inp))
+            work = g.pg._allgather_base(_flat(output), _flat(inp), opts)
         else:
-            work = g.pg.allgather([[_flat(o.detach()) for o in output]], [_flat(inp)])
+            work = g.pg.allgather([[_flat(o.detach()) for o in output]], [_flat(inp)], opts)
         return self._run(g, "all_gather", [work], None, async_op)
 
     def gather(self, output, input, dst, group, async_op):
@@ -339,9 +389,8 @@ class C10dBackend(Backend):
         inp = _flat(input)
         if dst == g.rank and _overlaps(input, output):
             inp = inp.clone()
-        opts = dist.GatherOptions()
-        opts.rootRank = dst
-        work = g.pg.gather(_root_buffers(output, dst, g, inp.numel()), [inp], opts)
+        work = g.pg.gather(_root_buffers(output, dst, g, inp.numel()), [inp],
+                           self._opts(dist.GatherOptions, async_op, root=dst))
         return self._run(g, "gather", [work], None, async_op)
 
     def scatter(self, output, input, src, group, async_op):
@@ -352,9 +401,7 @@ class C10dBackend(Backend):
         ins = _root_buffers(input, src, g, out.numel())
         if ins and _overlaps(output, input):
             ins = [[i.clone() for i in ins[0]]]
-        opts = dist.ScatterOptions()
-        opts.rootRank = src
-        work = g.pg.scatter([out], ins, opts)
+        work = g.pg.scatter([out], ins, self._opts(dist.ScatterOptions, async_op, root=src))
         return self._run(g, "scatter", [work], None, async_op)
 
     def reduce_scatter(self, output, input, op, group, async_op):
@@ -367,15 +414,13 @@ class C10dBackend(Backend):
         # with allreduce, then keep this rank's block.
         flat = input.reshape(-1).clone() if isinstance(input, torch.Tensor) else torch.cat(
             [i.reshape(-1) for i in input])
-        buf, top, divide = self._reduce_args(flat, op)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = top
-        work = g.pg.allreduce([buf], opts)
+        buf, rule = self._reduce_args(flat, op)
+        work = g.pg.allreduce([buf], self._opts(dist.AllreduceOptions, async_op, rule))
         n = output.numel()
 
         def finish():
             block = buf.narrow(0, g.rank * n, n)
-            if divide:
+            if rule.average:
                 block = block / g.size
             output.view(-1).copy_(block)
 
@@ -384,12 +429,11 @@ class C10dBackend(Backend):
     def _reduce_scatter_native(self, g, output, input, op, async_op):
         send = _flat(input) if isinstance(input, torch.Tensor) else torch.cat(
             [_flat(i) for i in input])
-        out, top, divide = self._reduce_args(_flat(output), op)
+        out, rule = self._reduce_args(_flat(output), op)
         send = send.view(torch.uint8) if send.dtype == torch.bool else send.to(out.dtype)
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = top
+        opts = self._opts(dist.ReduceScatterOptions, async_op, rule)
         work = g.pg._reduce_scatter_base(out, send, opts)
-        finish = (lambda: output.view(-1).copy_(out.div_(g.size))) if divide else None
+        finish = (lambda: output.view(-1).copy_(out.div_(g.size))) if rule.average else None
         return self._run(g, "reduce_scatter", [work], finish, async_op)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group,
@@ -400,7 +444,8 @@ class C10dBackend(Backend):
                                             g.size)
         self._check_device("all_to_all_single", input)
         inp = input.clone() if _overlaps(input, output) else input
-        work = g.pg.alltoall_base(output, inp, out_splits, in_splits, dist.AllToAllOptions())
+        work = g.pg.alltoall_base(output, inp, out_splits, in_splits,
+                                  self._opts(dist.AllToAllOptions, async_op))
         return self._run(g, "all_to_all_single", [work], None, async_op)
 
     def all_to_all(self, output_list, input_list, group, async_op):
@@ -410,7 +455,7 @@ class C10dBackend(Backend):
         send = torch.cat([_flat(t) for t in input_list])
         rsizes = [t.numel() for t in output_list]
         recv = send.new_empty(sum(rsizes))
-        work = self._alltoall(g, recv, send, rsizes, [t.numel() for t in input_list])
+        work = self._alltoall(g, recv, send, rsizes, [t.numel() for t in input_list], async_op)
         return self._run(g, "all_to_all", [work], lambda: _unpack(recv, output_list),
                          async_op)
 
@@ -423,7 +468,7 @@ class C10dBackend(Backend):
         root = dst == g.rank
         recv_splits = list(counts) if root else [0] * g.size
         recv = input.new_empty(sum(recv_splits))
-        work = self._alltoall(g, recv, _flat(input), recv_splits, send_splits)
+        work = self._alltoall(g, recv, _flat(input), recv_splits, send_splits, async_op)
         finish = (lambda: _place(recv, output, counts, displs)) if root else None
         return self._run(g, "gatherv", [work], finish, async_op)
 
@@ -436,7 +481,7 @@ class C10dBackend(Backend):
         send_splits = list(counts) if root else [0] * g.size
         recv_splits = [0] * g.size
         recv_splits[src] = output.numel()
-        work = self._alltoall(g, _flat(output), send, recv_splits, send_splits)
+        work = self._alltoall(g, _flat(output), send, recv_splits, send_splits, async_op)
         return self._run(g, "scatterv", [work], None, async_op)
 
     def all_gatherv(self, output, input, counts, displs, group, async_op):
@@ -445,7 +490,7 @@ class C10dBackend(Backend):
         self._check_device("all_gatherv", input)
         send = _flat(input).repeat(g.size)
         recv = input.new_empty(sum(counts))
-        work = self._alltoall(g, recv, send, list(counts), [input.numel()] * g.size)
+        work = self._alltoall(g, recv, send, list(counts), [input.numel()] * g.size, async_op)
         return self._run(g, "all_gatherv", [work],
                          lambda: _place(recv, output, counts, displs), async_op)
 
@@ -457,7 +502,7 @@ class C10dBackend(Backend):
         self._check_device("all_to_allv", input)
         send = _take(input, send_counts, sd)
         recv = input.new_empty(sum(recv_counts))
-        work = self._alltoall(g, recv, send, list(recv_counts), list(send_counts))
+        work = self._alltoall(g, recv, send, list(recv_counts), list(send_counts), async_op)
         return self._run(g, "all_to_allv", [work],
                          lambda: _place(recv, output, recv_counts, rd), async_op)
 
@@ -477,15 +522,18 @@ class C10dBackend(Backend):
 
     def barrier(self, group, async_op):
         g = self._group(group)
-        work = g.pg.barrier(self._barrier_options())
+        work = g.pg.barrier(self._barrier_options(async_op))
         return self._run(g, "barrier", [work], None, async_op)
 
 
 def _overlaps(a: torch.Tensor, b) -> bool:
-    if not isinstance(b, torch.Tensor) or a.numel() == 0 or b.numel() == 0:
+    if not isinstance(b, torch.Tensor):
+        return False
+    an, bn = a.nbytes, b.nbytes
+    if not an or not bn:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    return a0 < b0 + bn and b0 < a0 + an
 
 
 def _take(t: torch.Tensor, counts, displs) -> torch.Tensor:
