@@ -67,9 +67,13 @@ def test_c_floor_fit_steps_orders_allreduce_blocking_nonblocking():
     # to the fastest variant, blocking through 1 MiB (10% lost at 64 KiB, not 5x at 1 MiB)
     tie = {512: t(6, 6, 2), 4096: t(7, 8, 7), 65536: t(53, 48, 70), 1 << 20: t(242, 1175, 870),
            1 << 24: t(3665, 3739, 26656)}
-    assert fit(tie) == [[1024, "allreduce"], [4194304, True], [-1, False]]
+    # (with a 3% margin, under which 16 MiB's 2% is a tie: nonblocking)
+    assert fit(tie, 0.97) == [[1024, "allreduce"], [4194304, True], [-1, False]]
     flipped = {**tie, 65536: t(53, 10, 70)}  # now 5x lost at 64 KiB: nonblocking from there
-    assert fit(flipped) == [[1024, "allreduce"], [16384, True], [-1, False]]
+    assert fit(flipped, 0.97) == [[1024, "allreduce"], [16384, True], [-1, False]]
+    # the default margin is 1%: blocking 2% faster at 16 MiB wins there
+    assert fit(tie) == [[1024, "allreduce"], [-1, True]]
+    assert fit({8: t(0.985, 1)}) == [[-1, True]] and fit({8: t(0.995, 1)}) == [[-1, False]]
     # a bound never reaches the next measured size (round(log2(sqrt(128 * 256))) = 8)
     tight = fit({128: t(2, 3, 1), 256: t(1, 3, 2), 512: t(3, 1, 3)})
     assert tight == [[255, "allreduce"], [256, True], [-1, False]]
