@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
 from .groups import Group, bad_group_error
-from .launch import LaunchInfo, detect, node_cores_for_ranks
+from .launch import LaunchInfo, detect, node_cores_for_ranks, oversubscribed
 
 # MPICH's shared-memory ("release_gather") blocking bcast, barrier, allreduce and reduce
 # are several times faster than its point-to-point algorithms at small sizes, but its
@@ -52,7 +52,7 @@ def mpich_posix_coll_json() -> str:
 def mpich_selection_default(local_size: int, cores: int) -> str | None:
     """The value mcrdl gives MPICH_POSIX_COLL_CVAR for a node running `local_size` ranks
     on `cores` cores (None: leave MPICH's own selection); see above."""
-    return mpich_posix_coll_json() if local_size <= cores else None
+    return None if oversubscribed(local_size, cores) else mpich_posix_coll_json()
 
 
 def mpi_module():

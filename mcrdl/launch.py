@@ -104,10 +104,17 @@ def node_cores_for_ranks() -> int:
     return node if mine < node else mine
 
 
+def oversubscribed(ranks: int, cpus: int) -> bool:
+    """The one rule of what mcrdl calls oversubscribed: a node's `ranks` outnumber the
+    `cpus` they spread over. Then waiters yield and sleep, the shipped blocking steps give
+    way to nonblocking calls and MPICH's shared-memory selection is left out."""
+    return ranks > cpus
+
+
 def node_layout(masks: list[tuple[str, int]]) -> dict[str, tuple[int, int]]:
     """From every rank's (node id, affinity bit mask): per node, its ranks and the CPUs
-    their masks cover together, as {node: (ranks, CPUs)}; a node is oversubscribed where
-    ranks > CPUs."""
+    their masks cover together, as {node: (ranks, CPUs)} (:func:`oversubscribed` says
+    which nodes are)."""
     nodes: dict[str, tuple[int, int]] = {}
     for node, mask in masks:
         n, cpus = nodes.get(node, (0, 0))

@@ -26,7 +26,13 @@ from .. import _C
 from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpi_module, mpich_posix_coll_json
 from ..errors import DesyncError
 from ..groups import Group, bad_group_error
-from ..launch import affinity_bits, node_cores_for_ranks, node_id, node_layout
+from ..launch import (
+    affinity_bits,
+    node_cores_for_ranks,
+    node_id,
+    node_layout,
+    oversubscribed,
+)
 from ..ops import OPS
 from ..tuning.schema import VARIANT_CODES, check_steps, op_variants, step_variant
 from .base import Backend, Capabilities, InitContext
@@ -40,7 +46,7 @@ def poll_spins(ranks_on_node: int, cores: int | None = None) -> int:
     overrides). See csrc/lane.cpp for the measurements."""
     if os.environ.get("MCRDL_POLL_SPINS"):
         return int(os.environ["MCRDL_POLL_SPINS"])
-    return 64 if ranks_on_node <= (cores or node_cores_for_ranks()) else 0
+    return 0 if oversubscribed(ranks_on_node, cores or node_cores_for_ranks()) else 64
 
 
 def idle_sleep(ranks_on_node: int, cores: int | None = None) -> bool:
@@ -54,7 +60,7 @@ def idle_sleep(ranks_on_node: int, cores: int | None = None) -> bool:
         if v not in ("0", "1"):
             raise ValueError(f"MCRDL_IDLE_SLEEP must be 0 or 1, got {v!r}")
         return v == "1"
-    return ranks_on_node > (cores or node_cores_for_ranks())
+    return oversubscribed(ranks_on_node, cores or node_cores_for_ranks())
 
 
 def _env_mode(var: str, modes: tuple[str, ...]) -> str:
@@ -219,13 +225,13 @@ class MPILaneBackend(Backend):
         same on every rank; this node's waiters poll accordingly, and its first rank warns
         when it is oversubscribed."""
         layout = node_layout(masks)
-        self._oversubscribed = any(n > cpus for n, cpus in layout.values())
+        self._oversubscribed = any(oversubscribed(n, cpus) for n, cpus in layout.values())
         me = masks[self.ctx.bootstrap.rank][0]
         ranks, cpus = layout[me]
         _C.set_poll_spins(poll_spins(ranks, cpus))
         _C.set_idle_sleep(idle_sleep(ranks, cpus))
         first = next(r for r, (node, _) in enumerate(masks) if node == me)
-        if ranks > cpus and first == self.ctx.bootstrap.rank:
+        if oversubscribed(ranks, cpus) and first == self.ctx.bootstrap.rank:
             selection = os.environ.get(MPICH_POSIX_COLL_CVAR) == mpich_posix_coll_json()
             log.warning(
                 "mcrdl: %d ranks of node %s run on %d CPU(s) (their affinity masks together): "

@@ -20,7 +20,13 @@ def collect() -> dict:
 
     from mcrdl import __version__
     from mcrdl.backends import registry
-    from mcrdl.launch import detect, node_cores_for_ranks, node_cpus, usable_cores
+    from mcrdl.launch import (
+        detect,
+        node_cores_for_ranks,
+        node_cpus,
+        oversubscribed,
+        usable_cores,
+    )
 
     launch = detect()
     backends = {}
@@ -61,7 +67,7 @@ def collect() -> dict:
         # what the mpi backend assumes before init (launch.node_cores_for_ranks; init
         # then compares every rank's mask)
         "cpus": {"mask": usable_cores(), "node": node_cpus(), "ranks_spread_over": spread,
-                 "oversubscribed": launch.local_size > spread},
+                 "oversubscribed": oversubscribed(launch.local_size, spread)},
         "mpich_coll_selection": selection,
         "backends": backends,
     }
