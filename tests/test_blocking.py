@@ -310,10 +310,13 @@ def test_bound_ranks_are_not_oversubscribed_and_shared_cpus_are():
     assert len(masks) == 2, out  # each rank on a core of its own
     assert out.count(f"over False selection {sel} blocking True") == 2, out
     assert "CPU(s)" not in out, out
+    # two backends on MPI settle it each; the node's first rank warns once
+    code = code.replace("mcrdl.init(['mpi'])", "mcrdl.init(['mpi', 'pccl'])")
     out = run_launcher(["taskset", "-c", "0", mpiexec, "-n", "2", sys.executable, "-c", code],
                        env=env, timeout=60)
     assert out.count(f"over True selection {sel} blocking False") == 2, out
-    assert "2 ranks of node" in out and "run on 1 CPU(s)" in out and var in out, out
+    assert "2 ranks of node" in out and var in out, out
+    assert out.count("run on 1 CPU(s)") == 1, out
 
 
 def test_blocking_collective_waiting_on_another_thread_of_its_rank():

@@ -40,6 +40,11 @@ from .base import Backend, Capabilities, InitContext
 log = logging.getLogger("mcrdl")
 
 
+#: whether this process warned that its node is oversubscribed (the mpi, cray-mpich and
+#: pccl backends each settle it; one warning says it)
+_warned_oversubscribed = False
+
+
 def poll_spins(ranks_on_node: int, cores: int | None = None) -> int:
     """Polls before yielding: spin when this node's ranks fit the `cores` they spread over
     (default: launch.node_cores_for_ranks()), else yield at once (MCRDL_POLL_SPINS
@@ -182,7 +187,7 @@ class MPILaneBackend(Backend):
         # this node's ranks outnumber its cores (as this rank sees it); made exact and the
         # same on every rank (any node) by use_tuning_table, which the runtime calls
         # before any operation
-        self._oversubscribed = local > cores
+        self._oversubscribed = oversubscribed(local, cores)
 
     #: Whose steps of the tuning table choose the variants (the MPI library's collectives
     #: as the backend of that name measured them).
@@ -224,6 +229,7 @@ class MPILaneBackend(Backend):
         rank could only assume that a launcher binding it gave it cores of its own). The
         same on every rank; this node's waiters poll accordingly, and its first rank warns
         when it is oversubscribed."""
+        global _warned_oversubscribed
         layout = node_layout(masks)
         self._oversubscribed = any(oversubscribed(n, cpus) for n, cpus in layout.values())
         me = masks[self.ctx.bootstrap.rank][0]
@@ -231,7 +237,9 @@ class MPILaneBackend(Backend):
         _C.set_poll_spins(poll_spins(ranks, cpus))
         _C.set_idle_sleep(idle_sleep(ranks, cpus))
         first = next(r for r, (node, _) in enumerate(masks) if node == me)
-        if oversubscribed(ranks, cpus) and first == self.ctx.bootstrap.rank:
+        if oversubscribed(ranks, cpus) and first == self.ctx.bootstrap.rank and (
+                not _warned_oversubscribed):
+            _warned_oversubscribed = True  # once a process, not once per mpi-based backend
             selection = os.environ.get(MPICH_POSIX_COLL_CVAR) == mpich_posix_coll_json()
             log.warning(
                 "mcrdl: %d ranks of node %s run on %d CPU(s) (their affinity masks together): "
