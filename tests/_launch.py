@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -44,3 +45,35 @@ def run_launcher(cmd: list[str], env: dict | None = None, timeout: float = 300,
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode} (expected {expect_rc}); "
                     f"output:\n{out}")
     return out
+
+
+#: The line prefix a probe script prints its JSON result after (fresh_probe).
+RESULT_MARK = "@@RESULT@@"
+
+
+def clean_env() -> dict:
+    """The environment of a plain `python` start: no launcher variables."""
+    drop = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MV2_", "SLURM_", "PYTEST_",
+            "TORCHELASTIC_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+              "MASTER_PORT", "MCRDL_DEBUG"):
+        env.pop(k, None)
+    env.update(MCRDL_TIMEOUT="60", OMP_NUM_THREADS="1")
+    return env
+
+
+def fresh_probe(script: str, timeout: float = 240) -> dict:
+    """Run `script` in a fresh interpreter (a world of one: no launcher variables) and
+    return the JSON object it printed after RESULT_MARK; fail the test, with the script's
+    output, on a timeout, a non-zero exit or no result line."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], env=clean_env(),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the fresh-process probe script timed out:\n{exc.stdout}\n{exc.stderr}")
+    line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_MARK)]
+    assert proc.returncode == 0 and line, (
+        f"probe script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+        f"{proc.stderr[-3000:]}")
+    return json.loads(line[0][len(RESULT_MARK):])

@@ -8,14 +8,11 @@ reduction rules are ops.reduce_plan's.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from .test_errors_local import _clean_env
+from ._launch import fresh_probe
 
 _SCRIPT = textwrap.dedent(r'''
     import json
@@ -127,13 +124,7 @@ _SCRIPT = textwrap.dedent(r'''
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=_clean_env(),
-                          capture_output=True, text=True, timeout=240)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("@@RESULT@@")]
-    assert proc.returncode == 0 and line, (
-        f"probe script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-3000:]}")
-    return json.loads(line[0][len("@@RESULT@@"):])
+    return fresh_probe(_SCRIPT)
 
 
 @pytest.mark.parametrize("async_op", [False, True])

@@ -8,15 +8,13 @@ without mpiexec), which reports each call's outcome as JSON; the tests judge the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import mcrdl
+
+from ._launch import fresh_probe
 
 # Run in a fresh interpreter. Each probe records ["ok", result (repr unless plain)] or
 # [exception class name, message, names of the class's MRO].
@@ -101,31 +99,10 @@ _SCRIPT = textwrap.dedent(r'''
 ''')
 
 
-def _clean_env() -> dict:
-    """The environment of a plain `python` start: no launcher variables."""
-    drop = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MV2_", "SLURM_", "PYTEST_",
-            "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "MCRDL_DEBUG"):
-        env.pop(k, None)
-    env.update(MCRDL_TIMEOUT="60", OMP_NUM_THREADS="1")
-    return env
-
-
 @pytest.fixture(scope="module")
 def fresh() -> dict:
     """Outcomes of the probes of _SCRIPT in a fresh interpreter."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=_clean_env(),
-                              capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the fresh-process probe script timed out:\n{exc.stdout}\n{exc.stderr}")
-    line = [x for x in proc.stdout.splitlines() if x.startswith("@@RESULT@@")]
-    assert proc.returncode == 0 and line, (
-        f"probe script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-3000:]}")
-    return json.loads(line[0][len("@@RESULT@@"):])
+    return fresh_probe(_SCRIPT)
 
 
 def _raised(fresh: dict, key: str, cls: type, *needles: str) -> str:

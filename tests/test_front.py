@@ -8,16 +8,13 @@ real ones, and reports each outcome; the tests compare the two.
 from __future__ import annotations
 
 import inspect
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 import mcrdl
 
-from .test_errors_local import _clean_env
+from ._launch import fresh_probe
 
 _SCRIPT = textwrap.dedent(r'''
     import json
@@ -126,13 +123,7 @@ _SCRIPT = textwrap.dedent(r'''
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=_clean_env(),
-                          capture_output=True, text=True, timeout=240)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("@@RESULT@@")]
-    assert proc.returncode == 0 and line, (
-        f"probe script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-        f"{proc.stderr[-3000:]}")
-    return json.loads(line[0][len("@@RESULT@@"):])
+    return fresh_probe(_SCRIPT)
 
 
 def _pairs(report: dict):
