@@ -11,8 +11,12 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch.distributed as dist
 
 from ._launch import fresh_probe
+
+pytestmark = pytest.mark.skipif(not hasattr(dist.AllreduceOptions(), "asyncOp"),
+                                reason="this torch's c10d options have no asyncOp")
 
 _SCRIPT = textwrap.dedent(r'''
     import json
@@ -28,16 +32,24 @@ _SCRIPT = textwrap.dedent(r'''
     real = g.pg
     calls = []
 
+    OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
+
+    def op_name(o):
+        return next((n for n in OPS if o.reduceOp == getattr(dist.ReduceOp, n)), "?")
+
     class NoWorkWhenBlocking:
-        """The process group, recording each call's asyncOp; a blocking call's work is
-        waited here and None returned, as ProcessGroupNCCL does for asyncOp=False."""
+        """The process group, recording each call's options (asyncOp, reduceOp,
+        rootRank); a blocking call's work is waited here and None returned, as
+        ProcessGroupNCCL does for asyncOp=False."""
         def __getattr__(self, name):
             fn = getattr(real, name)
             if not callable(fn):
                 return fn
             def call(*args):
                 opts = [a for a in args if hasattr(a, "asyncOp")]
-                calls.append([name, [o.asyncOp for o in opts]])
+                calls.append([name] + [[o.asyncOp, op_name(o) if hasattr(o, "reduceOp")
+                                        else None, getattr(o, "rootRank", None)]
+                                       for o in opts])
                 work = fn(*args)
                 if opts and not opts[0].asyncOp:
                     work.wait()
@@ -48,41 +60,65 @@ _SCRIPT = textwrap.dedent(r'''
     g.pg = NoWorkWhenBlocking()
     res = {}
     x = torch.arange(6, dtype=torch.float32)
+    R = mcrdl.ReduceOp
     for async_op in (False, True):
         calls.clear()
         out = []
         def done(w):
             if async_op:
                 w.wait()
-        t = x.clone()
-        done(mcrdl.all_reduce("gloo", t, op=mcrdl.ReduceOp.AVG, async_op=async_op))
-        out.append(torch.equal(t, x))
+        # the same options key but for the reduction: SUM, MAX, then SUM again, AVG
+        for op in (R.SUM, R.MAX, R.SUM, R.AVG):
+            t = x.clone()
+            done(mcrdl.all_reduce("gloo", t, op=op, async_op=async_op))
+            out.append(torch.equal(t, x))
         t = x.clone()
         done(mcrdl.bcast("gloo", t, 0, async_op=async_op))
         out.append(torch.equal(t, x))
-        t = x.clone()
-        done(mcrdl.reduce("gloo", t, 0, async_op=async_op))
-        out.append(torch.equal(t, x))
+        for op in (R.SUM, R.MIN):
+            t = x.clone()
+            done(mcrdl.reduce("gloo", t, 0, op=op, async_op=async_op))
+            out.append(torch.equal(t, x))
         o = torch.empty(6)
         done(mcrdl.all_gather("gloo", o, x, async_op=async_op))
         out.append(torch.equal(o, x))
-        o = torch.empty(6)
-        done(mcrdl.reduce_scatter("gloo", o, x.clone(), async_op=async_op))
-        out.append(torch.equal(o, x))
+        ol = [torch.empty(6)]
+        done(mcrdl.all_gather("gloo", ol, x, async_op=async_op))
+        out.append(torch.equal(ol[0], x))
+        for native in (False, True):  # Gloo's all_reduce fallback, the library's own op
+            be.native_reduce_scatter = native
+            for op in (R.SUM, R.MAX):
+                o = torch.empty(6)
+                done(mcrdl.reduce_scatter("gloo", o, x.clone(), op=op, async_op=async_op))
+                out.append(torch.equal(o, x))
+        be.native_reduce_scatter = False
         o = torch.empty(6)
         done(mcrdl.all_to_all_single("gloo", o, x, async_op=async_op))
         out.append(torch.equal(o, x))
+        ol = [torch.empty(6)]
+        done(mcrdl.all_to_all("gloo", ol, [x], async_op=async_op))
+        out.append(torch.equal(ol[0], x))
         o = torch.empty(6)
         done(mcrdl.gather("gloo", o, x, 0, async_op=async_op))
         out.append(torch.equal(o, x))
         o = torch.empty(6)
         done(mcrdl.scatter("gloo", o, x, 0, async_op=async_op))
         out.append(torch.equal(o, x))
-        o = torch.empty(6)
-        done(mcrdl.all_gatherv("gloo", o, x, [6], async_op=async_op))
-        out.append(torch.equal(o, x))
+        for v in ("all_gatherv", "gatherv", "scatterv", "all_to_allv"):
+            o = torch.empty(6)
+            args = ([6], [6]) if v == "all_to_allv" else ([6],)
+            done(getattr(mcrdl, v)("gloo", o, x, *args, async_op=async_op))
+            out.append(torch.equal(o, x))
         done(mcrdl.barrier("gloo", async_op=async_op))
         res[f"async={async_op}"] = {"results": out, "calls": list(calls)}
+
+    # NCCL's barrier options (a stub device: no GPU needed to build them)
+    from types import SimpleNamespace
+    from mcrdl.backends.nccl import NCCLBackend
+    stub = SimpleNamespace(device=torch.device("cuda", 3), _opts=be._opts)
+    nb = [NCCLBackend._barrier_options(stub, a) for a in (False, True, False)]
+    res["nccl_barrier"] = [nb[0] is nb[2], nb[0] is not nb[1], nb[0].device_ids,
+                           nb[0].asyncOp, nb[1].asyncOp]
 
     # cached options: one object per value, with the values of the call
     a = be._opts(dist.BroadcastOptions, False, root=3)
@@ -127,26 +163,37 @@ def report() -> dict:
     return fresh_probe(_SCRIPT)
 
 
+#: The library calls of the probe's ops, in order: (method, reduceOp, rootRank) of each
+#: call's options (reduceOp None: the options have none), for either asyncOp.
+_EXPECTED = (
+    [("allreduce", op, None) for op in ("SUM", "MAX", "SUM", "SUM")]  # AVG: SUM, divide
+    + [("broadcast", None, 0), ("reduce", "SUM", 0), ("reduce", "MIN", 0),
+       ("_allgather_base", None, None), ("allgather", None, None),
+       ("allreduce", "SUM", None), ("allreduce", "MAX", None),  # Gloo's reduce_scatter
+       ("_reduce_scatter_base", "SUM", None), ("_reduce_scatter_base", "MAX", None),
+       ("alltoall_base", None, None), ("alltoall_base", None, None),
+       ("gather", None, 0), ("scatter", None, 0)]
+    + [("alltoall_base", None, None)] * 4 + [("barrier", None, None)])
+
+
 @pytest.mark.parametrize("async_op", [False, True])
-def test_every_op_passes_the_calls_async_op(report, async_op):
+def test_every_op_passes_the_calls_options(report, async_op):
+    """Each op's library call gets the call's asyncOp and its own reduceOp and root (a
+    cached options object keyed wrongly would hand MAX a SUM); with asyncOp False the
+    process group returned no work, and every result is still right."""
     r = report[f"async={async_op}"]
     assert all(r["results"]), r
-    names = [name for name, _ in r["calls"]]
-    # one library call per op, each with options saying whether the call is async
-    assert len(names) == 10, r["calls"]
-    for name, flags in r["calls"]:
-        assert flags == [async_op], (name, flags)
-
-
-def test_blocking_calls_accept_no_work_from_the_library(report):
-    # the blocking pass above ran through a process group that returned None for every
-    # blocking call (its results were checked): nothing was waited on twice or lost
-    assert all(report["async=False"]["results"])
+    got = [(name, *opts[1:]) for name, opts in r["calls"]]
+    assert got == _EXPECTED, r["calls"]
+    for name, opts in r["calls"]:
+        assert opts[0] == async_op, (name, opts)
 
 
 def test_cached_options_carry_each_calls_values(report):
     assert report["opts"] == [True, True, 3, False, 5, True,
                               True, 2, True, True, [0]], report["opts"]
+    # NCCL's barrier names its device, one object per asyncOp
+    assert report["nccl_barrier"] == [True, True, [3], False, True]
 
 
 def test_cached_reduction_rules_are_reduce_plans(report):

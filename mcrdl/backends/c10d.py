@@ -24,6 +24,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # not in dist's namespace
 
 from .. import _C
 from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
@@ -31,13 +32,6 @@ from ..groups import Group, bad_group_error
 from ..ops import ReduceOp, reduce_plan
 from ..work import ChainedWork, ThreadedWait, poll_until
 from .base import Backend, InitContext
-
-try:  # not in torch.distributed's namespace
-    from torch._C._distributed_c10d import AllgatherOptions
-except ImportError:  # pragma: no cover - torch builds without c10d have no Gloo either
-    AllgatherOptions = None
-#: whether c10d's options carry the call's asyncOp (torch >= 2.7)
-_HAS_ASYNC_OP = hasattr(dist.AllreduceOptions(), "asyncOp")
 
 _TORCH_OP = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -327,7 +321,7 @@ class C10dBackend(Backend):
         opts = cache.get(key)
         if opts is None:
             opts = cls()
-            if _HAS_ASYNC_OP:
+            if hasattr(opts, "asyncOp"):  # torch versions differ in which classes have it
                 opts.asyncOp = async_op
             if rule is not None:
                 opts.reduceOp = rule.top

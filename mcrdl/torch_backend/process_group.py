@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions  # not in dist's namespace
 from torch.distributed.constants import default_pg_timeout
 
 from .._C import Work as _CWork
@@ -569,7 +570,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     #    all_gather_single_coalesced (allgather_into_tensor_coalesced) -----------------
     def allgather(self, output_tensors, input_tensors, opts=None):
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         tensor = _single(input_tensors, ALLGATHER)
         outputs = _single(output_tensors, ALLGATHER)
         return self._post(ALLGATHER, self._api.all_gather, (outputs, tensor), outputs,
@@ -577,7 +578,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         return self._post(ALLGATHER, self._api.all_gather, (_flat(output), _flat(input)),
                           [output], opts.asyncOp)
 
@@ -585,14 +586,14 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         calls = [(outs, t) for outs, t in zip(output_lists, input_tensors, strict=True)]
         return self._post_each(ALLGATHER, self._api.all_gather, calls,
                                [o for outs in output_lists for o in outs], opts.asyncOp)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         calls = [(_flat(o), _flat(i)) for o, i in zip(outputs, inputs, strict=True)]
         return self._post_each(ALLGATHER, self._api.all_gather, calls, list(outputs),
                                opts.asyncOp)
