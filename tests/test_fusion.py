@@ -117,3 +117,47 @@ def test_pack_and_unpack_flat_copy_tensors_of_any_shape():
         _C.unpack_flat(buf, [torch.empty(12)])
     with pytest.raises(mcrdl.InvalidArgumentError, match="not a tensor"):
         _C.pack_flat([torch.ones(2), 3])
+
+
+_GPU_ONLY = r'''
+import json
+import torch
+import mcrdl, mcrdl.api
+from mcrdl.extensions.tensor_fusion import Fused
+
+got = []
+
+class GpuOnly(mcrdl.Backend):
+    """Takes CUDA tensors only; records what reaches it."""
+    capabilities = mcrdl.Capabilities(devices=frozenset({"cuda"}),
+                                      ops=frozenset({"all_reduce"}))
+
+    def all_reduce(self, tensor, op, group, async_op):
+        got.append(tensor.device.type)
+        raise mcrdl.BackendUnavailableError(f"gpuonly: got a tensor on {tensor.device}")
+
+mcrdl.register_backend("gpuonly", GpuOnly)
+mcrdl.init(["gloo", "gpuonly"])
+res = {}
+with mcrdl.extensions(fusion=True):
+    d = mcrdl.api.current_runtime().dispatch
+    res["fused"] = {name: isinstance(d[name], Fused) for name in ("gloo", "gpuonly")}
+    try:
+        mcrdl.all_reduce("gpuonly", torch.ones(4), async_op=True).wait()
+        res["error"] = None
+    except mcrdl.BackendUnavailableError as exc:
+        res["error"] = str(exc)
+mcrdl.finalize()
+res["reached"] = got
+print("@@RESULT@@" + json.dumps(res))
+'''
+
+
+def test_fusion_wraps_only_backends_that_take_cpu_tensors():
+    """Fusion buffers CPU tensors only: a GPU-only backend gets no fusion layer, so a CPU
+    call on it fails at the backend's own check (not in a fusion round's agreement)."""
+    from ._launch import fresh_probe
+
+    res = fresh_probe(_GPU_ONLY)
+    assert res["fused"] == {"gloo": True, "gpuonly": False}, res
+    assert res["reached"] == ["cpu"] and "gpuonly: got a tensor on cpu" in res["error"], res

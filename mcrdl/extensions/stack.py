@@ -132,10 +132,11 @@ def build(runtime) -> dict:
         logger().attach(runtime)
         if not config.enabled:
             return dict(runtime.bases)
-        return {name: _layers(base, config, runtime) for name, base in runtime.bases.items()}
+        return {name: _layers(base, config, runtime, runtime.backends[name].capabilities)
+                for name, base in runtime.bases.items()}
 
 
-def _layers(base, config: ExtensionConfig, runtime):
+def _layers(base, config: ExtensionConfig, runtime, capabilities):
     top = base
     if config.logging is not None:
         log_ = logger()
@@ -145,7 +146,10 @@ def _layers(base, config: ExtensionConfig, runtime):
     if config.compression is not None:
         top = Compressed(top, runtime, config.compression)
         _installed.insert(0, top)
-    if config.fusion is not None:
+    # Fusion buffers CPU tensors only: a backend that takes none gets no fusion layer
+    # (its calls would only pass through one, and a CPU call buffered there would fail in
+    # the round's agreement on the backend, not at the backend's own device check).
+    if config.fusion is not None and "cpu" in capabilities.devices:
         top = Fused(top, runtime, config.fusion)
         _installed.insert(0, top)
     if config.logging is not None:

@@ -1,5 +1,5 @@
 """The call path on CUDA tensors at world size 1 (nccl beside mpi): "auto" routes by
-device, fusion packs CUDA tensors on the nccl lane, compression passes GPU tensors
+device, fusion leaves CUDA tensors on nccl as they are, compression passes GPU tensors
 through exactly, the log records nccl calls, a CPU and a GPU op in flight together."""
 
 import torch
