@@ -2,7 +2,7 @@
 and the nonblocking one (+ MPI_Wait) called from C, and mcrdl's blocking call.
 
     python benchmarks/c_floor.py [--ranks 2 4] [--sizes 8 4096 65536 1048576 16777216]
-                                 [--trials 7] [--variants]
+                                 [--trials 7] [--runs 1] [--variants]
 
 Builds benchmarks/c_floor.c with the MPI library's ``mpicc`` (``$MPICC``, else the one
 beside this Python, as setup.py finds it), as a program and as a Python module, runs the
@@ -24,7 +24,9 @@ loop calling a no-op C builtin), "C per py call" (c_floor.c's call of the varian
 runs, made once per iteration of that loop through the smallest C extension function
 there is: c_floor.c is also the CPython module `c_floor`) and mcrdl over it.
 ``--variants`` adds mcrdl with each variant forced (the data of
-mcrdl/tuning/mpi_blocking.json).
+mcrdl/tuning/mpi_blocking.json). ``--runs R`` repeats everything R times and ends with
+each ratio's range over the runs: this machine's timings swing between runs by more
+than a per-run median shows.
 """
 
 from __future__ import annotations
@@ -276,11 +278,92 @@ def us(t: float) -> str:
     return f"{t * 1e6:.2f}" if t < 1e-3 else f"{t * 1e6:.0f}"
 
 
+def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, float, float]]],
+                 runs: int) -> list[str]:
+    """The summary of several runs, as markdown lines: per (ranks, op, bytes) the range
+    over runs of mcrdl minus the best in-process C variant (us), mcrdl over it, and
+    mcrdl over the C call made once per Python loop iteration. `per_run` holds one
+    (minus us, over, over per py call) tuple per run."""
+    lines = [f"\nspread over {runs} runs (min to max)",
+             "| ranks | op | bytes | mcrdl - best C in-proc us | mcrdl / best C in-proc "
+             "| mcrdl / C per py call |", "|---|---|---|---|---|---|"]
+
+    def rng(vals, fmt):
+        lo, hi = min(vals), max(vals)
+        return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else \
+            f"{format(lo, fmt)} to {format(hi, fmt)}"
+
+    for (n, op, nbytes), rows in sorted(per_run.items()):
+        cols = list(zip(*rows, strict=True))
+        lines.append(f"| {n} | {op} | {nbytes} | {rng(cols[0], '+.2f')} | "
+                     f"{rng(cols[1], '.2f')} | {rng(cols[2], '.2f')} |")
+    return lines
+
+
+def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> dict:
+    """One run at `n` ranks: the C program (single-threaded and MPI_THREAD_MULTIPLE
+    init) and the rank part; prints its table (and --variants' fits) and returns, per
+    (op, bytes), (mcrdl - best C in-proc, mcrdl / best C in-proc, mcrdl / C per py
+    call)."""
+    c = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
+                             check=True, capture_output=True, text=True, env=env).stdout)
+    cmt = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
+                               check=True, capture_output=True, text=True,
+                               env=dict(env, C_FLOOR_THREAD_MULTIPLE="1")).stdout)
+    m = parse(subprocess.run(
+        [_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__),
+         "--rank-part", "--trials", str(a.trials), "--sizes", *sizes,
+         "--ops", *dict.fromkeys(op for op, _ in c), "--clib", lib,
+         *(["--variants"] if a.variants else [])],
+        check=True, capture_output=True, text=True, env=env).stdout)
+    head = ["op", "bytes", "C blocking us", "C nonblocking us", "C MT blocking us",
+            "C MT nonblocking us", "C in-proc blocking us", "C in-proc nonblocking us",
+            "C in-proc allreduce us", "mcrdl us", "mcrdl - C MT blk us",
+            "mcrdl - C in-proc blk us", "mcrdl / best C MT", "mcrdl / best C in-proc",
+            "mcrdl - best C in-proc us", "py loop us", "C per py call us",
+            "mcrdl / C per py call"]
+    if a.variants:
+        head += ["mcrdl blk us", "mcrdl nonblk us", "mcrdl allreduce us"]
+    fits: dict[str, dict[int, dict[str, float]]] = {}
+    summary = {}
+    print(f"\n{n} ranks (median of {a.trials} trials of the max over ranks)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for key in c:
+        if key not in m or key not in cmt:
+            continue
+        cb, cn = c[key]
+        tb, tn = cmt[key]
+        mt = m[key]
+        ib, inb, iar, percall, loop = mt[-5:]
+        best = min(t for t in (ib, inb, iar) if not math.isnan(t))
+        cells = [key[0], str(key[1]), us(cb), us(cn), us(tb), us(tn), us(ib), us(inb),
+                 us(iar), us(mt[0]), f"{(mt[0] - tb) * 1e6:+.2f}",
+                 f"{(mt[0] - ib) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}",
+                 f"{mt[0] / best:.2f}", f"{(mt[0] - best) * 1e6:+.2f}",
+                 us(loop), us(percall), f"{mt[0] / percall:.2f}"]
+        summary[key] = ((mt[0] - best) * 1e6, mt[0] / best, mt[0] / percall)
+        if a.variants:
+            cells += [us(t) for t in mt[1:4]]
+            fits.setdefault(key[0], {})[key[1]] = {
+                v: t for v, t in zip(VARIANTS, mt[1:4], strict=True) if not math.isnan(t)}
+        print("| " + " | ".join(cells) + " |", flush=True)
+    if a.variants:
+        print(f"\nsteps for mcrdl/tuning/mpi_blocking.json, group size {n}, from this "
+              "run (fit_steps):")
+        for op, t in fits.items():
+            print(f'    "{op}": {{"{n}": {json.dumps(fit_steps(t))}}}')
+    return summary
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--sizes", type=int, nargs="+", default=[8, 4096, 65536, 1 << 20, 16 << 20])
     p.add_argument("--trials", type=int, default=7)
+    p.add_argument("--runs", type=int, default=1,
+                   help="repeat the whole measurement; with 2+ a table of each ratio's "
+                        "range over runs follows (this machine's spread)")
     p.add_argument("--variants", action="store_true")
     p.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ops", nargs="+", help=argparse.SUPPRESS)  # the rank part's, from C
@@ -289,58 +372,21 @@ def main(argv=None) -> None:
     if a.rank_part:
         rank_part(a.ops, a.sizes, a.trials, a.variants, a.clib)
         return
+    if a.runs < 1:
+        p.error(f"--runs must be at least 1, got {a.runs}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sizes = [str(s) for s in a.sizes]
+    per_run: dict[tuple[int, str, int], list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         exe, lib = build(tmp)
-        for n in a.ranks:
-            c = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
-                                     check=True, capture_output=True, text=True,
-                                     env=env).stdout)
-            cmt = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
-                                       check=True, capture_output=True, text=True,
-                                       env=dict(env, C_FLOOR_THREAD_MULTIPLE="1")).stdout)
-            m = parse(subprocess.run(
-                [_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__),
-                 "--rank-part", "--trials", str(a.trials), "--sizes", *sizes,
-                 "--ops", *dict.fromkeys(op for op, _ in c), "--clib", lib,
-                 *(["--variants"] if a.variants else [])],
-                check=True, capture_output=True, text=True, env=env).stdout)
-            head = ["op", "bytes", "C blocking us", "C nonblocking us", "C MT blocking us",
-                    "C MT nonblocking us", "C in-proc blocking us", "C in-proc nonblocking us",
-                    "C in-proc allreduce us", "mcrdl us", "mcrdl - C MT blk us",
-                    "mcrdl - C in-proc blk us", "mcrdl / best C MT", "mcrdl / best C in-proc",
-                    "mcrdl - best C in-proc us", "py loop us", "C per py call us",
-                    "mcrdl / C per py call"]
-            if a.variants:
-                head += ["mcrdl blk us", "mcrdl nonblk us", "mcrdl allreduce us"]
-            fits: dict[str, dict[int, dict[str, float]]] = {}
-            print(f"\n{n} ranks (median of {a.trials} trials of the max over ranks)")
-            print("| " + " | ".join(head) + " |")
-            print("|" + "---|" * len(head))
-            for key in c:
-                if key not in m or key not in cmt:
-                    continue
-                cb, cn = c[key]
-                tb, tn = cmt[key]
-                mt = m[key]
-                ib, inb, iar, percall, loop = mt[-5:]
-                best = min(t for t in (ib, inb, iar) if not math.isnan(t))
-                cells = [key[0], str(key[1]), us(cb), us(cn), us(tb), us(tn), us(ib), us(inb),
-                         us(iar), us(mt[0]), f"{(mt[0] - tb) * 1e6:+.2f}",
-                         f"{(mt[0] - ib) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}",
-                         f"{mt[0] / best:.2f}", f"{(mt[0] - best) * 1e6:+.2f}",
-                         us(loop), us(percall), f"{mt[0] / percall:.2f}"]
-                if a.variants:
-                    cells += [us(t) for t in mt[1:4]]
-                    fits.setdefault(key[0], {})[key[1]] = {
-                        v: t for v, t in zip(VARIANTS, mt[1:4], strict=True) if not math.isnan(t)}
-                print("| " + " | ".join(cells) + " |", flush=True)
-            if a.variants:
-                print(f"\nsteps for mcrdl/tuning/mpi_blocking.json, group size {n}, from this "
-                      "run (fit_steps):")
-                for op, t in fits.items():
-                    print(f'    "{op}": {{"{n}": {json.dumps(fit_steps(t))}}}')
+        for r in range(a.runs):
+            for n in a.ranks:
+                if a.runs > 1:
+                    print(f"\nrun {r + 1} of {a.runs}")
+                for key, vals in world_run(n, a, exe, lib, env, sizes).items():
+                    per_run.setdefault((n, *key), []).append(vals)
+    if a.runs > 1:
+        print("\n".join(spread_table(per_run, a.runs)), flush=True)
 
 
 if __name__ == "__main__":

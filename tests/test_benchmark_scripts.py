@@ -78,3 +78,19 @@ def test_c_floor_fit_steps_orders_allreduce_blocking_nonblocking():
     tight = fit({128: t(2, 3, 1), 256: t(1, 3, 2), 512: t(3, 1, 3)})
     assert tight == [[255, "allreduce"], [256, True], [-1, False]]
     check_steps(tight, "fit", "$", "reduce_scatter")
+
+
+def test_c_floor_spread_table_reports_each_ratios_range():
+    """c_floor --runs: per (ranks, op, bytes) the min-to-max of each ratio over runs, a
+    single value where every run printed the same."""
+    import runpy
+
+    table = runpy.run_path(str(BENCHMARKS[0].parent / "c_floor.py"))["spread_table"]
+    lines = table({(2, "all_reduce", 8): [(0.11, 1.20, 1.10), (0.17, 1.31, 1.10)],
+                   (2, "all_reduce", 1 << 20): [(5.0, 1.031, 1.0), (9.0, 1.048, 1.01)],
+                   (2, "bcast", 8): [(0.05, 1.1, 0.97)]}, 2)
+    assert lines[0].strip().startswith("spread over 2 runs")
+    rows = lines[3:]
+    assert rows == ["| 2 | all_reduce | 8 | +0.11 to +0.17 | 1.20 to 1.31 | 1.10 |",
+                    "| 2 | all_reduce | 1048576 | +5.00 to +9.00 | 1.03 to 1.05 | 1.00 to 1.01 |",
+                    "| 2 | bcast | 8 | +0.05 | 1.10 | 0.97 |"]
