@@ -122,13 +122,13 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.99) -> list:
     blocking variant wins when under `margin` times the nonblocking one, the allreduce
     variant (all_gather, reduce_scatter) when under `margin` times that winner (closer is
     noise between the paired medians of one run here; a 3% margin kept all_reduce at 2
-    ranks nonblocking at 1 MiB, where its blocking variant was 1-3% faster in every run
-    and so mcrdl 2% over C's best); then the split of the sizes into allreduce, blocking and
-    nonblocking runs, in that order of size, that agrees with the most sizes (on a tie
-    the one whose variants lose least to the fastest, summed over sizes as log(time /
-    fastest time), then fewer allreduce, then fewer blocking sizes), each run ending at
-    the geometric middle of the measured sizes around its end, rounded to a power of two
-    (kept below the next measured size)."""
+    ranks nonblocking at 1 MiB, where its blocking variant was the faster one in every
+    run, and so mcrdl about 2% over C's best); then the split of the sizes into
+    allreduce, blocking and nonblocking runs, in that order of size, that agrees with
+    the most sizes (on a tie the one whose variants lose least to the fastest, summed
+    over sizes as log(time / fastest time), then fewer allreduce, then fewer blocking
+    sizes), each run ending at the geometric middle of the measured sizes around its
+    end, rounded to a power of two (kept below the next measured size)."""
     sizes = sorted(times)
 
     def winner(t: dict[str, float]) -> str:
@@ -285,26 +285,45 @@ def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, float, fl
     mcrdl over the C call made once per Python loop iteration. `per_run` holds one
     (minus us, over, over per py call) tuple per run."""
     lines = [f"\nspread over {runs} runs (min to max)",
-             "| ranks | op | bytes | mcrdl - best C in-proc us | mcrdl / best C in-proc "
-             "| mcrdl / C per py call |", "|---|---|---|---|---|---|"]
+             "| ranks | op | bytes | values | mcrdl - best C in-proc us "
+             "| mcrdl / best C in-proc | mcrdl / C per py call |", "|---|---|---|---|---|---|---|"]
 
     def rng(vals, fmt):
+        vals = [v for v in vals if not math.isnan(v)]
+        if not vals:
+            return "-"
         lo, hi = min(vals), max(vals)
         return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else \
             f"{format(lo, fmt)} to {format(hi, fmt)}"
 
     for (n, op, nbytes), rows in sorted(per_run.items()):
         cols = list(zip(*rows, strict=True))
-        lines.append(f"| {n} | {op} | {nbytes} | {rng(cols[0], '+.2f')} | "
+        lines.append(f"| {n} | {op} | {nbytes} | {len(rows)} | {rng(cols[0], '+.2f')} | "
                      f"{rng(cols[1], '.2f')} | {rng(cols[2], '.2f')} |")
     return lines
 
 
-def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> dict:
+def pooled_fit(runs: list[dict[int, dict[str, float]]]) -> list:
+    """fit_steps of several runs' variant times of one op and group size, as the shipped
+    steps are made: per size the median over runs of blocking / nonblocking and of
+    allreduce / blocking (a size some run lacks uses the runs that have it)."""
+    pooled = {}
+    for b in sorted({b for r in runs for b in r}):
+        at = [r[b] for r in runs if b in r]
+        bn = statistics.median(t["blocking"] / t["nonblocking"] for t in at)
+        t = {"nonblocking": 1.0, "blocking": bn}
+        ar = [x["allreduce"] / x["blocking"] for x in at if "allreduce" in x]
+        if ar:
+            t["allreduce"] = statistics.median(ar) * bn
+        pooled[b] = t
+    return fit_steps(pooled)
+
+
+def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> tuple:
     """One run at `n` ranks: the C program (single-threaded and MPI_THREAD_MULTIPLE
     init) and the rank part; prints its table (and --variants' fits) and returns, per
     (op, bytes), (mcrdl - best C in-proc, mcrdl / best C in-proc, mcrdl / C per py
-    call)."""
+    call), and with --variants each op's {bytes: {variant: time}}."""
     c = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
                              check=True, capture_output=True, text=True, env=env).stdout)
     cmt = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
@@ -353,7 +372,7 @@ def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> dic
               "run (fit_steps):")
         for op, t in fits.items():
             print(f'    "{op}": {{"{n}": {json.dumps(fit_steps(t))}}}')
-    return summary
+    return summary, fits
 
 
 def main(argv=None) -> None:
@@ -377,16 +396,24 @@ def main(argv=None) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sizes = [str(s) for s in a.sizes]
     per_run: dict[tuple[int, str, int], list[tuple[float, float, float]]] = {}
+    variant_runs: dict[tuple[int, str], list[dict[int, dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         exe, lib = build(tmp)
         for r in range(a.runs):
             for n in a.ranks:
                 if a.runs > 1:
                     print(f"\nrun {r + 1} of {a.runs}")
-                for key, vals in world_run(n, a, exe, lib, env, sizes).items():
+                summary, fits = world_run(n, a, exe, lib, env, sizes)
+                for key, vals in summary.items():
                     per_run.setdefault((n, *key), []).append(vals)
+                for op, times in fits.items():
+                    variant_runs.setdefault((n, op), []).append(times)
     if a.runs > 1:
         print("\n".join(spread_table(per_run, a.runs)), flush=True)
+        if variant_runs:
+            print(f"\nsteps from the {a.runs} runs' median ratios (pooled_fit):")
+            for (n, op), runs in sorted(variant_runs.items()):
+                print(f'    "{op}": {{"{n}": {json.dumps(pooled_fit(runs))}}}')
 
 
 if __name__ == "__main__":

@@ -89,6 +89,8 @@ class Bootstrap:
         self._comms: dict[int, object] = {}  # group id -> MPI communicator (members only)
         self._seqs: dict[int, int] = {}  # group id -> object collectives so far (store)
         self._store = None
+        #: whether a backend on MPI warned of an oversubscribed node (once an init)
+        self.warned_oversubscribed = False
         if info.mpi_world:
             self._comms[0] = mpi_module().COMM_WORLD.Dup()
         self.world = Group(range(self.size), self.rank, 0)

@@ -70,8 +70,10 @@ def fresh_probe(script: str, timeout: float = 240) -> dict:
     try:
         proc = subprocess.run([sys.executable, "-c", script], env=clean_env(),
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the fresh-process probe script timed out:\n{exc.stdout}\n{exc.stderr}")
+    except subprocess.TimeoutExpired as exc:  # its output comes as bytes (or None) here
+        out, err = (b.decode(errors="replace") if isinstance(b, bytes) else b or ""
+                    for b in (exc.stdout, exc.stderr))
+        pytest.fail(f"the fresh-process probe script timed out:\n{out}\n{err}")
     line = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_MARK)]
     assert proc.returncode == 0 and line, (
         f"probe script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"

@@ -91,6 +91,28 @@ def test_c_floor_spread_table_reports_each_ratios_range():
                    (2, "bcast", 8): [(0.05, 1.1, 0.97)]}, 2)
     assert lines[0].strip().startswith("spread over 2 runs")
     rows = lines[3:]
-    assert rows == ["| 2 | all_reduce | 8 | +0.11 to +0.17 | 1.20 to 1.31 | 1.10 |",
-                    "| 2 | all_reduce | 1048576 | +5.00 to +9.00 | 1.03 to 1.05 | 1.00 to 1.01 |",
-                    "| 2 | bcast | 8 | +0.05 | 1.10 | 0.97 |"]
+    assert rows == [
+        "| 2 | all_reduce | 8 | 2 | +0.11 to +0.17 | 1.20 to 1.31 | 1.10 |",
+        "| 2 | all_reduce | 1048576 | 2 | +5.00 to +9.00 | 1.03 to 1.05 | 1.00 to 1.01 |",
+        "| 2 | bcast | 8 | 1 | +0.05 | 1.10 | 0.97 |"]  # a size one run lacked: 1 value
+
+
+def test_c_floor_pooled_fit_fits_the_median_ratios_of_runs():
+    """c_floor --variants --runs: the steps of several runs are fit_steps of the median
+    over runs of each size's ratios (as mpi_blocking.json's steps are made)."""
+    import runpy
+
+    c_floor = runpy.run_path(str(BENCHMARKS[0].parent / "c_floor.py"))
+    fit, pooled = c_floor["fit_steps"], c_floor["pooled_fit"]
+
+    def t(b, nb, ar=None):
+        return {"blocking": b, "nonblocking": nb, **({} if ar is None else {"allreduce": ar})}
+
+    one = {8: t(1, 2, 0.5), 4096: t(10, 20, 30), 1 << 20: t(300, 200, 900)}
+    assert pooled([one, one]) == fit(one) == [[256, "allreduce"], [65536, True], [-1, False]]
+    # 1 MiB: blocking / nonblocking 0.98, 1.00, 0.985 over three runs -> median 0.985 wins
+    runs = [{**one, 1 << 20: t(98 * k, 100 * k)} for k in (1, 2, 3)]
+    runs[1][1 << 20] = t(100, 100)
+    runs[2][1 << 20] = t(98.5, 100)
+    assert pooled(runs) == [[256, "allreduce"], [-1, True]]
+    assert fit(runs[1]) == [[256, "allreduce"], [65536, True], [-1, False]]

@@ -40,11 +40,6 @@ from .base import Backend, Capabilities, InitContext
 log = logging.getLogger("mcrdl")
 
 
-#: whether this process warned that its node is oversubscribed (the mpi, cray-mpich and
-#: pccl backends each settle it; one warning says it)
-_warned_oversubscribed = False
-
-
 def poll_spins(ranks_on_node: int, cores: int | None = None) -> int:
     """Polls before yielding: spin when this node's ranks fit the `cores` they spread over
     (default: launch.node_cores_for_ranks()), else yield at once (MCRDL_POLL_SPINS
@@ -229,7 +224,6 @@ class MPILaneBackend(Backend):
         rank could only assume that a launcher binding it gave it cores of its own). The
         same on every rank; this node's waiters poll accordingly, and its first rank warns
         when it is oversubscribed."""
-        global _warned_oversubscribed
         layout = node_layout(masks)
         self._oversubscribed = any(oversubscribed(n, cpus) for n, cpus in layout.values())
         me = masks[self.ctx.bootstrap.rank][0]
@@ -237,9 +231,11 @@ class MPILaneBackend(Backend):
         _C.set_poll_spins(poll_spins(ranks, cpus))
         _C.set_idle_sleep(idle_sleep(ranks, cpus))
         first = next(r for r, (node, _) in enumerate(masks) if node == me)
-        if oversubscribed(ranks, cpus) and first == self.ctx.bootstrap.rank and (
-                not _warned_oversubscribed):
-            _warned_oversubscribed = True  # once a process, not once per mpi-based backend
+        # once an init (the bootstrap's), not once per backend on MPI (mpi, pccl, ...)
+        boot = self.ctx.bootstrap
+        if oversubscribed(ranks, cpus) and first == boot.rank and not getattr(
+                boot, "warned_oversubscribed", False):
+            boot.warned_oversubscribed = True
             selection = os.environ.get(MPICH_POSIX_COLL_CVAR) == mpich_posix_coll_json()
             log.warning(
                 "mcrdl: %d ranks of node %s run on %d CPU(s) (their affinity masks together): "

@@ -137,19 +137,20 @@ def build(runtime) -> dict:
 
 
 def _layers(base, config: ExtensionConfig, runtime, capabilities):
+    # Fusion buffers CPU tensors only: a backend that takes none gets no fusion layer
+    # (its calls would only pass through one, and a CPU call buffered there would fail in
+    # the round's agreement on the backend, not at the backend's own device check).
+    fuses = config.fusion is not None and "cpu" in capabilities.devices
     top = base
     if config.logging is not None:
         log_ = logger()
         log_.configure(config.logging, runtime.rank)
-        if config.logging.wire and (config.fusion is not None or config.compression is not None):
+        if config.logging.wire and (fuses or config.compression is not None):
             top = Logged(top, log_, "wire", runtime.world_size)
     if config.compression is not None:
         top = Compressed(top, runtime, config.compression)
         _installed.insert(0, top)
-    # Fusion buffers CPU tensors only: a backend that takes none gets no fusion layer
-    # (its calls would only pass through one, and a CPU call buffered there would fail in
-    # the round's agreement on the backend, not at the backend's own device check).
-    if config.fusion is not None and "cpu" in capabilities.devices:
+    if fuses:
         top = Fused(top, runtime, config.fusion)
         _installed.insert(0, top)
     if config.logging is not None:
