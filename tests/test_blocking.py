@@ -457,6 +457,16 @@ seen = {'alone': _C.may_hold_gil()}
 t = threading.Thread(target=time.sleep, args=(0.3,)); t.start()
 seen['python thread'] = _C.may_hold_gil(); t.join()
 seen['thread joined'] = _C.may_hold_gil()
+# the answer is cached by the thread list's head (csrc/gil.cpp): a thread that is not the
+# head ending leaves it, and the one still alive must still count
+stop_a, stop_b = threading.Event(), threading.Event()
+a, b = threading.Thread(target=stop_a.wait), threading.Thread(target=stop_b.wait)
+a.start(); b.start()
+seen['two threads'] = _C.may_hold_gil()
+stop_a.set(); a.join()
+seen['one of two joined'] = _C.may_hold_gil()
+stop_b.set(); b.join()
+seen['both joined'] = _C.may_hold_gil()
 if rank == 1:
     w = mcrdl.recv('mpi', torch.zeros(1), src=0, tag=3, async_op=True)
     done = []
@@ -488,6 +498,7 @@ os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
     env = {k: v for k, v in os.environ.items() if k != "MCRDL_HOLD_GIL"}
     out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], env=env, timeout=120)
     want = {"alone": True, "python thread": False, "thread joined": True,
+            "two threads": False, "one of two joined": False, "both joined": True,
             "fusion timer": False, "next session": True, "never": False}
     for rank, extra in ((0, {}), (1, {"callback pending": False, "callback ran": (True, True)})):
         line = re.search(rf"SEEN {rank} (.*)", out)

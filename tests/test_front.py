@@ -106,6 +106,23 @@ _SCRIPT = textwrap.dedent(r'''
             w = mcrdl.all_reduce("mpi", x, async_op=True)
             w.wait()
             res["mpi values"] = [x.tolist(), out.tolist(), type(w).__name__]
+            # The backend's C functions convert async_op and ints themselves
+            # (csrc/mpi_comm.cpp truthy, csrc/pyargs.h to_int): as Python would.
+            class Ambiguous:
+                def __bool__(self):
+                    raise ValueError("truth value is ambiguous")
+            SUM = mcrdl.ReduceOp.SUM
+            w1 = mcrdl.all_reduce("mpi", x, SUM, None, 1)
+            res["fast args"] = [
+                type(w1).__name__, w1.wait(),
+                outcome(lambda: mcrdl.all_reduce("mpi", x, SUM, None, 0)),
+                outcome(lambda: mcrdl.all_reduce("mpi", x, SUM, None, Ambiguous())),
+                outcome(lambda: mcrdl.bcast("mpi", x, torch.tensor(0).item())),
+                outcome(lambda: mcrdl.bcast("mpi", x, True)),
+                outcome(lambda: mcrdl.bcast("mpi", x, -1)),
+                outcome(lambda: mcrdl.bcast("mpi", x, 2 ** 40)),
+                outcome(lambda: mcrdl.bcast("mpi", x, 2 ** 70)),
+            ]
             mcrdl.finalize()
     # A new session: the front must call the new session's backend object, not a method
     # it cached from the last one (the runtime invalidates the cache at every change).
@@ -181,6 +198,18 @@ def test_front_follows_a_new_session(report):
 def test_real_backend_through_c_front(report):
     x, out, work = report["mpi values"]
     assert x == [0.0, 1.0, 2.0, 3.0] and out == x and work == "Work"
+
+
+def test_fast_functions_convert_arguments_as_python_does(report):
+    """async_op by truth value (an error of __bool__ raised, not read as False); ints,
+    one-digit or not, range-checked; bools refused."""
+    work, waited, zero, ambiguous, src0, boolean, neg, big, huge = report["fast args"]
+    assert (work, waited, zero, src0) == ("Work", True, ["ok", "None"], ["ok", "None"])
+    assert ambiguous == ["ValueError", "truth value is ambiguous"]
+    assert boolean[0] == "InvalidArgumentError" and "must be an int, got bool" in boolean[1]
+    for got, shown in ((neg, "'src' is -1"), (big, f"'src' is {2 ** 40}")):
+        assert got[0] == "InvalidArgumentError" and shown in got[1], got
+    assert huge[0] == "InvalidArgumentError" and "outside the 64-bit integer range" in huge[1]
 
 
 def test_front_objects_introspect_like_functions():

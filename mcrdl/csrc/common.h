@@ -31,7 +31,19 @@ enum ReduceCode : int { SUM = 0, PRODUCT = 1, MIN = 2, MAX = 3, AVG = 4, BAND = 
 const char* reduce_name(int code);
 std::string dtype_name(at::ScalarType t);
 std::string shape_str(const at::Tensor& t);
-bool is_supported_dtype(at::ScalarType t);
-bool is_floating(at::ScalarType t);
+// Inline: they run on every call, and a call into another function is another cache line
+// of code that a large call's data has evicted since the last call.
+inline bool is_floating(at::ScalarType t) {
+  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
+}
+inline bool is_supported_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kDouble: case at::kChar:
+    case at::kByte: case at::kInt: case at::kLong: case at::kBool:
+      return true;
+    default:
+      return false;
+  }
+}
 
 }  // namespace mcrdl

@@ -24,6 +24,9 @@ namespace mcrdl {
 
 namespace {
 
+// A METH_FASTCALL | METH_KEYWORDS C function (PyCFunctionFastWithKeywords from 3.13 on).
+using FastFn = PyObject* (*)(PyObject*, PyObject* const*, Py_ssize_t, PyObject*);
+
 struct FrontOp {
   PyObject_HEAD
   vectorcallfunc vectorcall;
@@ -45,6 +48,10 @@ struct FrontOp {
   int next;  // the entry to replace next
   PyObject* keys[kCache];
   PyObject* methods[kCache];
+  // A method that is a METH_FASTCALL | METH_KEYWORDS C function (the mpi backend's hot
+  // ops): its C function and self, called directly (see finish_call).
+  FastFn fns[kCache];
+  PyObject* selves[kCache];  // borrowed from methods[i]
 };
 
 PyObject* k_dispatch = nullptr;  // "_dispatch", interned
@@ -54,44 +61,67 @@ void clear_cache(FrontOp* f) {
   for (int i = 0; i < FrontOp::kCache; ++i) {
     Py_CLEAR(f->keys[i]);
     Py_CLEAR(f->methods[i]);
+    f->fns[i] = nullptr;
+    f->selves[i] = nullptr;
   }
   f->next = 0;
 }
 
-// The method of backend `name` (a new reference), or null without an error set when the
-// Python function must handle the call (not initialized, unknown or unhashable name).
-PyObject* resolve(FrontOp* f, PyObject* name) {
+// A resolved backend method: a new reference, and its C function and self when it is a
+// fast C function.
+struct Resolved {
+  PyObject* method = nullptr;
+  FastFn fn = nullptr;
+  PyObject* self = nullptr;
+};
+
+// The method of backend `name`, or a null method without an error set when the Python
+// function must handle the call (not initialized, unknown or unhashable name).
+Resolved resolve(FrontOp* f, PyObject* name) {
   for (int i = 0; i < FrontOp::kCache; ++i)
-    if (f->keys[i] == name) return Py_NewRef(f->methods[i]);
+    if (f->keys[i] == name) return {Py_NewRef(f->methods[i]), f->fns[i], f->selves[i]};
   PyObject* dispatch = PyDict_GetItemWithError(f->globals, k_dispatch);
   PyObject* target = dispatch && PyDict_CheckExact(dispatch)
                          ? PyDict_GetItemWithError(dispatch, name) : nullptr;
   if (!target) {
     PyErr_Clear();
-    return nullptr;
+    return {};
   }
   PyObject* method = PyObject_GetAttr(target, f->method);
   if (!method) {  // the target lacks the op: the Python function reports it
     PyErr_Clear();
-    return nullptr;
+    return {};
+  }
+  Resolved r{method};
+  if (PyCFunction_Check(method) &&
+      PyCFunction_GET_FLAGS(method) == (METH_FASTCALL | METH_KEYWORDS)) {
+    r.fn = reinterpret_cast<FastFn>(
+        reinterpret_cast<void (*)()>(PyCFunction_GET_FUNCTION(method)));
+    r.self = PyCFunction_GET_SELF(method);
   }
   const int i = f->next;
   f->next = (i + 1) % FrontOp::kCache;
   Py_XSETREF(f->keys[i], Py_NewRef(name));
   Py_XSETREF(f->methods[i], Py_NewRef(method));
-  return method;
+  f->fns[i] = r.fn;
+  f->selves[i] = r.self;
+  return r;
 }
 
 PyObject* call_slow(FrontOp* f, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   return PyObject_Vectorcall(f->slow, args, nargsf, kwnames);
 }
 
-// Calls `method` with args[1:n] (args[0] is free: ARGUMENTS_OFFSET); an
+// Calls `m` with args[1:n] (args[0] is free: ARGUMENTS_OFFSET); an
 // UnsupportedOperationError leaves naming the backends that have the operation
-// (mcrdl.api._alternatives), as from the Python function.
-PyObject* finish_call(FrontOp* f, PyObject* method, PyObject** args, size_t n) {
-  PyObject* res = PyObject_Vectorcall(method, args + 1, (n - 1) | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                      nullptr);
+// (mcrdl.api._alternatives), as from the Python function. A fast C function is called
+// directly, as CPython's own vectorcall of it would, less its recursion-depth check (the
+// mpi backend's functions run no Python code but the fallback call, which checks) and
+// its result check: the code of those calls was a tenth of a small call's cache lines.
+PyObject* finish_call(FrontOp* f, const Resolved& m, PyObject** args, size_t n) {
+  PyObject* res = m.fn ? m.fn(m.self, args + 1, static_cast<Py_ssize_t>(n - 1), nullptr)
+                       : PyObject_Vectorcall(m.method, args + 1,
+                                             (n - 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
   if (res || !PyErr_ExceptionMatches(f->unsupported)) return res;
   PyObject *type, *value, *tb;
   PyErr_Fetch(&type, &value, &tb);
@@ -153,8 +183,8 @@ PyObject* front_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
       call[i + 1] = d;
     }
   // The backend first: an unknown one is reported before a bad reduce op, as in Python.
-  PyObject* method = resolve(f, args[0]);
-  if (!method) return call_slow(f, args, nargsf, kwnames);
+  const Resolved method = resolve(f, args[0]);
+  if (!method.method) return call_slow(f, args, nargsf, kwnames);
   // Reduce ops arrive as ReduceOp, a name or a torch.distributed op: convert the others.
   PyObject* converted[kMax];
   int nconv = 0;
@@ -169,7 +199,7 @@ PyObject* front_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
   }
   res = finish_call(f, method, call, static_cast<size_t>(np + 1));
 done:
-  Py_DECREF(method);
+  Py_DECREF(method.method);
   while (nconv > 0) Py_DECREF(converted[--nconv]);
   return res;
 }

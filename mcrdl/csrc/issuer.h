@@ -17,6 +17,26 @@
 
 namespace mcrdl {
 
+// A communicator's post lock: held only to post an op or to start a blocking call (never
+// while waiting for other ranks), so it is almost never contended. An atomic flag, taken
+// and released inline: a std::mutex costs calls into libc's pthread_mutex_trylock and
+// unlock on every call (their code is cache lines that a large call's data evicted since
+// the last call). A waiter yields its core until the flag is free.
+class PostLock {
+ public:
+  bool try_lock() {
+    return !held_.load(std::memory_order_relaxed) &&
+           !held_.exchange(true, std::memory_order_acquire);
+  }
+  void lock() {
+    while (!try_lock()) std::this_thread::yield();
+  }
+  void unlock() { held_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> held_{false};
+};
+
 // A communicator's issue thread: runs, in order, the ops that must not be issued from
 // the caller's thread: async calls of the blocking variant (a blocking MPI call must not
 // block an async caller) and every op of the communicator issued while such calls are

@@ -49,7 +49,7 @@ struct ReducePlan {
   bool average;
 };
 
-ReducePlan reduce_plan(at::ScalarType t, int code) {
+C10_ALWAYS_INLINE ReducePlan reduce_plan(at::ScalarType t, int code) {
   if (t == at::kBool) {
     switch (code) {
       case SUM: case MAX: case BOR: return {MPI_BOR, MPI_UINT8_T, false, false};
@@ -235,7 +235,7 @@ class MpiComm {
     int i = block_op(op);
     BlockingSteps v =
         checked_blocking_steps(op, steps, has_allreduce_variant(i) ? kVariants : kVarBlocking + 1);
-    std::lock_guard<std::mutex> g(post_mu_);
+    std::lock_guard<PostLock> g(post_mu_);
     blocking_.steps[i] = std::move(v);
   }
 
@@ -752,8 +752,8 @@ class MpiComm {
 
   // The post lock, taken with the GIL held: when a blocking collective of another thread
   // holds it, wait without the GIL (that thread may need it, or a peer may need ours).
-  std::unique_lock<std::mutex> lock_post() {
-    std::unique_lock<std::mutex> g(post_mu_, std::try_to_lock);
+  std::unique_lock<PostLock> lock_post() {
+    std::unique_lock<PostLock> g(post_mu_, std::try_to_lock);
     if (!g.owns_lock()) {
       py::gil_scoped_release nogil;
       g.lock();
@@ -819,7 +819,7 @@ class MpiComm {
       // it to flush a round).
       const bool hold = may_hold_gil();
       {
-        WatchGuard watch(op, &backend_, &group_, seq, timeout_s_, hold);
+        WatchGuard watch(slots_.get(), op, &backend_, &group_, seq, timeout_s_, hold);
         if (hold) {
           rc = call();
         } else {
@@ -848,9 +848,10 @@ class MpiComm {
   std::shared_ptr<Lane> lane_;
   double timeout_s_;
   uint64_t seq_ = 0, blocking_calls_ = 0;  // written with the post lock held
-  std::mutex post_mu_;
+  PostLock post_mu_;
   BlockingChoice blocking_;
   std::shared_ptr<Issuer> issuer_;
+  SlotCache slots_;
 };
 
 // The mpi backend's operations as METH_FASTCALL functions (MPIBackend installs them over
@@ -860,16 +861,63 @@ class MpiComm {
 // the table does not hold (non-members, foreign objects: errors to report), go to the
 // backend's Python method.
 struct FastOps {
+  MpiComm* world = nullptr;  // comms' entry for None, read first
   std::vector<std::pair<py::object, MpiComm*>> comms;  // group (None: world) -> its comm
   std::unordered_map<std::string, py::object> slow;    // op -> the Python method
 };
 
-FastOps* fast_ops(PyObject* capsule) {
-  // Unnamed: a named capsule costs a strcmp per call; this one never leaves the functions.
-  return static_cast<FastOps*>(PyCapsule_GetPointer(capsule, nullptr));
+// The functions' `self`: an object that holds the table itself (a capsule's pointer is
+// read through PyCapsule_GetPointer, a function of libpython with its checks: more code
+// lines on every call).
+struct FastSelf {
+  PyObject_HEAD
+  FastOps* ops;
+};
+
+void fast_self_dealloc(PyObject* o) {
+  delete reinterpret_cast<FastSelf*>(o)->ops;
+  PyTypeObject* tp = Py_TYPE(o);
+  tp->tp_free(o);
+  Py_DECREF(tp);  // instances of a heap type hold a reference to it
 }
 
-MpiComm* fast_comm(FastOps* f, PyObject* group) {
+PyObject* new_fast_self(FastOps* ops) {
+  static PyTypeObject* type = [] {
+    static PyType_Slot slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(fast_self_dealloc)},
+                                  {0, nullptr}};
+    static PyType_Spec spec = {"mcrdl._C.MpiFastOps", sizeof(FastSelf), 0, Py_TPFLAGS_DEFAULT,
+                               slots};
+    auto* t = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
+    if (!t) throw py::error_already_set();
+    return t;  // one reference kept for the process
+  }();
+  PyObject* o = type->tp_alloc(type, 0);
+  if (!o) {
+    delete ops;
+    throw py::error_already_set();
+  }
+  reinterpret_cast<FastSelf*>(o)->ops = ops;
+  return o;
+}
+
+FastOps* fast_ops(PyObject* self) { return reinterpret_cast<FastSelf*>(self)->ops; }
+
+// An async_op argument: True and False without a call (PyObject_IsTrue is a function of
+// libpython); anything else by its truth value, an error raised as one.
+[[gnu::cold, gnu::noinline]] bool truthy_slow(PyObject* o) {
+  const int r = PyObject_IsTrue(o);
+  if (r < 0) throw py::error_already_set();
+  return r == 1;
+}
+
+C10_ALWAYS_INLINE bool truthy(PyObject* o) {
+  if (o == Py_True) return true;
+  if (o == Py_False) return false;
+  return truthy_slow(o);
+}
+
+C10_ALWAYS_INLINE MpiComm* fast_comm(FastOps* f, PyObject* group) {
+  if (group == Py_None && f->world) return f->world;
   for (auto& [g, c] : f->comms)
     if (g.ptr() == group) return c;
   return nullptr;
@@ -883,7 +931,7 @@ PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
   MpiComm* c = (nargs == want && !kwnames) ? fast_comm(f, args[want - 2]) : nullptr;
   if (!c) return PyObject_Vectorcall(f->slow.at(op).ptr(), args, nargsf, kwnames);
   try {
-    return call(*c, args, PyObject_IsTrue(args[want - 1]) == 1).release().ptr();
+    return call(*c, args, truthy(args[want - 1])).release().ptr();
   } catch (...) {
     set_python_error(std::current_exception());
     return nullptr;
@@ -931,17 +979,16 @@ PyMethodDef kFastDefs[] = {
 // slow[op]; register communicators with the returned dict's "__add__"(group, comm).
 py::dict mpi_fast_ops(py::dict slow) {
   auto* f = new FastOps();
-  py::capsule cap(f, nullptr, [](PyObject* o) {
-    delete static_cast<FastOps*>(PyCapsule_GetPointer(o, nullptr));
-  });
+  auto holder = py::reinterpret_steal<py::object>(new_fast_self(f));
   py::dict out;
   for (auto& def : kFastDefs) {
     f->slow[def.ml_name] = slow[def.ml_name];
-    out[def.ml_name] = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, cap.ptr(), nullptr));
+    out[def.ml_name] = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, holder.ptr(), nullptr));
   }
-  out["__add__"] = py::cpp_function([f, cap](py::object group, py::object comm) {
-    (void)cap;
+  out["__add__"] = py::cpp_function([f, holder](py::object group, py::object comm) {
+    (void)holder;
     f->comms.emplace_back(group, comm.cast<MpiComm*>());
+    if (group.is_none() && !f->world) f->world = f->comms.back().second;
   });
   return out;
 }

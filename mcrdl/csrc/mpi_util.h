@@ -88,7 +88,12 @@ inline int variant_at(const BlockingSteps& steps, int64_t nbytes) {
   return kVarNonblocking;
 }
 
-inline MPI_Datatype move_type(at::ScalarType t) {
+[[noreturn, gnu::cold, gnu::noinline]] inline void unsupported_move_type(at::ScalarType t) {
+  throw_invalid("unsupported dtype " + dtype_name(t));
+}
+
+// Inline, its error out of line: a call's path stays in its caller's code.
+C10_ALWAYS_INLINE MPI_Datatype move_type(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return MPI_FLOAT;
     case at::kDouble: return MPI_DOUBLE;
@@ -97,7 +102,7 @@ inline MPI_Datatype move_type(at::ScalarType t) {
     case at::kInt: return MPI_INT32_T;
     case at::kLong: return MPI_INT64_T;
     case at::kHalf: case at::kBFloat16: return MPI_UINT16_T;
-    default: throw_invalid("unsupported dtype " + dtype_name(t));
+    default: unsupported_move_type(t);
   }
 }
 

@@ -32,7 +32,31 @@ inline const at::Tensor* to_tensor_opt(py::handle h, const char* op, const char*
   return &storage;
 }
 
+// An int of one digit (30 bits), read from the object: `false` for the others.
+C10_ALWAYS_INLINE bool one_digit_int(PyObject* o, int64_t* v) {
+#if PY_VERSION_HEX >= 0x030C0000
+  auto* l = reinterpret_cast<PyLongObject*>(o);
+  if (!PyUnstable_Long_IsCompact(l)) return false;
+  *v = PyUnstable_Long_CompactValue(l);
+#else
+  const Py_ssize_t n = Py_SIZE(o);  // the digit count, negative for a negative int
+  if (n < -1 || n > 1) return false;
+  *v = n * static_cast<int64_t>(reinterpret_cast<PyLongObject*>(o)->ob_digit[0]);
+#endif
+  return true;
+}
+
 inline int64_t to_int(py::handle h, const char* op, const char* arg) {
+  // An int (ReduceOp is an IntEnum) read in place: PyNumber_Index returns int subclasses
+  // as a copy and never calls their __index__, so this is the same value, without the
+  // copy's allocation and the calls into libpython on a small call's path.
+  if (PyLong_Check(h.ptr()) && !PyBool_Check(h.ptr())) {
+    int64_t small;
+    if (one_digit_int(h.ptr(), &small)) return small;
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
+    if (!overflow) return v;
+  }
   if (PyBool_Check(h.ptr()) || !PyIndex_Check(h.ptr()))
     throw_invalid(std::string(op) + ": '" + arg + "' must be an int, got " + type_name(h));
   auto idx = py::reinterpret_steal<py::object>(PyNumber_Index(h.ptr()));

@@ -52,20 +52,6 @@ std::string shape_str(const at::Tensor& t) {
   return s.str();
 }
 
-bool is_supported_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kDouble: case at::kChar:
-    case at::kByte: case at::kInt: case at::kLong: case at::kBool:
-      return true;
-    default:
-      return false;
-  }
-}
-
-bool is_floating(at::ScalarType t) {
-  return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble;
-}
-
 namespace {
 
 constexpr const char* kDtypes =
@@ -179,7 +165,7 @@ Counts check_counts(const char* op, const char* counts_arg, const Counts& counts
 
 }  // namespace
 
-void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
+void check_tensor_failed(const char* op, const char* arg, const at::Tensor& t) {
   if (!t.defined()) fail(op, std::string("'") + arg + "' is undefined; expected a tensor");
   if (!is_supported_dtype(t.scalar_type()))
     fail(op, std::string("'") + arg + "' has dtype " + dtype_name(t.scalar_type()) +
@@ -190,9 +176,10 @@ void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
   if (!t.is_contiguous())
     fail(op, std::string("'") + arg + "' is not contiguous (shape " + shape_str(t) +
                  "); pass tensor.contiguous() and copy the result back if needed");
+  fail(op, std::string("'") + arg + "' failed the inline tensor check only (a bug of mcrdl)");
 }
 
-void check_reduce_op(const char* op, int code, at::ScalarType dtype) {
+void check_reduce_op_failed(const char* op, int code, at::ScalarType dtype) {
   if (code < SUM || code > BXOR)
     fail(op, "'op' has unknown value " + std::to_string(code) +
                  "; expected a mcrdl.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR)");
@@ -202,29 +189,19 @@ void check_reduce_op(const char* op, int code, at::ScalarType dtype) {
   if ((code == BAND || code == BOR || code == BXOR) && is_floating(dtype))
     fail(op, std::string("ReduceOp.") + reduce_name(code) +
                  " applies to integer and bool tensors only, but got " + dtype_name(dtype));
+  fail(op, "'op' failed the inline reduce-op check only (a bug of mcrdl)");
 }
 
-void check_rank(const char* op, const char* arg, int64_t rank, int size) {
-  if (rank < 0 || rank >= size)
-    fail(op, std::string("'") + arg + "' is " + std::to_string(rank) +
+void check_rank_failed(const char* op, const char* arg, int64_t rank, int size) {
+  fail(op, std::string("'") + arg + "' is " + std::to_string(rank) +
                  "; expected a rank of the group in [0, " + std::to_string(size - 1) +
                  "] (ranks are group-local)");
-}
-
-void validate_all_reduce(const at::Tensor& t, int rop) {
-  check_tensor("all_reduce", "tensor", t);
-  check_reduce_op("all_reduce", rop, t.scalar_type());
 }
 
 void validate_reduce(const at::Tensor& t, int64_t dst, int rop, int size) {
   check_tensor("reduce", "tensor", t);
   check_reduce_op("reduce", rop, t.scalar_type());
   check_rank("reduce", "dst", dst, size);
-}
-
-void validate_bcast(const at::Tensor& t, int64_t src, int size) {
-  check_tensor("bcast", "tensor", t);
-  check_rank("bcast", "src", src, size);
 }
 
 void validate_all_gather(const BlockArg& out, const at::Tensor& in, int size) {

@@ -24,13 +24,42 @@ struct BlockArg {
 
 using Counts = std::vector<int64_t>;
 
-void check_tensor(const char* op, const char* arg, const at::Tensor& t);
-void check_reduce_op(const char* op, int code, at::ScalarType dtype);
-void check_rank(const char* op, const char* arg, int64_t rank, int size);
+// The checks every call makes: inline conditions (a small call's path stays in its
+// caller's code lines), each with an out-of-line, cold function that builds the message
+// and throws.
+[[noreturn, gnu::cold]] void check_tensor_failed(const char* op, const char* arg,
+                                                 const at::Tensor& t);
+[[noreturn, gnu::cold]] void check_reduce_op_failed(const char* op, int code,
+                                                    at::ScalarType dtype);
+[[noreturn, gnu::cold]] void check_rank_failed(const char* op, const char* arg, int64_t rank,
+                                               int size);
 
-void validate_all_reduce(const at::Tensor& t, int rop);
+inline void check_tensor(const char* op, const char* arg, const at::Tensor& t) {
+  if (C10_UNLIKELY(!t.defined() || !is_supported_dtype(t.scalar_type()) ||
+                   t.layout() != at::kStrided || !t.is_contiguous()))
+    check_tensor_failed(op, arg, t);
+}
+
+inline void check_reduce_op(const char* op, int code, at::ScalarType dtype) {
+  const bool ok = code >= SUM && code <= BXOR &&
+                  (code == AVG ? is_floating(dtype)
+                   : code >= BAND ? !is_floating(dtype) : true);
+  if (C10_UNLIKELY(!ok)) check_reduce_op_failed(op, code, dtype);
+}
+
+inline void check_rank(const char* op, const char* arg, int64_t rank, int size) {
+  if (C10_UNLIKELY(rank < 0 || rank >= size)) check_rank_failed(op, arg, rank, size);
+}
+
+inline void validate_all_reduce(const at::Tensor& t, int rop) {
+  check_tensor("all_reduce", "tensor", t);
+  check_reduce_op("all_reduce", rop, t.scalar_type());
+}
 void validate_reduce(const at::Tensor& t, int64_t dst, int rop, int size);
-void validate_bcast(const at::Tensor& t, int64_t src, int size);
+inline void validate_bcast(const at::Tensor& t, int64_t src, int size) {
+  check_tensor("bcast", "tensor", t);
+  check_rank("bcast", "src", src, size);
+}
 void validate_all_gather(const BlockArg& out, const at::Tensor& in, int size);
 void validate_gather(const BlockArg& out, const at::Tensor& in, int64_t dst, int rank, int size);
 void validate_scatter(const at::Tensor& out, const BlockArg& in, int64_t src, int rank, int size);

@@ -6,6 +6,8 @@
 // under torch). Arming costs a few plain stores: no lock, no clock read.
 #pragma once
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -29,12 +31,39 @@ struct WatchSlot {
 // The calling thread's slot (registered, and the watchdog thread started, on first use).
 WatchSlot& watch_slot();
 
+// watch_slot() of the first thread that asks (a communicator's usual caller) without the
+// thread_local lookup, which in a shared library is a call to __tls_get_addr: two more
+// cache lines of code and data on every blocking call. Other threads get their own slot.
+// A thread that reuses a dead owner's id reuses its slot too, which no one else uses.
+class SlotCache {
+ public:
+  WatchSlot& get() {
+    WatchSlot* s = slot_.load(std::memory_order_acquire);
+    const pthread_t me = pthread_self();
+    if (s && pthread_equal(owner_, me)) return *s;
+    WatchSlot& mine = watch_slot();
+    if (!s && !claimed_.exchange(true, std::memory_order_acq_rel)) {
+      owner_ = me;  // read only after the acquire load of slot_ above
+      slot_.store(&mine, std::memory_order_release);
+    }
+    return mine;
+  }
+
+ private:
+  std::atomic<WatchSlot*> slot_{nullptr};
+  std::atomic<bool> claimed_{false};
+  pthread_t owner_{};
+};
+
 // Arms the calling thread's slot for the lifetime of the guard. The strings must outlive it.
 class WatchGuard {
  public:
   WatchGuard(const char* op, const std::string* backend, const std::string* group, uint64_t seq,
              double timeout_s, bool held_gil = false)
-      : s_(watch_slot()) {
+      : WatchGuard(watch_slot(), op, backend, group, seq, timeout_s, held_gil) {}
+  WatchGuard(WatchSlot& slot, const char* op, const std::string* backend,
+             const std::string* group, uint64_t seq, double timeout_s, bool held_gil)
+      : s_(slot) {
     s_.held_gil.store(held_gil, std::memory_order_relaxed);
     s_.op.store(op, std::memory_order_relaxed);
     s_.backend.store(backend, std::memory_order_relaxed);
