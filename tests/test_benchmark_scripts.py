@@ -3,6 +3,7 @@ module or option they import shows here, not when someone next measures. One pro
 runs them all (each would pay ~2 s to import torch)."""
 
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -116,3 +117,20 @@ def test_c_floor_pooled_fit_fits_the_median_ratios_of_runs():
     runs[2][1 << 20] = t(98.5, 100)
     assert pooled(runs) == [[256, "allreduce"], [-1, True]]
     assert fit(runs[1]) == [[256, "allreduce"], [65536, True], [-1, False]]
+
+
+def test_call_lines_reads_a_callgrind_dump(tmp_path):
+    """call_lines.totals: the dump's client-request name and its event totals (a count
+    callgrind leaves out at the end of the line is absent, not misplaced)."""
+    dump = tmp_path / "cg.out.2"
+    dump.write_text("# callgrind format\nversion: 1\ncreator: callgrind-3.19.0\n"
+                    "desc: I1 cache: 65536 B, 64 B, 16-way associative\n"
+                    "desc: Trigger: Client Request: all_reduce\n"
+                    "events: Ir Dr Dw I1mr D1mr D1mw\nfl=(1) x.c\nfn=(1) f\n3 9 1\n"
+                    "totals: 4000 900 500 440 260 100\n")
+    totals = runpy.run_path(str(BENCHMARKS[0].parent / "call_lines.py"))["totals"]
+    assert totals(str(dump)) == ("all_reduce", {"Ir": 4000, "Dr": 900, "Dw": 500,
+                                                "I1mr": 440, "D1mr": 260, "D1mw": 100})
+    short = tmp_path / "cg.out.3"
+    short.write_text("desc: Trigger: Program termination\nevents: Ir Dr I1mr\ntotals: 7\n")
+    assert totals(str(short)) == ("Program termination", {"Ir": 7})

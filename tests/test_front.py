@@ -122,6 +122,9 @@ _SCRIPT = textwrap.dedent(r'''
                 outcome(lambda: mcrdl.bcast("mpi", x, -1)),
                 outcome(lambda: mcrdl.bcast("mpi", x, 2 ** 40)),
                 outcome(lambda: mcrdl.bcast("mpi", x, 2 ** 70)),
+                # past the front's conversion: the backend's own function
+                outcome(lambda: mcrdl.api.current_runtime().backend("mpi").all_reduce(
+                    x, 2 ** 32, None, False)),
             ]
             mcrdl.finalize()
     # A new session: the front must call the new session's backend object, not a method
@@ -203,13 +206,16 @@ def test_real_backend_through_c_front(report):
 def test_fast_functions_convert_arguments_as_python_does(report):
     """async_op by truth value (an error of __bool__ raised, not read as False); ints,
     one-digit or not, range-checked; bools refused."""
-    work, waited, zero, ambiguous, src0, boolean, neg, big, huge = report["fast args"]
+    work, waited, zero, ambiguous, src0, boolean, neg, big, huge, wide_op = report["fast args"]
     assert (work, waited, zero, src0) == ("Work", True, ["ok", "None"], ["ok", "None"])
     assert ambiguous == ["ValueError", "truth value is ambiguous"]
     assert boolean[0] == "InvalidArgumentError" and "must be an int, got bool" in boolean[1]
     for got, shown in ((neg, "'src' is -1"), (big, f"'src' is {2 ** 40}")):
         assert got[0] == "InvalidArgumentError" and shown in got[1], got
     assert huge[0] == "InvalidArgumentError" and "outside the 64-bit integer range" in huge[1]
+    assert wide_op == ["InvalidArgumentError", f"all_reduce: 'op' has unknown value {2 ** 32}; "
+                       "expected a mcrdl.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, "
+                       "BXOR)"], wide_op
 
 
 def test_front_objects_introspect_like_functions():

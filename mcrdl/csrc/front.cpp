@@ -99,12 +99,18 @@ Resolved resolve(FrontOp* f, PyObject* name) {
         reinterpret_cast<void (*)()>(PyCFunction_GET_FUNCTION(method)));
     r.self = PyCFunction_GET_SELF(method);
   }
+  // The entry is whole before the old one's references go: dropping them can run
+  // Python code (a finalizer) that calls this op again.
   const int i = f->next;
   f->next = (i + 1) % FrontOp::kCache;
-  Py_XSETREF(f->keys[i], Py_NewRef(name));
-  Py_XSETREF(f->methods[i], Py_NewRef(method));
+  PyObject* old_key = f->keys[i];
+  PyObject* old_method = f->methods[i];
+  f->keys[i] = Py_NewRef(name);
+  f->methods[i] = Py_NewRef(method);
   f->fns[i] = r.fn;
   f->selves[i] = r.self;
+  Py_XDECREF(old_key);
+  Py_XDECREF(old_method);
   return r;
 }
 
@@ -316,7 +322,10 @@ py::object front_op(py::function slow, py::str method, py::dict globals, py::tup
   f->alternatives = own(alternatives);
   f->reduce_at = new std::vector<Py_ssize_t>(std::move(reduce_at));
   f->next = 0;
-  for (int i = 0; i < FrontOp::kCache; ++i) f->keys[i] = f->methods[i] = nullptr;
+  for (int i = 0; i < FrontOp::kCache; ++i) {
+    f->keys[i] = f->methods[i] = f->selves[i] = nullptr;
+    f->fns[i] = nullptr;
+  }
   g_fronts.push_back(f);
   PyObject_GC_Track(reinterpret_cast<PyObject*>(f));
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));

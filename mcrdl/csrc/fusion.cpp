@@ -667,7 +667,7 @@ PyObject* queue_add_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t
   return guarded([&]() -> py::object {
     if (nargs != 3) throw_invalid("add_all_reduce(tensor, op, async_op)");
     const at::Tensor& t = to_tensor(args[0], "all_reduce", "tensor");
-    const int code = static_cast<int>(to_int(args[1], "all_reduce", "op"));
+    const int code = to_reduce_code(args[1], "all_reduce");
     validate_all_reduce(t, code);
     FusionQueueState& q = state(self);
     const int64_t nbytes = static_cast<int64_t>(t.nbytes());
@@ -692,7 +692,7 @@ PyObject* queue_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nar
     };
     if (args[2] != Py_None || !THPVariable_Check(args[0])) return fallback();
     const at::Tensor& t = THPVariable_Unpack(args[0]);
-    const int code = static_cast<int>(to_int(args[1], "all_reduce", "op"));
+    const int code = to_reduce_code(args[1], "all_reduce");
     validate_all_reduce(t, code);
     const int64_t nbytes = static_cast<int64_t>(t.nbytes());
     if (nbytes >= q.limit || !t.is_cpu()) return fallback();

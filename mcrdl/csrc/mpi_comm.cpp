@@ -887,11 +887,9 @@ PyObject* new_fast_self(FastOps* ops) {
                                   {0, nullptr}};
     static PyType_Spec spec = {"mcrdl._C.MpiFastOps", sizeof(FastSelf), 0, Py_TPFLAGS_DEFAULT,
                                slots};
-    auto* t = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
-    if (!t) throw py::error_already_set();
-    return t;  // one reference kept for the process
+    return reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));  // kept for the process
   }();
-  PyObject* o = type->tp_alloc(type, 0);
+  PyObject* o = type ? type->tp_alloc(type, 0) : nullptr;
   if (!o) {
     delete ops;
     throw py::error_already_set();
@@ -940,7 +938,7 @@ PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObje
 
 PyObject* fast_all_reduce(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
   return fast_call(self, a, n, kw, "all_reduce", 4, [](MpiComm& c, PyObject* const* a, bool as) {
-    return c.all_reduce(a[0], static_cast<int>(to_int(a[1], "all_reduce", "op")), as);
+    return c.all_reduce(a[0], to_reduce_code(a[1], "all_reduce"), as);
   });
 }
 PyObject* fast_bcast(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
@@ -957,7 +955,7 @@ PyObject* fast_reduce_scatter(PyObject* self, PyObject* const* a, size_t n, PyOb
   return fast_call(self, a, n, kw, "reduce_scatter", 5,
                    [](MpiComm& c, PyObject* const* a, bool as) {
                      return c.reduce_scatter(
-                         a[0], a[1], static_cast<int>(to_int(a[2], "reduce_scatter", "op")), as);
+                         a[0], a[1], to_reduce_code(a[2], "reduce_scatter"), as);
                    });
 }
 PyObject* fast_barrier(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {

@@ -2,6 +2,8 @@
 // bare TypeError) with the op and argument named.
 #pragma once
 
+#include <climits>
+
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -41,7 +43,8 @@ C10_ALWAYS_INLINE bool one_digit_int(PyObject* o, int64_t* v) {
 #else
   const Py_ssize_t n = Py_SIZE(o);  // the digit count, negative for a negative int
   if (n < -1 || n > 1) return false;
-  *v = n * static_cast<int64_t>(reinterpret_cast<PyLongObject*>(o)->ob_digit[0]);
+  // (zero may have no digit before Python 3.11)
+  *v = n == 0 ? 0 : n * static_cast<int64_t>(reinterpret_cast<PyLongObject*>(o)->ob_digit[0]);
 #endif
   return true;
 }
@@ -66,6 +69,13 @@ inline int64_t to_int(py::handle h, const char* op, const char* arg) {
     throw_invalid(std::string(op) + ": '" + arg + "' is " + py::str(idx).cast<std::string>() +
                   ", outside the 64-bit integer range");
   return v;
+}
+
+// A reduce op's code (an int; one outside int's range is named as unknown, not cut).
+inline int to_reduce_code(py::handle h, const char* op) {
+  const int64_t v = to_int(h, op, "op");
+  if (C10_UNLIKELY(v < INT_MIN || v > INT_MAX)) check_reduce_op_failed(op, v, at::kFloat);
+  return static_cast<int>(v);
 }
 
 inline std::vector<at::Tensor> to_tensor_list(py::handle h, const char* op, const char* arg) {

@@ -179,7 +179,7 @@ void check_tensor_failed(const char* op, const char* arg, const at::Tensor& t) {
   fail(op, std::string("'") + arg + "' failed the inline tensor check only (a bug of mcrdl)");
 }
 
-void check_reduce_op_failed(const char* op, int code, at::ScalarType dtype) {
+void check_reduce_op_failed(const char* op, int64_t code, at::ScalarType dtype) {
   if (code < SUM || code > BXOR)
     fail(op, "'op' has unknown value " + std::to_string(code) +
                  "; expected a mcrdl.ReduceOp (SUM, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR)");
@@ -187,7 +187,7 @@ void check_reduce_op_failed(const char* op, int code, at::ScalarType dtype) {
     fail(op, "ReduceOp.AVG needs a floating tensor but got " + dtype_name(dtype) +
                  "; use SUM and divide, or convert the tensor to a floating type");
   if ((code == BAND || code == BOR || code == BXOR) && is_floating(dtype))
-    fail(op, std::string("ReduceOp.") + reduce_name(code) +
+    fail(op, std::string("ReduceOp.") + reduce_name(static_cast<int>(code)) +
                  " applies to integer and bool tensors only, but got " + dtype_name(dtype));
   fail(op, "'op' failed the inline reduce-op check only (a bug of mcrdl)");
 }

@@ -29,7 +29,7 @@ using Counts = std::vector<int64_t>;
 // and throws.
 [[noreturn, gnu::cold]] void check_tensor_failed(const char* op, const char* arg,
                                                  const at::Tensor& t);
-[[noreturn, gnu::cold]] void check_reduce_op_failed(const char* op, int code,
+[[noreturn, gnu::cold]] void check_reduce_op_failed(const char* op, int64_t code,
                                                     at::ScalarType dtype);
 [[noreturn, gnu::cold]] void check_rank_failed(const char* op, const char* arg, int64_t rank,
                                                int size);

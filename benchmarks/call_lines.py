@@ -1,0 +1,165 @@
+"""Cache lines one cold call touches: mcrdl's blocking mpi calls against the minimal C
+entry from Python (c_floor.c's ``call``), counted by valgrind's callgrind.
+
+    python benchmarks/call_lines.py [--calls 40] [--ops all_reduce bcast all_gather
+                                     reduce_scatter barrier]
+
+Why: between two large collectives the MPI copy evicts the caches, so the code and data
+a call runs through before and after MPI come from memory again on every call. At 1 MiB
+that, not the instructions, is most of what mcrdl costs over C (docs/performance.md,
+"sixth"), and timings on a shared 2-core machine cannot resolve it: this count is
+exact and repeatable. One rank (an MPI singleton, world of 1: the path up to MPI and
+back is the same as at any size; MPI's own lines are counted in both columns).
+
+Each call is made after 4 MiB of writes (data caches) and a 370 KB function (the
+instruction cache), with simulated 64 KiB 16-way first-level caches: a miss is then a
+line the call touches. Only the calls themselves are counted (callgrind
+--toggle-collect on the front's C function and on c_floor's ``call``), a dump per op.
+Prints per op: instructions, code lines, data lines, all lines per call, and mcrdl minus
+the C entry's lines. Needs valgrind and the MPI library's ``mpicc``; takes 1-2 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import c_floor  # noqa: E402  (its build of c_floor.c)
+
+OPS = tuple(c_floor.C_OPS)  # the ops c_floor.c measures
+
+# The flusher: evict() writes 4 MiB; flush_i() runs ~370 KB of straight-line code (more
+# than the simulated instruction cache); dump() ends one op's counts.
+FLUSH_C = r"""
+#include <stdlib.h>
+#include <string.h>
+#include <valgrind/callgrind.h>
+static char* buf;
+void evict(void) { if (!buf) buf = malloc(4 << 20); memset(buf, rand() & 255, 4 << 20); }
+void dump(const char* name) { CALLGRIND_DUMP_STATS_AT(name); }
+volatile unsigned long sink;
+__attribute__((noinline)) void flush_i(void) {
+  unsigned long x = sink;
+%s
+  sink = x;
+}
+"""
+
+# The one rank: for each arm, a few warm calls, a dump (dropped), then the cold calls and a
+# dump named after the arm.
+RANK = r"""
+import ctypes, functools, importlib.util, sys
+import torch, mcrdl
+lib_path, flush_path, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
+ops = sys.argv[4:]
+spec = importlib.util.spec_from_file_location("c_floor", lib_path)
+cm = importlib.util.module_from_spec(spec); spec.loader.exec_module(cm)
+fl = ctypes.CDLL(flush_path); fl.dump.argtypes = [ctypes.c_char_p]
+mcrdl.init(["mpi"])
+a, b = torch.zeros(2), torch.zeros(2)
+arms = {"C entry": functools.partial(cm.call, 0, 1, a.data_ptr(), b.data_ptr(), 8),
+        "all_reduce": functools.partial(mcrdl.all_reduce, "mpi", a),
+        "bcast": functools.partial(mcrdl.bcast, "mpi", a, 0),
+        "all_gather": functools.partial(mcrdl.all_gather, "mpi", b, a),
+        "reduce_scatter": functools.partial(mcrdl.reduce_scatter, "mpi", b, a),
+        "barrier": functools.partial(mcrdl.barrier, "mpi")}
+for name in ["C entry", *ops]:
+    fn = arms[name]
+    for _ in range(3):
+        fn()
+    fl.dump(b"warm")
+    for _ in range(calls):
+        fl.evict(); fl.flush_i(); fn()
+    fl.dump(name.encode())
+mcrdl.finalize()
+"""
+
+
+def build_flusher(out_dir: str) -> str:
+    src = os.path.join(out_dir, "flush.c")
+    body = "\n".join(f"  x = x * {2 * i + 3}u + {i};" for i in range(40000))
+    with open(src, "w") as f:
+        f.write(FLUSH_C % body)
+    lib = os.path.join(out_dir, "libflush.so")
+    cc = shutil.which("cc") or shutil.which("gcc") or "cc"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-o", lib, src], check=True)
+    return lib
+
+
+def totals(path: str) -> tuple[str, dict[str, int]]:
+    """The trigger name and the event totals of one callgrind dump."""
+    name, events, total = "", [], None
+    with open(path) as f:
+        for line in f:
+            if line.startswith("desc: Trigger:"):
+                m = re.search(r"Client Request: (.*)", line)
+                name = m.group(1).strip() if m else line.split(":", 2)[2].strip()
+            elif line.startswith("events:"):
+                events = line.split()[1:]
+            elif line.startswith("totals:"):
+                total = [int(x) for x in line.split()[1:]]
+    # callgrind may leave trailing zero counts out of a line
+    return name, dict(zip(events, total or [], strict=False))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    args = ap.parse_args(argv)
+    valgrind = shutil.which("valgrind")
+    if not valgrind:
+        sys.exit("call_lines.py needs valgrind (apt install valgrind)")
+    python = os.path.realpath(sys.executable)  # not a shim script: valgrind runs the binary
+    with tempfile.TemporaryDirectory() as tmp:
+        _, lib = c_floor.build(tmp)
+        flush = build_flusher(tmp)
+        script = os.path.join(tmp, "rank.py")
+        with open(script, "w") as f:
+            f.write(RANK)
+        out = os.path.join(tmp, "cg.out")
+        cmd = [valgrind, "--tool=callgrind", "--cache-sim=yes", "--I1=65536,16,64",
+               "--D1=65536,16,64", "--LL=4194304,16,64", "--collect-jumps=no",
+               "--toggle-collect=*front_vectorcall*", "--toggle-collect=py_call",
+               f"--callgrind-out-file={out}", python, script, lib, flush,
+               str(args.calls), *args.ops]
+        env = dict(os.environ, MCRDL_TIMEOUT="600", PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+             os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"valgrind failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        rows = {}
+        for path in sorted(glob.glob(out + "*")):
+            name, t = totals(path)
+            if name and name != "warm" and t:
+                rows[name] = t
+    n = args.calls
+    print(f"per cold call, {n} calls each, world of 1 "
+          f"(python {sysconfig.get_python_version()}):")
+    print("| call | instructions | code lines | data lines | lines | minus C entry |")
+    print("|---|---|---|---|---|---|")
+    base = None
+    for name in ["C entry", *args.ops]:
+        t = rows.get(name)
+        if t is None:
+            print(f"| {name} | (no dump) | | | | |")
+            continue
+        code, data = t.get("I1mr", 0) / n, (t.get("D1mr", 0) + t.get("D1mw", 0)) / n
+        lines = code + data
+        base = lines if name == "C entry" else base
+        extra = "" if base is None or name == "C entry" else f"+{lines - base:.0f}"
+        print(f"| {name} | {t.get('Ir', 0) / n:.0f} | {code:.0f} | {data:.0f} | {lines:.0f} "
+              f"| {extra} |")
+
+
+if __name__ == "__main__":
+    main()
