@@ -70,8 +70,15 @@ _SCRIPT = textwrap.dedent(r'''
     # A group of an earlier session must not be usable after finalize + init, even when
     # the new session has created a group of its own (which may reuse the old one's id).
     old = mcrdl.new_group([0])
+    # The mpi backend's methods are C functions holding plain communicator pointers: one
+    # kept past finalize must refuse the call, not reach freed memory or MPI.
+    import mcrdl.api
+    kept = mcrdl.api.current_runtime().backend("mpi").all_reduce
     mcrdl.finalize()
     probe("after_finalize all_reduce", lambda: mcrdl.all_reduce("gloo", t))
+    for key, grp, asy in (("world", None, False), ("group", old, False), ("async", None, True)):
+        probe("kept mpi method " + key,
+              lambda grp=grp, asy=asy: kept(t, mcrdl.ReduceOp.SUM, grp, asy))
     mcrdl.init(["mpi", "gloo"])
     probe("stale group, no new group", lambda: mcrdl.all_reduce("gloo", t, group=old))
     mcrdl.new_group([0])
@@ -136,6 +143,12 @@ def test_before_init(fresh, what):
 
 def test_after_finalize(fresh):
     _raised(fresh, "after_finalize all_reduce", mcrdl.BackendUnavailableError, "init")
+
+
+def test_backend_method_kept_past_finalize_refuses(fresh):
+    for key in ("world", "group", "async"):
+        _raised(fresh, "kept mpi method " + key, mcrdl.BackendUnavailableError,
+                "backend 'mpi' is closed (the 'mpi' backend was finalized)", "mcrdl.init()")
 
 
 def test_before_init_in_this_process():

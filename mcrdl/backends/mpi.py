@@ -24,7 +24,7 @@ from importlib import resources
 
 from .. import _C
 from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpi_module, mpich_posix_coll_json
-from ..errors import DesyncError
+from ..errors import BackendUnavailableError, DesyncError
 from ..groups import Group, bad_group_error
 from ..launch import (
     affinity_bits,
@@ -178,6 +178,7 @@ class MPILaneBackend(Backend):
         _C.set_hold_gil(1 if hold_gil_mode() == "auto" else 0)
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
+        self._closed = ""  # why, once finalized
         self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
         # this node's ranks outnumber its cores (as this rank sees it); made exact and the
         # same on every rank (any node) by use_tuning_table, which the runtime calls
@@ -258,6 +259,10 @@ class MPILaneBackend(Backend):
         try:
             return self._comms[0 if group is None else group.id]
         except (KeyError, AttributeError):
+            if self._closed:
+                raise BackendUnavailableError(
+                    f"backend {self.name!r} is closed ({self._closed}); mcrdl.init() starts "
+                    "a new session") from None
             raise bad_group_error(group) from None
 
     def set_timeout(self, timeout: float) -> None:
@@ -273,7 +278,8 @@ class MPILaneBackend(Backend):
 
     def finalize(self) -> None:
         """Drain and stop the lane; subclasses then free their MPI communicators."""
-        self._lane.shutdown(f"the {self.name!r} backend was finalized", self.ctx.timeout)
+        self._closed = f"the {self.name!r} backend was finalized"
+        self._lane.shutdown(self._closed, self.ctx.timeout)
         self._comms.clear()
 
 
@@ -291,7 +297,7 @@ class MPIBackend(MPILaneBackend):
         # The hot ops as C functions over these methods (csrc/mpi_comm.cpp, FastOps): the
         # front calls them directly; what they do not handle goes to the methods below.
         fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
-        self._add_fast = fast.pop("__add__")
+        self._add_fast, self._clear_fast = fast.pop("__add__"), fast.pop("__clear__")
         self.__dict__.update(fast)
         self._world = self._make(ctx.world, self._MPI.COMM_WORLD.Dup())
         self._add_fast(None, self._world)
@@ -341,6 +347,9 @@ class MPIBackend(MPILaneBackend):
             self._make(group, comm)
 
     def finalize(self) -> None:
+        # The C functions forget the communicators first: a kept `backend.all_reduce` then
+        # reaches the methods below, and the closed lane refuses the call.
+        self._clear_fast()
         super().finalize()
         for comm in self._mpi_comms.values():
             if comm != self._MPI.COMM_NULL:

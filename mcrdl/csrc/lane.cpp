@@ -309,6 +309,12 @@ void Lane::shutdown(const std::string& why, double drain_s) {
     }
     stop_ = true;
     left.swap(inflight_);
+    // Calls made after this (through a backend method kept past finalize) are refused
+    // by the one check every post makes (healthy()), with why_ as the reason.
+    if (!failed_.load()) {
+      why_ = why;
+      failed_.store(true, std::memory_order_release);
+    }
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
@@ -340,6 +346,10 @@ void Lane::fail(const std::string& why, std::shared_ptr<Work> stuck) {
 
 void Lane::throw_unhealthy(const char* op) {
   std::lock_guard<std::mutex> g(mu_);
+  if (stop_)
+    throw Error(ErrorKind::BackendUnavailable,
+                std::string(op) + ": backend '" + name_ + "' is closed (" + why_ +
+                    "); mcrdl.init() starts a new session");
   throw Error(ErrorKind::BackendUnavailable,
               std::string(op) + ": backend '" + name_ +
                   "' is unusable since an earlier operation timed out (ranks no longer issue "

@@ -974,7 +974,8 @@ PyMethodDef kFastDefs[] = {
 };
 
 // mpi_fast_ops(slow): {op: fast function} for the ops of kFastDefs, each falling back to
-// slow[op]; register communicators with the returned dict's "__add__"(group, comm).
+// slow[op]; register communicators with the returned dict's "__add__"(group, comm), and
+// forget them all with its "__clear__"().
 py::dict mpi_fast_ops(py::dict slow) {
   auto* f = new FastOps();
   auto holder = py::reinterpret_steal<py::object>(new_fast_self(f));
@@ -987,6 +988,13 @@ py::dict mpi_fast_ops(py::dict slow) {
     (void)holder;
     f->comms.emplace_back(group, comm.cast<MpiComm*>());
     if (group.is_none() && !f->world) f->world = f->comms.back().second;
+  });
+  // At finalize, before the communicators go: from then on every call takes the Python
+  // method, which refuses it (the table holds plain pointers, not the comm objects).
+  out["__clear__"] = py::cpp_function([f, holder] {
+    (void)holder;
+    f->comms.clear();
+    f->world = nullptr;
   });
   return out;
 }
@@ -1006,7 +1014,8 @@ void bind_mpi(py::module_& m) {
         "(what the blocking path's watchdog prints before MPI_Abort).");
   m.def("mpi_fast_ops", &mpi_fast_ops, arg("slow"),
         "{op: METH_FASTCALL function} of the mpi backend's hot ops, each falling back to "
-        "slow[op]; '__add__'(group, comm) registers a communicator (group None: the world).");
+        "slow[op]; '__add__'(group, comm) registers a communicator (group None: the world), "
+        "'__clear__'() forgets them all.");
   m.def("mpi_library_version", &mpi_library_version,
         "Version string of the MPI library this extension was linked against.");
   py::class_<MpiComm>(m, "MpiComm")
