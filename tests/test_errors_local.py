@@ -73,12 +73,19 @@ _SCRIPT = textwrap.dedent(r'''
     # The mpi backend's methods are C functions holding plain communicator pointers: one
     # kept past finalize must refuse the call, not reach freed memory or MPI.
     import mcrdl.api
-    kept = mcrdl.api.current_runtime().backend("mpi").all_reduce
+    import gc, weakref
+    backend = mcrdl.api.current_runtime().backend("mpi")
+    kept, gone = backend.all_reduce, weakref.ref(backend)
+    del backend
     mcrdl.finalize()
     probe("after_finalize all_reduce", lambda: mcrdl.all_reduce("gloo", t))
     for key, grp, asy in (("world", None, False), ("group", old, False), ("async", None, True)):
         probe("kept mpi method " + key,
               lambda grp=grp, asy=asy: kept(t, mcrdl.ReduceOp.SUM, grp, asy))
+    # finalized and no longer referenced: collected (no cycle through the C functions)
+    del kept
+    gc.collect()
+    res["finalized backend collected"] = gone() is None
     mcrdl.init(["mpi", "gloo"])
     probe("stale group, no new group", lambda: mcrdl.all_reduce("gloo", t, group=old))
     mcrdl.new_group([0])
@@ -149,6 +156,12 @@ def test_backend_method_kept_past_finalize_refuses(fresh):
     for key in ("world", "group", "async"):
         _raised(fresh, "kept mpi method " + key, mcrdl.BackendUnavailableError,
                 "backend 'mpi' is closed (the 'mpi' backend was finalized)", "mcrdl.init()")
+
+
+def test_finalized_backend_is_collected(fresh):
+    """The mpi backend's C functions and their table hold its methods: after finalize the
+    backend must not stay alive through that cycle."""
+    assert fresh["finalized backend collected"] is True
 
 
 def test_before_init_in_this_process():

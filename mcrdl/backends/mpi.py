@@ -24,7 +24,7 @@ from importlib import resources
 
 from .. import _C
 from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpi_module, mpich_posix_coll_json
-from ..errors import BackendUnavailableError, DesyncError
+from ..errors import DesyncError
 from ..groups import Group, bad_group_error
 from ..launch import (
     affinity_bits,
@@ -178,7 +178,6 @@ class MPILaneBackend(Backend):
         _C.set_hold_gil(1 if hold_gil_mode() == "auto" else 0)
         self._lane = _C.Lane(self.name)
         self._comms: dict[int, object] = {}
-        self._closed = ""  # why, once finalized
         self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
         # this node's ranks outnumber its cores (as this rank sees it); made exact and the
         # same on every rank (any node) by use_tuning_table, which the runtime calls
@@ -259,10 +258,8 @@ class MPILaneBackend(Backend):
         try:
             return self._comms[0 if group is None else group.id]
         except (KeyError, AttributeError):
-            if self._closed:
-                raise BackendUnavailableError(
-                    f"backend {self.name!r} is closed ({self._closed}); mcrdl.init() starts "
-                    "a new session") from None
+            # after finalize (the communicators are gone): the lane says why
+            self._lane.check(f"a call on group {getattr(group, 'id', group)!r}")
             raise bad_group_error(group) from None
 
     def set_timeout(self, timeout: float) -> None:
@@ -278,8 +275,7 @@ class MPILaneBackend(Backend):
 
     def finalize(self) -> None:
         """Drain and stop the lane; subclasses then free their MPI communicators."""
-        self._closed = f"the {self.name!r} backend was finalized"
-        self._lane.shutdown(self._closed, self.ctx.timeout)
+        self._lane.shutdown(f"the {self.name!r} backend was finalized", self.ctx.timeout)
         self._comms.clear()
 
 
@@ -350,6 +346,10 @@ class MPIBackend(MPILaneBackend):
         # The C functions forget the communicators first: a kept `backend.all_reduce` then
         # reaches the methods below, and the closed lane refuses the call.
         self._clear_fast()
+        # The C functions hold the bound methods: with them in __dict__ the backend sits in
+        # a cycle through their table, which the GC cannot see (a backend per session kept).
+        for name in (*OPS, "_add_fast", "_clear_fast"):
+            self.__dict__.pop(name, None)
         super().finalize()
         for comm in self._mpi_comms.values():
             if comm != self._MPI.COMM_NULL:
