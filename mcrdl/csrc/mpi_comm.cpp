@@ -235,7 +235,8 @@ class MpiComm {
     int i = block_op(op);
     BlockingSteps v =
         checked_blocking_steps(op, steps, has_allreduce_variant(i) ? kVariants : kVarBlocking + 1);
-    std::lock_guard<PostLock> g(post_mu_);
+    // as a post takes it (a thread holding it may be waiting for our GIL)
+    auto g = lock_post();
     blocking_.steps[i] = std::move(v);
   }
 
