@@ -3,7 +3,8 @@ mpi4py reference (mcrdl/backends/pccl_ref.py). Run under mpiexec with
 MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
 Checked, for every dtype (one per path with PCCL_TEST_ALGOS=core) and every reduce op
-that applies, sizes 0, 1, 7 and 1000 (multi-dimensional too), tensor and list forms,
+that applies, sizes 0, 1, 7 and 1000 (multi-dimensional too, but with
+PCCL_TEST_ALGOS=core), tensor and list forms,
 blocking and async, on the world and on a permuted sub-group (mixed_order), with each
 (inter, intra) algorithm pair:
   all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, RTOL for
@@ -42,6 +43,9 @@ PATH_DTYPES = ("float32", "bfloat16", "int64", "uint8", "bool")
 CORE = os.environ.get("PCCL_TEST_ALGOS") == "core"
 if CORE:
     ALGOS = ALGOS[:3]
+    # nor the 2-d shape: flattening does not depend on the layout (its 15 elements split
+    # as 7's do), and every shape runs at 2 and 4 ranks
+    SHAPES = SHAPES[:-1]
 
 
 def mixed_order(world_nodes: list[int]) -> list[int]:
