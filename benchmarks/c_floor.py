@@ -22,7 +22,8 @@ mcrdl minus C blocking (MT), mcrdl over the better C MT variant, mcrdl over the 
 in-process C variant and minus it; then what any Python caller pays: "py loop" (the timing
 loop calling a no-op C builtin), "C per py call" (c_floor.c's call of the variant mcrdl
 runs, made once per iteration of that loop through the smallest C extension function
-there is: c_floor.c is also the CPython module `c_floor`) and mcrdl over it.
+there is: c_floor.c is also the CPython module `c_floor`), mcrdl over it, and it over
+the best in-process C variant (the Python caller's floor under mcrdl's ratio).
 ``--variants`` adds mcrdl with each variant forced (the data of
 mcrdl/tuning/mpi_blocking.json). ``--runs R`` repeats everything R times and ends with
 each ratio's range over the runs: this machine's timings swing between runs by more
@@ -278,15 +279,17 @@ def us(t: float) -> str:
     return f"{t * 1e6:.2f}" if t < 1e-3 else f"{t * 1e6:.0f}"
 
 
-def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, float, float]]],
+def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, ...]]],
                  runs: int) -> list[str]:
     """The summary of several runs, as markdown lines: per (ranks, op, bytes) the range
-    over runs of mcrdl minus the best in-process C variant (us), mcrdl over it, and
-    mcrdl over the C call made once per Python loop iteration. `per_run` holds one
-    (minus us, over, over per py call) tuple per run."""
+    over runs of mcrdl minus the best in-process C variant (us), mcrdl over it, mcrdl
+    over the C call made once per Python loop iteration, and that call over the best
+    in-process C variant (what any Python caller pays: the floor under mcrdl's ratio).
+    `per_run` holds one (minus us, over, over per py call, py floor) tuple per run."""
     lines = [f"\nspread over {runs} runs (min to max)",
              "| ranks | op | bytes | values | mcrdl - best C in-proc us "
-             "| mcrdl / best C in-proc | mcrdl / C per py call |", "|---|---|---|---|---|---|---|"]
+             "| mcrdl / best C in-proc | mcrdl / C per py call | C per py call / best C in-proc |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def rng(vals, fmt):
         vals = [v for v in vals if not math.isnan(v)]
@@ -299,7 +302,7 @@ def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, float, fl
     for (n, op, nbytes), rows in sorted(per_run.items()):
         cols = list(zip(*rows, strict=True))
         lines.append(f"| {n} | {op} | {nbytes} | {len(rows)} | {rng(cols[0], '+.2f')} | "
-                     f"{rng(cols[1], '.2f')} | {rng(cols[2], '.2f')} |")
+                     f"{rng(cols[1], '.2f')} | {rng(cols[2], '.2f')} | {rng(cols[3], '.3f')} |")
     return lines
 
 
@@ -323,7 +326,8 @@ def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> tup
     """One run at `n` ranks: the C program (single-threaded and MPI_THREAD_MULTIPLE
     init) and the rank part; prints its table (and --variants' fits) and returns, per
     (op, bytes), (mcrdl - best C in-proc, mcrdl / best C in-proc, mcrdl / C per py
-    call), and with --variants each op's {bytes: {variant: time}}."""
+    call, C per py call / best C in-proc), and with --variants each op's {bytes:
+    {variant: time}}."""
     c = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
                              check=True, capture_output=True, text=True, env=env).stdout)
     cmt = parse(subprocess.run([_mpiexec(), "-n", str(n), exe, str(a.trials), *sizes],
@@ -340,7 +344,7 @@ def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> tup
             "C in-proc allreduce us", "mcrdl us", "mcrdl - C MT blk us",
             "mcrdl - C in-proc blk us", "mcrdl / best C MT", "mcrdl / best C in-proc",
             "mcrdl - best C in-proc us", "py loop us", "C per py call us",
-            "mcrdl / C per py call"]
+            "mcrdl / C per py call", "C per py call / best C in-proc"]
     if a.variants:
         head += ["mcrdl blk us", "mcrdl nonblk us", "mcrdl allreduce us"]
     fits: dict[str, dict[int, dict[str, float]]] = {}
@@ -360,8 +364,8 @@ def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> tup
                  us(iar), us(mt[0]), f"{(mt[0] - tb) * 1e6:+.2f}",
                  f"{(mt[0] - ib) * 1e6:+.2f}", f"{mt[0] / min(tb, tn):.2f}",
                  f"{mt[0] / best:.2f}", f"{(mt[0] - best) * 1e6:+.2f}",
-                 us(loop), us(percall), f"{mt[0] / percall:.2f}"]
-        summary[key] = ((mt[0] - best) * 1e6, mt[0] / best, mt[0] / percall)
+                 us(loop), us(percall), f"{mt[0] / percall:.2f}", f"{percall / best:.3f}"]
+        summary[key] = ((mt[0] - best) * 1e6, mt[0] / best, mt[0] / percall, percall / best)
         if a.variants:
             cells += [us(t) for t in mt[1:4]]
             fits.setdefault(key[0], {})[key[1]] = {
@@ -395,7 +399,7 @@ def main(argv=None) -> None:
         p.error(f"--runs must be at least 1, got {a.runs}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     sizes = [str(s) for s in a.sizes]
-    per_run: dict[tuple[int, str, int], list[tuple[float, float, float]]] = {}
+    per_run: dict[tuple[int, str, int], list[tuple[float, float, float, float]]] = {}
     variant_runs: dict[tuple[int, str], list[dict[int, dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         exe, lib = build(tmp)

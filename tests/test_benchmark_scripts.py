@@ -87,15 +87,18 @@ def test_c_floor_spread_table_reports_each_ratios_range():
     import runpy
 
     table = runpy.run_path(str(BENCHMARKS[0].parent / "c_floor.py"))["spread_table"]
-    lines = table({(2, "all_reduce", 8): [(0.11, 1.20, 1.10), (0.17, 1.31, 1.10)],
-                   (2, "all_reduce", 1 << 20): [(5.0, 1.031, 1.0), (9.0, 1.048, 1.01)],
-                   (2, "bcast", 8): [(0.05, 1.1, 0.97)]}, 2)
+    lines = table({(2, "all_reduce", 8): [(0.11, 1.20, 1.10, 1.09), (0.17, 1.31, 1.10, 1.19)],
+                   (2, "all_reduce", 1 << 20): [(5.0, 1.031, 1.0, 1.031),
+                                                (9.0, 1.048, 1.01, 1.0376)],
+                   (2, "bcast", 8): [(0.05, 1.1, 0.97, 1.134)]}, 2)
     assert lines[0].strip().startswith("spread over 2 runs")
+    assert lines[1].endswith("| C per py call / best C in-proc |")
     rows = lines[3:]
     assert rows == [
-        "| 2 | all_reduce | 8 | 2 | +0.11 to +0.17 | 1.20 to 1.31 | 1.10 |",
-        "| 2 | all_reduce | 1048576 | 2 | +5.00 to +9.00 | 1.03 to 1.05 | 1.00 to 1.01 |",
-        "| 2 | bcast | 8 | 1 | +0.05 | 1.10 | 0.97 |"]  # a size one run lacked: 1 value
+        "| 2 | all_reduce | 8 | 2 | +0.11 to +0.17 | 1.20 to 1.31 | 1.10 | 1.090 to 1.190 |",
+        "| 2 | all_reduce | 1048576 | 2 | +5.00 to +9.00 | 1.03 to 1.05 | 1.00 to 1.01 "
+        "| 1.031 to 1.038 |",
+        "| 2 | bcast | 8 | 1 | +0.05 | 1.10 | 0.97 | 1.134 |"]  # a size one run lacked
 
 
 def test_c_floor_pooled_fit_fits_the_median_ratios_of_runs():
