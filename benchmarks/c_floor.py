@@ -10,7 +10,8 @@ program and this script's rank part under ``mpiexec -n N`` for each N, and print
 table per world size. Times are the median over trials of the per-trial maximum over
 ranks of the mean time per call (float32, sizes as the tuning table counts them:
 all_gather's output, reduce_scatter's input). Calls per trial are calibrated by time
-(c_floor.c: a batch of at least 20 ms) and the timed variants alternate trial by trial.
+(c_floor.c: a batch of at least 20 ms) and the timed variants alternate trial by trial
+(the rank part: in an order drawn anew each trial, the same on every rank).
 
 Columns: C blocking, C nonblocking (the standalone program), the same with MPI
 initialized with MPI_THREAD_MULTIPLE ("MT": mcrdl's lanes need it, and MPICH's small
@@ -40,6 +41,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import shutil
 import statistics
@@ -178,7 +180,14 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
               clib: str) -> None:
     """Per (op, size), print mcrdl's time, with --variants each variant forced, then the
     in-process C blocking and nonblocking times: every one calibrated on its own, then
-    timed in turns, trial by trial, on the same tensors."""
+    timed in turns, trial by trial, on the same tensors.
+
+    Each trial runs the batches in a new order (seeded by op, size and trial, so the same
+    on every rank). A batch can slow the next one down (why is not known): after the
+    allreduce variant's 16 MiB reduce_scatter batch, the next batch's calls ran about
+    30% slower, even with the short no-op batch between. A fixed rotation always put the
+    same batch after it: the C call made from the Python loop, which came out 1.16-1.32
+    over the C loop at 16 MiB and 1.05 at 1 MiB."""
     import torch
 
     import mcrdl
@@ -262,9 +271,11 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
                         loop_batch(functools.partial(id, a))]
             its = [1 if bt is skipped else calibrate(bt) for bt in batches]
             ts = [[] for _ in batches]
-            for tr in range(trials):  # each batch in turn, starting one later every trial
-                for k in range(len(batches)):
-                    j = (tr + k) % len(batches)
+            for tr in range(trials):
+                order = list(range(len(batches)))
+                # a str seed is hashed the same in every process (str's hash() is not)
+                random.Random(f"{op} {nbytes} {tr}").shuffle(order)
+                for j in order:
                     ts[j].append(batches[j](its[j]))
             if rank == 0:
                 print(op, nbytes, *(f"{statistics.median(t):.9g}" for t in ts), flush=True)
