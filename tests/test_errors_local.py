@@ -76,14 +76,15 @@ _SCRIPT = textwrap.dedent(r'''
     import gc, weakref
     backend = mcrdl.api.current_runtime().backend("mpi")
     kept, gone = backend.all_reduce, weakref.ref(backend)
-    del backend
     mcrdl.finalize()
     probe("after_finalize all_reduce", lambda: mcrdl.all_reduce("gloo", t))
     for key, grp, asy in (("world", None, False), ("group", old, False), ("async", None, True)):
         probe("kept mpi method " + key,
               lambda grp=grp, asy=asy: kept(t, mcrdl.ReduceOp.SUM, grp, asy))
+    probe("kept mpi method lookup", lambda: backend.all_reduce(t, mcrdl.ReduceOp.SUM, None, False))
+    probe("kept mpi method add_group", lambda: backend.add_group(old))
     # finalized and no longer referenced: collected (no cycle through the C functions)
-    del kept
+    del kept, backend
     gc.collect()
     res["finalized backend collected"] = gone() is None
     mcrdl.init(["mpi", "gloo"])
@@ -153,7 +154,7 @@ def test_after_finalize(fresh):
 
 
 def test_backend_method_kept_past_finalize_refuses(fresh):
-    for key in ("world", "group", "async"):
+    for key in ("world", "group", "async", "lookup", "add_group"):
         _raised(fresh, "kept mpi method " + key, mcrdl.BackendUnavailableError,
                 "backend 'mpi' is closed (the 'mpi' backend was finalized)", "mcrdl.init()")
 

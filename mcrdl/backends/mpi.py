@@ -335,6 +335,7 @@ class MPIBackend(MPILaneBackend):
                 self._choose_blocking(c, (op,))
 
     def add_group(self, group: Group) -> None:
+        self._lane.check("add_group")  # after finalize the world communicator is gone
         MPI = self._MPI
         world = self._mpi_comms[0]
         color = 0 if group.is_member else MPI.UNDEFINED
