@@ -94,6 +94,13 @@ _SCRIPT = textwrap.dedent(r'''
         probe("stale group " + b, lambda b=b: mcrdl.all_reduce(b, t, group=old))
     mcrdl.finalize()
 
+    # pccl too: a group added to a finalized backend (its communicators freed).
+    mcrdl.init(["pccl"])
+    grp, pccl_backend = mcrdl.new_group([0]), mcrdl.api.current_runtime().backend("pccl")
+    mcrdl.finalize()
+    probe("kept pccl add_group", lambda: pccl_backend.add_group(grp))
+    del pccl_backend
+
     # A third-party backend that implements only all_reduce.
     class Partial(mcrdl.Backend):
         capabilities = mcrdl.Capabilities(ops=frozenset({"all_reduce"}))
@@ -157,6 +164,11 @@ def test_backend_method_kept_past_finalize_refuses(fresh):
     for key in ("world", "group", "async", "lookup", "add_group"):
         _raised(fresh, "kept mpi method " + key, mcrdl.BackendUnavailableError,
                 "backend 'mpi' is closed (the 'mpi' backend was finalized)", "mcrdl.init()")
+
+
+def test_pccl_add_group_after_finalize_refuses(fresh):
+    _raised(fresh, "kept pccl add_group", mcrdl.BackendUnavailableError,
+            "backend 'pccl' is closed", "mcrdl.init()")
 
 
 def test_finalized_backend_is_collected(fresh):
