@@ -89,9 +89,10 @@ setup(
             extra_link_args=link,
         )
     ],
-    # With ninja (the README installs it) the sources compile in parallel (MAX_JOBS, else
-    # one job a core): on 2 cores 79 s against 167 s one by one. Without it torch's
-    # BuildExtension warns and compiles them one by one; MCRDL_NINJA=0 asks for that.
+    # With ninja (the README installs it) the sources compile in parallel: MAX_JOBS jobs,
+    # else ninja's default of cores + 2 (each compile can take ~1 GiB: set MAX_JOBS on a
+    # small machine). On 2 cores 79 s against 167 s one by one. Without ninja torch's
+    # BuildExtension warns and compiles one by one; MCRDL_NINJA=0 asks for that.
     cmdclass={"build_ext": BuildExtension.with_options(
         use_ninja=os.environ.get("MCRDL_NINJA", "1") != "0")},
 )

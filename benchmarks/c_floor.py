@@ -177,17 +177,18 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.99) -> list:
 # -- the rank part (under mpiexec) --------------------------------------------------------
 
 def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
-              clib: str) -> None:
+              clib: str, run: int = 0) -> None:
     """Per (op, size), print mcrdl's time, with --variants each variant forced, then the
     in-process C blocking and nonblocking times: every one calibrated on its own, then
     timed in turns, trial by trial, on the same tensors.
 
-    Each trial runs the batches in a new order (seeded by op, size and trial, so the same
-    on every rank). A batch can slow the next one down (why is not known): after the
-    allreduce variant's 16 MiB reduce_scatter batch, the next batch's calls ran about
-    30% slower, even with the short no-op batch between. A fixed rotation always put the
-    same batch after it: the C call made from the Python loop, which came out 1.16-1.32
-    over the C loop at 16 MiB and 1.05 at 1 MiB."""
+    Each trial runs the batches in a new order (seeded by `run`, op, size and trial, so
+    the same on every rank and different in each run of --runs). A batch can slow the
+    next one down (why is not known): after the allreduce variant's 16 MiB
+    reduce_scatter batch, the next batch's calls ran about 30% slower, even with the
+    short no-op batch between. A fixed rotation always put the same batch after it: the
+    C call made from the Python loop, which came out 1.16-1.32 over the C loop at 16 MiB
+    and 1.05 at 1 MiB."""
     import torch
 
     import mcrdl
@@ -274,7 +275,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             for tr in range(trials):
                 order = list(range(len(batches)))
                 # a str seed is hashed the same in every process (str's hash() is not)
-                random.Random(f"{op} {nbytes} {tr}").shuffle(order)
+                random.Random(f"{run} {op} {nbytes} {tr}").shuffle(order)
                 for j in order:
                     ts[j].append(batches[j](its[j]))
             if rank == 0:
@@ -333,7 +334,8 @@ def pooled_fit(runs: list[dict[int, dict[str, float]]]) -> list:
     return fit_steps(pooled)
 
 
-def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> tuple:
+def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str],
+              run: int = 0) -> tuple:
     """One run at `n` ranks: the C program (single-threaded and MPI_THREAD_MULTIPLE
     init) and the rank part; prints its table (and --variants' fits) and returns, per
     (op, bytes), (mcrdl - best C in-proc, mcrdl / best C in-proc, mcrdl / C per py
@@ -346,7 +348,7 @@ def world_run(n: int, a, exe: str, lib: str, env: dict, sizes: list[str]) -> tup
                                env=dict(env, C_FLOOR_THREAD_MULTIPLE="1")).stdout)
     m = parse(subprocess.run(
         [_mpiexec(), "-n", str(n), sys.executable, os.path.abspath(__file__),
-         "--rank-part", "--trials", str(a.trials), "--sizes", *sizes,
+         "--rank-part", "--run", str(run), "--trials", str(a.trials), "--sizes", *sizes,
          "--ops", *dict.fromkeys(op for op, _ in c), "--clib", lib,
          *(["--variants"] if a.variants else [])],
         check=True, capture_output=True, text=True, env=env).stdout)
@@ -402,9 +404,10 @@ def main(argv=None) -> None:
     p.add_argument("--rank-part", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ops", nargs="+", help=argparse.SUPPRESS)  # the rank part's, from C
     p.add_argument("--clib", help=argparse.SUPPRESS)  # the rank part's c_floor module
+    p.add_argument("--run", type=int, default=0, help=argparse.SUPPRESS)  # its order seed
     a = p.parse_args(argv)
     if a.rank_part:
-        rank_part(a.ops, a.sizes, a.trials, a.variants, a.clib)
+        rank_part(a.ops, a.sizes, a.trials, a.variants, a.clib, a.run)
         return
     if a.runs < 1:
         p.error(f"--runs must be at least 1, got {a.runs}")
@@ -418,7 +421,7 @@ def main(argv=None) -> None:
             for n in a.ranks:
                 if a.runs > 1:
                     print(f"\nrun {r + 1} of {a.runs}")
-                summary, fits = world_run(n, a, exe, lib, env, sizes)
+                summary, fits = world_run(n, a, exe, lib, env, sizes, r)
                 for key, vals in summary.items():
                     per_run.setdefault((n, *key), []).append(vals)
                 for op, times in fits.items():

@@ -83,6 +83,7 @@ _SCRIPT = textwrap.dedent(r'''
               lambda grp=grp, asy=asy: kept(t, mcrdl.ReduceOp.SUM, grp, asy))
     probe("kept mpi method lookup", lambda: backend.all_reduce(t, mcrdl.ReduceOp.SUM, None, False))
     probe("kept mpi method add_group", lambda: backend.add_group(old))
+    probe("second finalize of the mpi backend", backend.finalize)
     # finalized and no longer referenced: collected (no cycle through the C functions)
     del kept, backend
     gc.collect()
@@ -92,6 +93,13 @@ _SCRIPT = textwrap.dedent(r'''
     mcrdl.new_group([0])
     for b in ("mpi", "gloo"):
         probe("stale group " + b, lambda b=b: mcrdl.all_reduce(b, t, group=old))
+    mcrdl.finalize()
+
+    # A lane failed by a timeout still adds groups: the rank's peers are in the same
+    # collective MPI_Comm_split (a rank refusing alone would leave them waiting).
+    mcrdl.init(["mpi"])
+    mcrdl.api.current_runtime().backend("mpi").mark_failed("a simulated timeout")
+    probe("new_group on a failed lane", lambda: list(mcrdl.new_group([0]).ranks))
     mcrdl.finalize()
 
     # pccl too: a group added to a finalized backend (its communicators freed).
@@ -164,6 +172,16 @@ def test_backend_method_kept_past_finalize_refuses(fresh):
     for key in ("world", "group", "async", "lookup", "add_group"):
         _raised(fresh, "kept mpi method " + key, mcrdl.BackendUnavailableError,
                 "backend 'mpi' is closed (the 'mpi' backend was finalized)", "mcrdl.init()")
+
+
+def test_backend_finalize_twice_is_harmless(fresh):
+    assert fresh["second finalize of the mpi backend"][0] == "ok"
+
+
+def test_failed_lane_still_adds_groups(fresh):
+    """Only a closed lane refuses add_group: a timeout fails one rank's lane, and its
+    peers are already in the collective that creates the group."""
+    assert fresh["new_group on a failed lane"] == ["ok", [0]]
 
 
 def test_pccl_add_group_after_finalize_refuses(fresh):

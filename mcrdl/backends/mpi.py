@@ -258,8 +258,9 @@ class MPILaneBackend(Backend):
         try:
             return self._comms[0 if group is None else group.id]
         except (KeyError, AttributeError):
-            # after finalize (the communicators are gone): the lane says why
-            self._lane.check(f"a call on group {getattr(group, 'id', group)!r}")
+            # after finalize (the communicators are gone): the lane says so
+            self._lane.check_open("a call on " + ("the world" if group is None else
+                                                  f"group {getattr(group, 'id', group)!r}"))
             raise bad_group_error(group) from None
 
     def set_timeout(self, timeout: float) -> None:
@@ -294,6 +295,7 @@ class MPIBackend(MPILaneBackend):
         # front calls them directly; what they do not handle goes to the methods below.
         fast = _C.mpi_fast_ops({op: getattr(self, op) for op in OPS})
         self._add_fast, self._clear_fast = fast.pop("__add__"), fast.pop("__clear__")
+        self._fast_names = (*fast, "_add_fast", "_clear_fast")
         self.__dict__.update(fast)
         self._world = self._make(ctx.world, self._MPI.COMM_WORLD.Dup())
         self._add_fast(None, self._world)
@@ -335,7 +337,7 @@ class MPIBackend(MPILaneBackend):
                 self._choose_blocking(c, (op,))
 
     def add_group(self, group: Group) -> None:
-        self._lane.check("add_group")  # after finalize the world communicator is gone
+        self._lane.check_open("add_group")  # after finalize the world communicator is gone
         MPI = self._MPI
         world = self._mpi_comms[0]
         color = 0 if group.is_member else MPI.UNDEFINED
@@ -346,10 +348,10 @@ class MPIBackend(MPILaneBackend):
     def finalize(self) -> None:
         # The C functions forget the communicators first: a kept `backend.all_reduce` then
         # reaches the methods below, and the closed lane refuses the call.
-        self._clear_fast()
+        self.__dict__.pop("_clear_fast", lambda: None)()  # gone on a second finalize
         # The C functions hold the bound methods: with them in __dict__ the backend sits in
         # a cycle through their table, which the GC cannot see (a backend per session kept).
-        for name in (*OPS, "_add_fast", "_clear_fast"):
+        for name in self._fast_names:
             self.__dict__.pop(name, None)
         super().finalize()
         for comm in self._mpi_comms.values():

@@ -186,7 +186,7 @@ class PCCLBackend(MPILaneBackend):
                 c.set_blocking(op, phase, step_codes(steps, allreduce=False))
 
     def add_group(self, group: Group) -> None:
-        self._lane.check("add_group")  # after finalize its communicators are gone
+        self._lane.check_open("add_group")  # after finalize its communicators are gone
         self._make(group)
 
     def synchronize(self, timeout: float) -> None:

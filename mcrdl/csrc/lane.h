@@ -121,6 +121,11 @@ class Lane {
   // keeps the op (its buffers stay alive) and refuses new ops with the reason.
   void fail(const std::string& why, std::shared_ptr<Work> stuck);
   bool healthy() const { return !failed_.load(std::memory_order_acquire); }
+  // Shut down (finalized): throw_unhealthy then says the backend is closed.
+  bool closed() {
+    std::lock_guard<std::mutex> g(mu_);
+    return stop_;
+  }
   [[noreturn]] void throw_unhealthy(const char* op);
 
  private:

@@ -218,12 +218,13 @@ PYBIND11_MODULE(_C, m) {
            "Refuse new ops from now on (ranks no longer issue matching operations).")
       .def("shutdown", &Lane::shutdown, py::arg("why"), py::arg("drain_timeout") = 0.0,
            py::call_guard<py::gil_scoped_release>())
-      .def("check",
+      .def("check_open",
            [](Lane& l, const std::string& what) {
-             if (!l.healthy()) l.throw_unhealthy(what.c_str());
+             if (l.closed()) l.throw_unhealthy(what.c_str());
            },
            py::arg("what"),
-           "Raise the lane's own error (closed, or failed by a timeout) for `what`, if any.")
+           "Raise the lane's 'backend is closed' error for `what` once it was shut down (not "
+           "after a timeout: a rank that refused alone would leave its peers waiting).")
       .def_property_readonly("name", &Lane::name);
 
   m.def("set_idle_sleep", &set_idle_sleep, py::arg("on"),

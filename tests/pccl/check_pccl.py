@@ -3,7 +3,7 @@ mpi4py reference (mcrdl/backends/pccl_ref.py). Run under mpiexec with
 MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
 Checked, for every dtype (one per path with PCCL_TEST_ALGOS=core) and every reduce op
-that applies, sizes 0, 1, 7 and 1000 (multi-dimensional too, but with
+that applies, sizes 0, 1, 7 and 1000 (multi-dimensional too, but not with
 PCCL_TEST_ALGOS=core), tensor and list forms,
 blocking and async, on the world and on a permuted sub-group (mixed_order), with each
 (inter, intra) algorithm pair:
