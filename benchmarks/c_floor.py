@@ -176,6 +176,16 @@ def fit_steps(times: dict[int, dict[str, float]], margin: float = 0.99) -> list:
 
 # -- the rank part (under mpiexec) --------------------------------------------------------
 
+def trial_order(n: int, run: int, op: str, nbytes: int, trial: int) -> list[int]:
+    """The order of a trial's `n` batches: shuffled, and the same in every rank's process.
+    The seed is a str, which random.Random hashes with sha512; a tuple or another object
+    would be seeded by hash(), which differs between processes (PYTHONHASHSEED) and would
+    set the ranks' collectives against each other."""
+    order = list(range(n))
+    random.Random(f"{run} {op} {nbytes} {trial}").shuffle(order)
+    return order
+
+
 def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
               clib: str, run: int = 0) -> None:
     """Per (op, size), print mcrdl's time, with --variants each variant forced, then the
@@ -273,10 +283,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
             its = [1 if bt is skipped else calibrate(bt) for bt in batches]
             ts = [[] for _ in batches]
             for tr in range(trials):
-                order = list(range(len(batches)))
-                # a str seed is hashed the same in every process (str's hash() is not)
-                random.Random(f"{run} {op} {nbytes} {tr}").shuffle(order)
-                for j in order:
+                for j in trial_order(len(batches), run, op, nbytes, tr):
                     ts[j].append(batches[j](its[j]))
             if rank == 0:
                 print(op, nbytes, *(f"{statistics.median(t):.9g}" for t in ts), flush=True)

@@ -137,3 +137,22 @@ def test_call_lines_reads_a_callgrind_dump(tmp_path):
     short = tmp_path / "cg.out.3"
     short.write_text("desc: Trigger: Program termination\nevents: Ir Dr I1mr\ntotals: 7\n")
     assert totals(str(short)) == ("Program termination", {"Ir": 7})
+
+
+def test_c_floor_trial_order_is_the_same_in_every_process():
+    """The rank part's batch order must not depend on the process (its ranks would time
+    different collectives against each other): the same under any PYTHONHASHSEED, a
+    permutation, and not one fixed rotation."""
+    import json
+    import os
+
+    path = str(BENCHMARKS[0].parent / "c_floor.py")
+    code = (f"import runpy, json; f = runpy.run_path({path!r})['trial_order']; "
+            "print(json.dumps([f(7, r, 'bcast', 4096, t) for r in range(2) for t in range(4)]))")
+    outs = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                           text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+            for seed in ("1", "2", "3")}
+    assert len(outs) == 1
+    orders = json.loads(outs.pop())
+    assert all(sorted(o) == list(range(7)) for o in orders)
+    assert len({tuple(o) for o in orders}) > 4  # runs and trials get other orders
