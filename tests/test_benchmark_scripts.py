@@ -2,6 +2,8 @@
 module or option they import shows here, not when someone next measures. One process
 runs them all (each would pay ~2 s to import torch)."""
 
+import json
+import os
 import pathlib
 import runpy
 import subprocess
@@ -41,7 +43,6 @@ def test_c_floor_fit_steps_orders_allreduce_blocking_nonblocking():
     """c_floor.fit_steps (the shipped mpi_blocking.json steps): the split into allreduce,
     blocking and nonblocking runs agreeing with the most sizes, ends at the geometric
     middle of the sizes around them; values as mcrdl.tuning.schema writes steps."""
-    import runpy
 
     from mcrdl.tuning.schema import STEP_VALUES, check_steps
 
@@ -84,7 +85,6 @@ def test_c_floor_fit_steps_orders_allreduce_blocking_nonblocking():
 def test_c_floor_spread_table_reports_each_ratios_range():
     """c_floor --runs: per (ranks, op, bytes) the min-to-max of each ratio over runs, a
     single value where every run printed the same."""
-    import runpy
 
     table = runpy.run_path(str(BENCHMARKS[0].parent / "c_floor.py"))["spread_table"]
     lines = table({(2, "all_reduce", 8): [(0.11, 1.20, 1.10, 1.09), (0.17, 1.31, 1.10, 1.19)],
@@ -104,7 +104,6 @@ def test_c_floor_spread_table_reports_each_ratios_range():
 def test_c_floor_pooled_fit_fits_the_median_ratios_of_runs():
     """c_floor --variants --runs: the steps of several runs are fit_steps of the median
     over runs of each size's ratios (as mpi_blocking.json's steps are made)."""
-    import runpy
 
     c_floor = runpy.run_path(str(BENCHMARKS[0].parent / "c_floor.py"))
     fit, pooled = c_floor["fit_steps"], c_floor["pooled_fit"]
@@ -143,8 +142,6 @@ def test_c_floor_trial_order_is_the_same_in_every_process():
     """The rank part's batch order must not depend on the process (its ranks would time
     different collectives against each other): the same under any PYTHONHASHSEED, a
     permutation, and not one fixed rotation."""
-    import json
-    import os
 
     path = str(BENCHMARKS[0].parent / "c_floor.py")
     code = (f"import runpy, json; f = runpy.run_path({path!r})['trial_order']; "

@@ -348,7 +348,7 @@ class MPIBackend(MPILaneBackend):
     def finalize(self) -> None:
         # The C functions forget the communicators first: a kept `backend.all_reduce` then
         # reaches the methods below, and the closed lane refuses the call.
-        self.__dict__.pop("_clear_fast", lambda: None)()  # gone on a second finalize
+        self.__dict__.get("_clear_fast", lambda: None)()  # gone on a second finalize
         # The C functions hold the bound methods: with them in __dict__ the backend sits in
         # a cycle through their table, which the GC cannot see (a backend per session kept).
         for name in self._fast_names:
