@@ -109,6 +109,31 @@ def build(out_dir: str) -> tuple[str, str]:
     return exe, lib
 
 
+def load_module(path: str):
+    """The CPython module `c_floor` that build() wrote at `path`."""
+    spec = importlib.util.spec_from_file_location("c_floor", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def mcrdl_call(mcrdl, op: str, a, b, per: int, n: int):
+    """mcrdl's call of `op` on the float32 tensors `a` and `b` (bytes as c_floor.c counts
+    them, `per` elements a rank, `n` ranks), as a functools.partial: no Python frame of
+    the harness per call, as the C loop has none, on views made once (slicing costs ~1 us
+    a call)."""
+    call = functools.partial
+    if op == "all_reduce":
+        return call(mcrdl.all_reduce, "mpi", a)
+    if op == "all_gather":
+        return call(mcrdl.all_gather, "mpi", b[:per * n], a[:per])
+    if op == "bcast":
+        return call(mcrdl.bcast, "mpi", a, 0)
+    if op == "reduce_scatter":
+        return call(mcrdl.reduce_scatter, "mpi", b[:per], a[:per * n])
+    return call(mcrdl.barrier, "mpi")
+
+
 def parse(out: str) -> dict:
     from mcrdl.ops import OPS
 
@@ -209,29 +234,13 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
     mcrdl.init(["mpi"])
     rank, n = mcrdl.get_rank(), mcrdl.get_size()
     backend = mcrdl.api.current_runtime().backend("mpi")
-    spec = importlib.util.spec_from_file_location("c_floor", clib)
-    cmod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cmod)
+    cmod = load_module(clib)
     tmax = torch.zeros(1, dtype=torch.float64)
 
     def slowest(t: float) -> float:
         tmax[0] = t
         mcrdl.all_reduce("mpi", tmax, op=mcrdl.ReduceOp.MAX)
         return float(tmax[0])
-
-    # The calls as functools.partial objects (no Python frame of the harness per call, as
-    # the C loop has none), on views made once (slicing costs ~1 us a call).
-    def mcrdl_call(op: str, a, b, per: int):
-        call = functools.partial
-        if op == "all_reduce":
-            return call(mcrdl.all_reduce, "mpi", a)
-        if op == "all_gather":
-            return call(mcrdl.all_gather, "mpi", b[:per * n], a[:per])
-        if op == "bcast":
-            return call(mcrdl.bcast, "mpi", a, 0)
-        if op == "reduce_scatter":
-            return call(mcrdl.reduce_scatter, "mpi", b[:per], a[:per * n])
-        return call(mcrdl.barrier, "mpi")
 
     def loop_batch(fn, variant=contextlib.nullcontext):
         """`fn` called in the loop that times mcrdl's calls (timeit's: no int per call),
@@ -266,7 +275,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
                 continue
             count = nbytes // 4
             a, b = torch.zeros(max(count, 1)), torch.zeros(max(count, 1))
-            fn = mcrdl_call(op, a, b, count // n)
+            fn = mcrdl_call(mcrdl, op, a, b, count // n, n)
             has = op_variants(op) if op in BLOCKING_OPS else ()
             batches = [mcrdl_batch(fn, op, None)]
             if variants:

@@ -153,3 +153,32 @@ def test_c_floor_trial_order_is_the_same_in_every_process():
     orders = json.loads(outs.pop())
     assert all(sorted(o) == list(range(7)) for o in orders)
     assert len({tuple(o) for o in orders}) > 4  # runs and trials get other orders
+
+
+def test_call_gap_sees_each_mcrdl_call_as_one_mpi_collective():
+    """call_gap.py's PMPI library sees every call: one MPI collective per mcrdl call, on the
+    blocking and on the nonblocking path (MCRDL_MPI_BLOCKING=never: posted, completed by
+    MPI_Testall), and each arm's time inside plus outside MPI makes up its total."""
+    path = str(BENCHMARKS[0].parent / "call_gap.py")
+    runs = [({}, ["--ops", "all_reduce", "all_gather", "bcast", "reduce_scatter", "barrier",
+                  "--sizes", "8", "65536"]),
+            ({"MCRDL_MPI_BLOCKING": "never"}, ["--ops", "all_reduce", "--sizes", "65536"])]
+    for env, args in runs:
+        out = subprocess.run([sys.executable, path, "--ranks", "2", "--trials", "3", *args],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, **env})
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        rows = [[c.strip() for c in line.strip("|").split("|")]
+                for line in out.stdout.splitlines()
+                if line.startswith("| ") and not line.startswith("| op ")]
+        want = 9 if not env else 1  # 5 ops x 2 sizes, barrier once
+        assert len(rows) == want, out.stdout
+        for op, nbytes, *cells in rows:
+            total = dict(zip(("C loop", "C per py call", "mcrdl"), map(float, cells[0:3]),
+                             strict=True))
+            outside = [float(x) for x in cells[3:6]]
+            inside = [float(x) for x in cells[7:10]]
+            assert cells[10] == "1.00", (env, op, nbytes, cells)
+            for (arm, t), i, o in zip(total.items(), inside, outside, strict=True):
+                assert 0 <= o and 0 < i, (arm, op, nbytes, cells)
+                assert abs(i + o - t) <= 0.25 * t + 0.1, (arm, op, nbytes, cells)
