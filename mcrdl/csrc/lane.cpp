@@ -207,24 +207,40 @@ void Work::time_out(double timeout_s) {
   throw Error(ErrorKind::Timeout, why);
 }
 
+namespace {
+
+// A waiter's loop: poll `done()` with the waiters' backoff until it returns true (then
+// true), or until `timeout_s` has passed (then false). `steps()` counts the steps of a
+// multi-step op: when it moves, polling goes back to full rate.
+template <typename Done, typename Steps>
+bool poll_until(Done&& done, Steps&& steps, double timeout_s) {
+  if (done()) return true;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+  Backoff backoff(false);
+  uint32_t iter = 0;
+  uint64_t seen = steps();
+  while (!done()) {
+    if (steps() != seen) {
+      seen = steps();
+      backoff.reset();
+    }
+    if ((++iter & 63) == 0 && Clock::now() > deadline) return false;
+    backoff.pause([](std::chrono::microseconds d) { std::this_thread::sleep_for(d); });
+  }
+  return true;
+}
+
+}  // namespace
+
+bool wait_polling(bool (*done)(void*), void* ctx, double timeout_s) {
+  return poll_until([&] { return done(ctx); }, [] { return uint64_t{0}; }, timeout_s);
+}
+
 void Work::wait(double timeout_s) {
   if (timeout_s < 0) timeout_s = timeout_s_;
-  if (!progress()) {
-    const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(timeout_s));
-    Backoff backoff(false);
-    uint32_t iter = 0;
-    uint64_t steps = advances();
-    while (!progress()) {
-      if (advances() != steps) {  // a multi-step op moved: poll at full rate again
-        steps = advances();
-        backoff.reset();
-      }
-      if ((++iter & 63) == 0 && Clock::now() > deadline)
-        time_out(timeout_s);  // raises, unless the op completed meanwhile
-      backoff.pause([](std::chrono::microseconds d) { std::this_thread::sleep_for(d); });
-    }
-  }
+  if (!poll_until([this] { return progress(); }, [this] { return advances(); }, timeout_s))
+    time_out(timeout_s);  // raises, unless the op completed meanwhile
   if (state_.load(std::memory_order_acquire) == kFailed) throw Error(err_kind_, err_);
 }
 

@@ -32,6 +32,11 @@ void set_idle_sleep(bool on);
 std::string timeout_message(const std::string& op, const std::string& backend,
                             const std::string& group, uint64_t seq, double timeout_s);
 
+// Poll `done(ctx)` as Work::wait polls a Work (the waiters' backoff) until it returns
+// true (then true), or until timeout_s has passed (then false). For a blocking call that
+// waits on its own thread without a Work; the GIL must be released by the caller.
+bool wait_polling(bool (*done)(void*), void* ctx, double timeout_s);
+
 class Work {
  public:
   Work(const char* op, const std::string& backend, const std::string& group, uint64_t seq,

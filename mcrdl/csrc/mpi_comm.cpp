@@ -281,11 +281,11 @@ class MpiComm {
                           },
                           held);
     auto s = std::make_shared<InFlight>();
-    s->keep = held();
     return post("all_reduce", "MPI_Iallreduce", s, async_op, std::move(finish),
                 [d, n, p, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Iallreduce)(MPI_IN_PLACE, d, n, p.type, p.op, c, r);
-                });
+                },
+                held);
   }
 
   py::object reduce(py::handle tensor, py::handle dst_, int rop, bool async_op) {
@@ -340,11 +340,11 @@ class MpiComm {
                           },
                           held);
     auto s = std::make_shared<InFlight>();
-    s->keep = held();
     return post("bcast", "MPI_Ibcast", s, async_op, {},
                 [d, n, dt, root, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Ibcast)(d, n, dt, root, c, r);
-                });
+                },
+                held);
   }
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
@@ -386,11 +386,11 @@ class MpiComm {
                           },
                           held);
     auto s = std::make_shared<InFlight>();
-    s->keep = held();
     return post("all_gather", "MPI_Iallgather", s, async_op, std::move(finish),
                 [sd, rd, n, dt, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Iallgather)(sd, n, dt, rd, n, dt, c, r);
-                });
+                },
+                held);
   }
 
   py::object gather(py::handle output, py::handle input, py::handle dst_, bool async_op) {
@@ -505,11 +505,11 @@ class MpiComm {
                           },
                           held);
     auto s = std::make_shared<InFlight>();
-    s->keep = held();
     return post("reduce_scatter", "MPI_Ireduce_scatter_block", s, async_op, std::move(finish),
                 [sd, rd, n, p, c = comm_](MPI_Request* r) {
                   return MPIC(MPI_Ireduce_scatter_block)(sd, rd, n, p.type, p.op, c, r);
-                });
+                },
+                held);
   }
 
   py::object all_to_all_single(py::handle output, py::handle input, py::handle out_splits_,
@@ -769,32 +769,96 @@ class MpiComm {
 
   // The nonblocking variant: `post_fn(request)` posts the op (returning its MPI error
   // code) from this thread, or from the issue thread when it has ops queued (issue
-  // order); the caller (blocking) or the lane (async) then drives the Work.
+  // order); the lane (async) or the caller (blocking) then drives it.
+  // `keep()` lists the tensors a Work must hold alive besides s->keep (the caller's
+  // buffers, borrowed): asked only when the op gets a Work.
+  // A blocking call with nothing queued posts and polls the requests on this thread with
+  // no Work: after a large collective a Work's allocations, locks and callbacks ran on
+  // cold lines, and cost such a call ~10 us outside MPI (benchmarks/call_gap.py). Only if
+  // it reaches its deadline does it get a Work, handed to the lane as launch_work does,
+  // which keeps its buffers (MPI may still write them).
+  template <typename PostFn, typename Keep = std::vector<at::Tensor> (*)()>
   py::object post(const char* op, const char* mpi_name, std::shared_ptr<InFlight> s,
-                  bool async_op, std::function<void()> finish,
-                  std::function<int(MPI_Request*)> post_fn) {
+                  bool async_op, std::function<void()> finish, PostFn&& post_fn,
+                  Keep&& keep = [] { return std::vector<at::Tensor>{}; }) {
     auto g = lock_post();
+    if (!async_op && issuer_->idle()) {
+      if (!lane_->healthy()) lane_->throw_unhealthy(op);
+      const uint64_t seq = ++seq_;
+      check_mpi(post_fn(s->req()), mpi_name);
+      g.unlock();
+      struct Polled {
+        InFlight* s;
+        const char* op;
+      } polled{s.get(), op};
+      bool done;
+      {
+        py::gil_scoped_release nogil;
+        done = wait_polling(
+            [](void* p) {
+              auto* q = static_cast<Polled*>(p);
+              int flag = 0;
+              check_mpi(MPI_Testall((int)q->s->reqs.size(), q->s->reqs.data(), &flag,
+                                    MPI_STATUSES_IGNORE),
+                        q->op);
+              return flag != 0;
+            },
+            &polled, timeout_s_);
+      }
+      if (!done) return past_deadline(op, seq, std::move(s), std::move(finish), keep());
+      if (finish) finish();
+      return py::none();
+    }
     auto w = make_work(op);
     w->finish = std::move(finish);
-    auto test = [s, op = w->op()] {
-      int flag = 0;
-      check_mpi(MPI_Testall((int)s->reqs.size(), s->reqs.data(), &flag, MPI_STATUSES_IGNORE),
-                op.c_str());
-      return flag != 0;
-    };
+    append(s->keep, keep());
+    auto test = testall(s, w->op());
     if (issuer_->idle()) {
       check_mpi(post_fn(s->req()), mpi_name);
       g.unlock();
       w->test = std::move(test);
     } else {
       auto is = std::make_shared<Issued>();
-      issuer_->push([s, is, post_fn = std::move(post_fn)] { is->set(post_fn(s->req())); });
+      issuer_->push([s, is, post_fn = std::function<int(MPI_Request*)>(
+                                std::forward<PostFn>(post_fn))] { is->set(post_fn(s->req())); });
       g.unlock();
       w->test = [is, mpi_name, test = std::move(test)] {
         return is->issued(mpi_name) && test();
       };
     }
     return launch_work(lane_, w, async_op);
+  }
+
+  static std::function<bool()> testall(std::shared_ptr<InFlight> s, std::string op) {
+    return [s = std::move(s), op = std::move(op)] {
+      int flag = 0;
+      check_mpi(MPI_Testall((int)s->reqs.size(), s->reqs.data(), &flag, MPI_STATUSES_IGNORE),
+                op.c_str());
+      return flag != 0;
+    };
+  }
+
+  static void append(std::vector<at::Tensor>& to, std::vector<at::Tensor> more) {
+    for (auto& t : more) to.push_back(std::move(t));
+  }
+
+  // A blocking call of post() past its deadline: as Work::wait there, it raises
+  // CommTimeoutError (unless the op completed meanwhile) and the lane keeps the op.
+  py::object past_deadline(const char* op, uint64_t seq, std::shared_ptr<InFlight> s,
+                           std::function<void()> finish, std::vector<at::Tensor> keep) {
+    append(s->keep, std::move(keep));
+    auto w = std::make_shared<Work>(op, backend_, group_, seq, timeout_s_, lane_);
+    w->finish = std::move(finish);
+    w->test = testall(std::move(s), op);
+    py::gil_scoped_release nogil;
+    try {
+      w->time_out(timeout_s_);
+      w->wait(0);  // it completed meanwhile: raises what the op failed with, if it did
+    } catch (const Error& e) {
+      if (e.kind() == ErrorKind::Timeout) lane_->fail(e.what(), w);  // keeps buffers alive
+      throw;
+    }
+    return py::none();
   }
 
   // The blocking variant: `call()` runs the blocking MPI collective (returning its MPI
