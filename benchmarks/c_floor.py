@@ -134,6 +134,20 @@ def mcrdl_call(mcrdl, op: str, a, b, per: int, n: int):
     return call(mcrdl.barrier, "mpi")
 
 
+def cases(ops: list[str], sizes: list[int], n: int):
+    """What a rank part times, as (op, bytes, a, b): each op at every size (barrier once,
+    as 0 bytes; all_gather and reduce_scatter from 4 bytes a rank), on zeroed float32
+    tensors `a` and `b` of that many bytes."""
+    import torch
+
+    for op in ops:
+        for nbytes in ([0] if op == "barrier" else sizes):
+            if op in ("all_gather", "reduce_scatter") and nbytes < 4 * n:
+                continue
+            count = max(nbytes // 4, 1)
+            yield op, nbytes, torch.zeros(count), torch.zeros(count)
+
+
 def parse(out: str) -> dict:
     from mcrdl.ops import OPS
 
@@ -269,33 +283,28 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, variants: bool,
     def skipped(it: int) -> float:  # a variant the op lacks
         return math.nan
 
-    for op in ops:
-        for nbytes in ([0] if op == "barrier" else sizes):
-            if op in ("all_gather", "reduce_scatter") and nbytes < 4 * n:
-                continue
-            count = nbytes // 4
-            a, b = torch.zeros(max(count, 1)), torch.zeros(max(count, 1))
-            fn = mcrdl_call(mcrdl, op, a, b, count // n, n)
-            has = op_variants(op) if op in BLOCKING_OPS else ()
-            batches = [mcrdl_batch(fn, op, None)]
-            if variants:
-                batches += [mcrdl_batch(fn, op, v) if v in has else skipped for v in VARIANTS]
-            batches += [c_batch(op, v, a, b, nbytes) if v in has else skipped
-                        for v in VARIANTS]
-            # the C call mcrdl makes, once per iteration of the same loop (through the
-            # c_floor module's METH_FASTCALL function), and the loop with a no-op C
-            # builtin (what any Python caller pays)
-            mode = backend.comm(None).variant(op, nbytes) if has else 1
-            batches += [loop_batch(functools.partial(cmod.call, C_OPS[op], mode,
-                                                     a.data_ptr(), b.data_ptr(), nbytes)),
-                        loop_batch(functools.partial(id, a))]
-            its = [1 if bt is skipped else calibrate(bt) for bt in batches]
-            ts = [[] for _ in batches]
-            for tr in range(trials):
-                for j in trial_order(len(batches), run, op, nbytes, tr):
-                    ts[j].append(batches[j](its[j]))
-            if rank == 0:
-                print(op, nbytes, *(f"{statistics.median(t):.9g}" for t in ts), flush=True)
+    for op, nbytes, a, b in cases(ops, sizes, n):
+        fn = mcrdl_call(mcrdl, op, a, b, nbytes // 4 // n, n)
+        has = op_variants(op) if op in BLOCKING_OPS else ()
+        batches = [mcrdl_batch(fn, op, None)]
+        if variants:
+            batches += [mcrdl_batch(fn, op, v) if v in has else skipped for v in VARIANTS]
+        batches += [c_batch(op, v, a, b, nbytes) if v in has else skipped
+                    for v in VARIANTS]
+        # the C call mcrdl makes, once per iteration of the same loop (through the
+        # c_floor module's METH_FASTCALL function), and the loop with a no-op C
+        # builtin (what any Python caller pays)
+        mode = backend.comm(None).variant(op, nbytes) if has else 1
+        batches += [loop_batch(functools.partial(cmod.call, C_OPS[op], mode,
+                                                 a.data_ptr(), b.data_ptr(), nbytes)),
+                    loop_batch(functools.partial(id, a))]
+        its = [1 if bt is skipped else calibrate(bt) for bt in batches]
+        ts = [[] for _ in batches]
+        for tr in range(trials):
+            for j in trial_order(len(batches), run, op, nbytes, tr):
+                ts[j].append(batches[j](its[j]))
+        if rank == 0:
+            print(op, nbytes, *(f"{statistics.median(t):.9g}" for t in ts), flush=True)
     mcrdl.finalize()
 
 

@@ -104,29 +104,24 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, clib: str) -> None:
         return (float(r[:, 0].max()), float(r[:, 1].mean()), float(r[:, 2].mean()),
                 float(r[:, 3].min()))
 
-    for op in ops:
-        for nbytes in ([0] if op == "barrier" else sizes):
-            if op in ("all_gather", "reduce_scatter") and nbytes < 4 * n:
-                continue
-            count = nbytes // 4
-            a, b = torch.zeros(max(count, 1)), torch.zeros(max(count, 1))
-            mode = comm.variant(op, nbytes) if op in BLOCKING_OPS else 1
-            args = (c_floor.C_OPS[op], mode, a.data_ptr(), b.data_ptr(), nbytes)
-            runs = [lambda it, args=args: cmod.time(*args, it),
-                    python_loop(functools.partial(cmod.call, *args)),
-                    python_loop(c_floor.mcrdl_call(mcrdl, op, a, b, count // n, n))]
-            barrier = op == "barrier"  # c_floor's time() begins with a barrier: counted then
-            its = [c_floor.calibrate(lambda it, r=r, b=barrier: over_ranks(timed(r, it, b))[0])
-                   for r in runs]
-            got: list[list[tuple[float, ...]]] = [[] for _ in runs]
-            for tr in range(trials):
-                for j in c_floor.trial_order(len(runs), 0, op, nbytes, tr):
-                    got[j].append(over_ranks(timed(runs[j], its[j], barrier)))
-            if rank == 0:
-                for arm, g in zip(ARMS, got, strict=True):
-                    med = [statistics.median(x[i] for x in g) for i in range(4)]
-                    print(op, nbytes, arm.replace(" ", "_"), *(f"{v:.9g}" for v in med),
-                          flush=True)
+    for op, nbytes, a, b in c_floor.cases(ops, sizes, n):
+        mode = comm.variant(op, nbytes) if op in BLOCKING_OPS else 1
+        args = (c_floor.C_OPS[op], mode, a.data_ptr(), b.data_ptr(), nbytes)
+        runs = [lambda it, args=args: cmod.time(*args, it),
+                python_loop(functools.partial(cmod.call, *args)),
+                python_loop(c_floor.mcrdl_call(mcrdl, op, a, b, nbytes // 4 // n, n))]
+        barrier = op == "barrier"  # c_floor's time() begins with a barrier: counted then
+        its = [c_floor.calibrate(lambda it, r=r, bar=barrier: over_ranks(timed(r, it, bar))[0])
+               for r in runs]
+        got: list[list[tuple[float, ...]]] = [[] for _ in runs]
+        for tr in range(trials):
+            for j in c_floor.trial_order(len(runs), 0, op, nbytes, tr):
+                got[j].append(over_ranks(timed(runs[j], its[j], barrier)))
+        if rank == 0:
+            for arm, g in zip(ARMS, got, strict=True):
+                med = [statistics.median(x[i] for x in g) for i in range(4)]
+                print(op, nbytes, arm.replace(" ", "_"), *(f"{v:.9g}" for v in med),
+                      flush=True)
     mcrdl.finalize()
 
 
