@@ -506,11 +506,13 @@ os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
         assert eval(line.group(1)) == {**want, **extra}, out  # noqa: S307 (our own repr)
 
 
-def test_blocking_call_releases_the_gil_a_python_thread_needs():
+@pytest.mark.parametrize("variant", ["always", "never"])
+def test_blocking_call_releases_the_gil_a_python_thread_needs(variant):
     """Rank 1 joins a small blocking all_reduce only after a file that a Python thread of
     rank 0 writes while rank 0's main thread is inside that all_reduce: rank 0 must have
     released the GIL (it has a second Python thread), or the job would hang until the
-    watchdog ended it."""
+    watchdog (blocking variant) or the deadline (nonblocking variant, polled by the
+    caller) ended it."""
     mpiexec = mpiexec_or_skip()
     code = r"""
 import os, sys, threading, time, torch, mcrdl
@@ -534,7 +536,7 @@ mcrdl.finalize()
 """
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, MCRDL_MPI_BLOCKING="always", MCRDL_TIMEOUT="30")
+        env = dict(os.environ, MCRDL_MPI_BLOCKING=variant, MCRDL_TIMEOUT="30")
         env.pop("MCRDL_HOLD_GIL", None)
         out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code,
                             os.path.join(tmp, "flag")], env=env, timeout=120)

@@ -791,19 +791,20 @@ class MpiComm {
         InFlight* s;
         const char* op;
       } polled{s.get(), op};
+      bool (*test)(void*) = [](void* p) {
+        auto* q = static_cast<Polled*>(p);
+        int flag = 0;
+        check_mpi(MPI_Testall((int)q->s->reqs.size(), q->s->reqs.data(), &flag,
+                              MPI_STATUSES_IGNORE),
+                  q->op);
+        return flag != 0;
+      };
       bool done;
-      {
+      if (may_hold_gil()) {  // as run_blocking: nothing of this process can need it
+        done = wait_polling(test, &polled, timeout_s_);
+      } else {
         py::gil_scoped_release nogil;
-        done = wait_polling(
-            [](void* p) {
-              auto* q = static_cast<Polled*>(p);
-              int flag = 0;
-              check_mpi(MPI_Testall((int)q->s->reqs.size(), q->s->reqs.data(), &flag,
-                                    MPI_STATUSES_IGNORE),
-                        q->op);
-              return flag != 0;
-            },
-            &polled, timeout_s_);
+        done = wait_polling(test, &polled, timeout_s_);
       }
       if (!done) return past_deadline(op, seq, std::move(s), std::move(finish), keep());
       if (finish) finish();
