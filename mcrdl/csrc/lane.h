@@ -34,7 +34,8 @@ std::string timeout_message(const std::string& op, const std::string& backend,
 
 // Poll `done(ctx)` as Work::wait polls a Work (the waiters' backoff) until it returns
 // true (then true), or until timeout_s has passed (then false). For a blocking call that
-// waits on its own thread without a Work; the GIL must be released by the caller.
+// waits on its own thread without a Work; the caller keeps the GIL only where nothing
+// else of the process can need it (may_hold_gil).
 bool wait_polling(bool (*done)(void*), void* ctx, double timeout_s);
 
 class Work {

@@ -785,6 +785,7 @@ class MpiComm {
     if (!async_op && issuer_->idle()) {
       if (!lane_->healthy()) lane_->throw_unhealthy(op);
       const uint64_t seq = ++seq_;
+      const double timeout_s = timeout_s_;  // as make_work: read under the post lock
       check_mpi(post_fn(s->req()), mpi_name);
       g.unlock();
       struct Polled {
@@ -801,12 +802,13 @@ class MpiComm {
       };
       bool done;
       if (may_hold_gil()) {  // as run_blocking: nothing of this process can need it
-        done = wait_polling(test, &polled, timeout_s_);
+        done = wait_polling(test, &polled, timeout_s);
       } else {
         py::gil_scoped_release nogil;
-        done = wait_polling(test, &polled, timeout_s_);
+        done = wait_polling(test, &polled, timeout_s);
       }
-      if (!done) return past_deadline(op, seq, std::move(s), std::move(finish), keep());
+      if (!done)
+        return past_deadline(op, seq, timeout_s, std::move(s), std::move(finish), keep());
       if (finish) finish();
       return py::none();
     }
@@ -845,15 +847,16 @@ class MpiComm {
 
   // A blocking call of post() past its deadline: as Work::wait there, it raises
   // CommTimeoutError (unless the op completed meanwhile) and the lane keeps the op.
-  py::object past_deadline(const char* op, uint64_t seq, std::shared_ptr<InFlight> s,
-                           std::function<void()> finish, std::vector<at::Tensor> keep) {
+  py::object past_deadline(const char* op, uint64_t seq, double timeout_s,
+                           std::shared_ptr<InFlight> s, std::function<void()> finish,
+                           std::vector<at::Tensor> keep) {
     append(s->keep, std::move(keep));
-    auto w = std::make_shared<Work>(op, backend_, group_, seq, timeout_s_, lane_);
+    auto w = std::make_shared<Work>(op, backend_, group_, seq, timeout_s, lane_);
     w->finish = std::move(finish);
     w->test = testall(std::move(s), op);
     py::gil_scoped_release nogil;
     try {
-      w->time_out(timeout_s_);
+      w->time_out(timeout_s);
       w->wait(0);  // it completed meanwhile: raises what the op failed with, if it did
     } catch (const Error& e) {
       if (e.kind() == ErrorKind::Timeout) lane_->fail(e.what(), w);  // keeps buffers alive
