@@ -12,7 +12,12 @@
  *
  * The loops measured keep one collective in flight at a time, and only one thread
  * calls MPI while one runs, so plain statics suffice; a collective that begins while
- * another is in flight is not counted. */
+ * another is in flight is not counted, and any completing MPI_Wait or MPI_Test ends
+ * the one in flight (an async op polled meanwhile would end it early).
+ *
+ * On a nonblocking variant "inside" runs from the post to the completing test: the
+ * caller's polling between tests (mcrdl's backoff, MPI_Wait's in the C arms) counts as
+ * inside MPI. */
 #include <mpi.h>
 #include <time.h>
 
@@ -44,13 +49,21 @@ long cg_read(double* in, double* out) {
   return calls;
 }
 
-static void enter(void) {
-  if (!on || inside) return;
+/* 1 if this call began a counted collective. */
+static int enter(void) {
+  if (!on || inside) return 0;
   double t = now();
   if (last_exit > 0) sum_out += t - last_exit;
   entered = t;
   inside = 1;
   ++calls;
+  return 1;
+}
+
+/* A post that failed began nothing (its gap stays counted: an error ends the run). */
+static void unenter(void) {
+  inside = 0;
+  --calls;
 }
 
 static void leave(void) {
@@ -68,49 +81,67 @@ static void leave(void) {
     leave();           \
     return rc;         \
   }
-#define POST(call) \
-  {                \
-    enter();       \
-    return call;   \
+#define POST(call)                                \
+  {                                               \
+    int began = enter();                          \
+    int rc = call;                                \
+    if (rc != MPI_SUCCESS && began) unenter();    \
+    return rc;                                    \
   }
 
 /* The collectives of c_floor.c and of mcrdl's blocking and nonblocking paths for its
- * ops, in both the int and the large-count (_c) bindings. */
+ * ops, in both the int and the large-count (_c, MPI 4) bindings. */
 int MPI_Allreduce(const void* s, void* r, int n, MPI_Datatype t, MPI_Op o, MPI_Comm c)
     BLOCKING(PMPI_Allreduce(s, r, n, t, o, c))
+#if MPI_VERSION >= 4
 int MPI_Allreduce_c(const void* s, void* r, MPI_Count n, MPI_Datatype t, MPI_Op o, MPI_Comm c)
     BLOCKING(PMPI_Allreduce_c(s, r, n, t, o, c))
+#endif
 int MPI_Iallreduce(const void* s, void* r, int n, MPI_Datatype t, MPI_Op o, MPI_Comm c,
                    MPI_Request* q) POST(PMPI_Iallreduce(s, r, n, t, o, c, q))
+#if MPI_VERSION >= 4
 int MPI_Iallreduce_c(const void* s, void* r, MPI_Count n, MPI_Datatype t, MPI_Op o, MPI_Comm c,
                      MPI_Request* q) POST(PMPI_Iallreduce_c(s, r, n, t, o, c, q))
+#endif
 int MPI_Allgather(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt,
                   MPI_Comm c) BLOCKING(PMPI_Allgather(s, sn, st, r, rn, rt, c))
+#if MPI_VERSION >= 4
 int MPI_Allgather_c(const void* s, MPI_Count sn, MPI_Datatype st, void* r, MPI_Count rn,
                     MPI_Datatype rt, MPI_Comm c) BLOCKING(PMPI_Allgather_c(s, sn, st, r, rn, rt, c))
+#endif
 int MPI_Iallgather(const void* s, int sn, MPI_Datatype st, void* r, int rn, MPI_Datatype rt,
                    MPI_Comm c, MPI_Request* q) POST(PMPI_Iallgather(s, sn, st, r, rn, rt, c, q))
+#if MPI_VERSION >= 4
 int MPI_Iallgather_c(const void* s, MPI_Count sn, MPI_Datatype st, void* r, MPI_Count rn,
                      MPI_Datatype rt, MPI_Comm c, MPI_Request* q)
     POST(PMPI_Iallgather_c(s, sn, st, r, rn, rt, c, q))
+#endif
 int MPI_Bcast(void* b, int n, MPI_Datatype t, int root, MPI_Comm c)
     BLOCKING(PMPI_Bcast(b, n, t, root, c))
+#if MPI_VERSION >= 4
 int MPI_Bcast_c(void* b, MPI_Count n, MPI_Datatype t, int root, MPI_Comm c)
     BLOCKING(PMPI_Bcast_c(b, n, t, root, c))
+#endif
 int MPI_Ibcast(void* b, int n, MPI_Datatype t, int root, MPI_Comm c, MPI_Request* q)
     POST(PMPI_Ibcast(b, n, t, root, c, q))
+#if MPI_VERSION >= 4
 int MPI_Ibcast_c(void* b, MPI_Count n, MPI_Datatype t, int root, MPI_Comm c, MPI_Request* q)
     POST(PMPI_Ibcast_c(b, n, t, root, c, q))
+#endif
 int MPI_Reduce_scatter_block(const void* s, void* r, int n, MPI_Datatype t, MPI_Op o, MPI_Comm c)
     BLOCKING(PMPI_Reduce_scatter_block(s, r, n, t, o, c))
+#if MPI_VERSION >= 4
 int MPI_Reduce_scatter_block_c(const void* s, void* r, MPI_Count n, MPI_Datatype t, MPI_Op o,
                                MPI_Comm c) BLOCKING(PMPI_Reduce_scatter_block_c(s, r, n, t, o, c))
+#endif
 int MPI_Ireduce_scatter_block(const void* s, void* r, int n, MPI_Datatype t, MPI_Op o,
                               MPI_Comm c, MPI_Request* q)
     POST(PMPI_Ireduce_scatter_block(s, r, n, t, o, c, q))
+#if MPI_VERSION >= 4
 int MPI_Ireduce_scatter_block_c(const void* s, void* r, MPI_Count n, MPI_Datatype t, MPI_Op o,
                                 MPI_Comm c, MPI_Request* q)
     POST(PMPI_Ireduce_scatter_block_c(s, r, n, t, o, c, q))
+#endif
 
 int MPI_Barrier(MPI_Comm c) {
   if (!count_barrier) return PMPI_Barrier(c);
@@ -129,11 +160,11 @@ int MPI_Wait(MPI_Request* q, MPI_Status* st) {
 }
 int MPI_Test(MPI_Request* q, int* flag, MPI_Status* st) {
   int rc = PMPI_Test(q, flag, st);
-  if (*flag) leave();
+  if (rc == MPI_SUCCESS && *flag) leave();
   return rc;
 }
 int MPI_Testall(int n, MPI_Request* q, int* flag, MPI_Status* st) {
   int rc = PMPI_Testall(n, q, flag, st);
-  if (*flag) leave();
+  if (rc == MPI_SUCCESS && *flag) leave();
   return rc;
 }

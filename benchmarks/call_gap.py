@@ -19,8 +19,13 @@ the variant mcrdl runs (blocking, nonblocking or allreduce). Printed: the median
 trials of the total per call (the max over ranks), of the inside and outside times per
 call (the mean over ranks), mcrdl's outside time minus the C entry's, and the MPI
 collectives each mcrdl call began (1 for every op: the check that the library saw the
-calls). Needs the MPI library's ``mpicc`` (as c_floor.py) and an MPI that resolves
-MPI_* calls through the dynamic linker (MPICH, Open MPI).
+calls), and for the two Python loops the share of a rank's total that was neither inside
+nor outside MPI (the largest over ranks: the loop's start and end; a larger share would be
+time spent in MPI calls the library does not wrap). On the nonblocking variant, inside
+runs from the post to the test that completes it, so the caller's polling (mcrdl's
+backoff, MPI_Wait's in the C arms) counts as inside. Needs the MPI library's ``mpicc``
+(as c_floor.py) and an MPI that resolves MPI_* calls through the dynamic linker (MPICH,
+Open MPI).
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, clib: str) -> None:
     rank, n = mcrdl.get_rank(), mcrdl.get_size()
     comm = mcrdl.api.current_runtime().backend("mpi").comm(None)
     cmod = c_floor.load_module(clib)
-    mine, every = torch.zeros(4, dtype=torch.float64), torch.zeros(4 * n, dtype=torch.float64)
+    mine, every = torch.zeros(5, dtype=torch.float64), torch.zeros(5 * n, dtype=torch.float64)
 
     def python_loop(fn):
         def run(it: int) -> None:
@@ -84,8 +89,9 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, clib: str) -> None:
                 fn()
         return run
 
-    def timed(run, it: int, barrier: bool) -> tuple[float, float, float, float]:
-        """(total, inside, outside, collectives) per call on this rank."""
+    def timed(run, it: int, barrier: bool) -> tuple[float, ...]:
+        """(total, inside, outside, collectives) per call on this rank, and the share of
+        the total the library saw neither inside nor outside MPI."""
         mcrdl.barrier("mpi")
         pmpi.cg_start(int(barrier))
         t0 = time.perf_counter()
@@ -94,15 +100,17 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, clib: str) -> None:
         pmpi.cg_stop()
         inside, outside = ctypes.c_double(), ctypes.c_double()
         k = pmpi.cg_read(ctypes.byref(inside), ctypes.byref(outside))
-        return t / it, inside.value / max(k, 1), outside.value / max(k - 1, 1), k / it
+        return (t / it, inside.value / max(k, 1), outside.value / max(k - 1, 1), k / it,
+                (t - inside.value - outside.value) / t)
 
-    def over_ranks(v) -> tuple[float, float, float, float]:
-        """Total: the slowest rank's; inside, outside: the mean; collectives: the fewest."""
+    def over_ranks(v) -> tuple[float, ...]:
+        """Total: the slowest rank's; inside, outside: the mean; collectives: the fewest;
+        the share not seen: the largest."""
         mine.copy_(torch.tensor(v, dtype=torch.float64))
         mcrdl.all_gather("mpi", every, mine)
-        r = every.view(n, 4)
+        r = every.view(n, 5)
         return (float(r[:, 0].max()), float(r[:, 1].mean()), float(r[:, 2].mean()),
-                float(r[:, 3].min()))
+                float(r[:, 3].min()), float(r[:, 4].max()))
 
     for op, nbytes, a, b in c_floor.cases(ops, sizes, n):
         mode = comm.variant(op, nbytes) if op in BLOCKING_OPS else 1
@@ -119,7 +127,7 @@ def rank_part(ops: list[str], sizes: list[int], trials: int, clib: str) -> None:
                 got[j].append(over_ranks(timed(runs[j], its[j], barrier)))
         if rank == 0:
             for arm, g in zip(ARMS, got, strict=True):
-                med = [statistics.median(x[i] for x in g) for i in range(4)]
+                med = [statistics.median(x[i] for x in g) for i in range(5)]
                 print(op, nbytes, arm.replace(" ", "_"), *(f"{v:.9g}" for v in med),
                       flush=True)
     mcrdl.finalize()
@@ -129,7 +137,7 @@ def parse(out: str) -> dict[tuple[str, int], dict[str, tuple[float, ...]]]:
     rows: dict[tuple[str, int], dict[str, tuple[float, ...]]] = {}
     for line in out.splitlines():
         f = line.split()
-        if len(f) == 7 and f[0] in OPS:
+        if len(f) == 8 and f[0] in OPS:
             rows.setdefault((f[0], int(f[1])), {})[f[2].replace("_", " ")] = tuple(
                 float(x) for x in f[3:])
     return rows
@@ -140,7 +148,8 @@ def table(rows: dict[tuple[str, int], dict[str, tuple[float, ...]]], n: int,
     head = ["op", "bytes", "C loop us", "C per py call us", "mcrdl us",
             "outside: C loop us", "outside: C per py call us", "outside: mcrdl us",
             "mcrdl - C per py call, outside us", "inside: C loop us",
-            "inside: C per py call us", "inside: mcrdl us", "MPI calls per mcrdl call"]
+            "inside: C per py call us", "inside: mcrdl us", "MPI calls per mcrdl call",
+            "not seen: C per py call %", "not seen: mcrdl %"]
     lines = [f"\n{n} ranks (medians of {trials} trials; totals: the slowest rank; inside "
              "and outside MPI: the mean over ranks)",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -150,7 +159,8 @@ def table(rows: dict[tuple[str, int], dict[str, tuple[float, ...]]], n: int,
         c, p, m = (arms[a] for a in ARMS)
         cells = [op, str(nbytes), *(c_floor.us(x[0]) for x in (c, p, m)),
                  *(f"{x[2] * 1e6:.3f}" for x in (c, p, m)), f"{(m[2] - p[2]) * 1e6:+.3f}",
-                 *(c_floor.us(x[1]) for x in (c, p, m)), f"{m[3]:.2f}"]
+                 *(c_floor.us(x[1]) for x in (c, p, m)), f"{m[3]:.2f}",
+                 f"{p[4] * 100:.1f}", f"{m[4] * 100:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

