@@ -203,6 +203,12 @@ struct InFlight {
     reqs.push_back(MPI_REQUEST_NULL);
     return &reqs.back();
   }
+  // Whether every request has completed (MPI_Testall); an MPI error raises, naming `op`.
+  bool completed(const char* op) {
+    int flag = 0;
+    check_mpi(MPI_Testall((int)reqs.size(), reqs.data(), &flag, MPI_STATUSES_IGNORE), op);
+    return flag != 0;
+  }
 };
 
 }  // namespace
@@ -762,9 +768,24 @@ class MpiComm {
     return g;
   }
 
-  std::shared_ptr<Work> make_work(const char* op) {
+  // The next op's sequence number; refused once the lane failed or closed. With the
+  // post lock held.
+  uint64_t next_seq(const char* op) {
     if (!lane_->healthy()) lane_->throw_unhealthy(op);
-    return std::make_shared<Work>(op, backend_, group_, ++seq_, timeout_s_, lane_);
+    return ++seq_;
+  }
+
+  std::shared_ptr<Work> make_work(const char* op) {
+    const uint64_t seq = next_seq(op);
+    return std::make_shared<Work>(op, backend_, group_, seq, timeout_s_, lane_);
+  }
+
+  // f() with the GIL kept when `hold` (may_hold_gil), else released while it runs.
+  template <typename F>
+  static auto gil_kept_if(bool hold, F&& f) {
+    if (hold) return f();
+    py::gil_scoped_release nogil;
+    return f();
   }
 
   // The nonblocking variant: `post_fn(request)` posts the op (returning its MPI error
@@ -783,8 +804,7 @@ class MpiComm {
                   Keep&& keep = [] { return std::vector<at::Tensor>{}; }) {
     auto g = lock_post();
     if (!async_op && issuer_->idle()) {
-      if (!lane_->healthy()) lane_->throw_unhealthy(op);
-      const uint64_t seq = ++seq_;
+      const uint64_t seq = next_seq(op);
       const double timeout_s = timeout_s_;  // as make_work: read under the post lock
       check_mpi(post_fn(s->req()), mpi_name);
       g.unlock();
@@ -794,19 +814,11 @@ class MpiComm {
       } polled{s.get(), op};
       bool (*test)(void*) = [](void* p) {
         auto* q = static_cast<Polled*>(p);
-        int flag = 0;
-        check_mpi(MPI_Testall((int)q->s->reqs.size(), q->s->reqs.data(), &flag,
-                              MPI_STATUSES_IGNORE),
-                  q->op);
-        return flag != 0;
+        return q->s->completed(q->op);
       };
-      bool done;
-      if (may_hold_gil()) {  // as run_blocking: nothing of this process can need it
-        done = wait_polling(test, &polled, timeout_s);
-      } else {
-        py::gil_scoped_release nogil;
-        done = wait_polling(test, &polled, timeout_s);
-      }
+      // as run_blocking: the GIL kept when nothing of this process can need it
+      const bool done = gil_kept_if(may_hold_gil(),
+                                    [&] { return wait_polling(test, &polled, timeout_s); });
       if (!done)
         return past_deadline(op, seq, timeout_s, std::move(s), std::move(finish), keep());
       if (finish) finish();
@@ -833,12 +845,7 @@ class MpiComm {
   }
 
   static std::function<bool()> testall(std::shared_ptr<InFlight> s, std::string op) {
-    return [s = std::move(s), op = std::move(op)] {
-      int flag = 0;
-      check_mpi(MPI_Testall((int)s->reqs.size(), s->reqs.data(), &flag, MPI_STATUSES_IGNORE),
-                op.c_str());
-      return flag != 0;
-    };
+    return [s = std::move(s), op = std::move(op)] { return s->completed(op.c_str()); };
   }
 
   static void append(std::vector<at::Tensor>& to, std::vector<at::Tensor> more) {
@@ -878,8 +885,7 @@ class MpiComm {
     auto g = lock_post();
     ++blocking_calls_;
     if (!async_op && issuer_->idle()) {
-      if (!lane_->healthy()) lane_->throw_unhealthy(op);
-      const uint64_t seq = ++seq_;
+      const uint64_t seq = next_seq(op);
       issuer_->begin_direct();
       g.unlock();
       int rc;
@@ -889,12 +895,7 @@ class MpiComm {
       const bool hold = may_hold_gil();
       {
         WatchGuard watch(slots_.get(), op, &backend_, &group_, seq, timeout_s_, hold);
-        if (hold) {
-          rc = call();
-        } else {
-          py::gil_scoped_release nogil;
-          rc = call();
-        }
+        rc = gil_kept_if(hold, call);
       }
       issuer_->end_direct();
       check_mpi(rc, mpi_name);
