@@ -94,17 +94,24 @@ def _mpiexec() -> str:
     return cand if os.path.exists(cand) else shutil.which("mpiexec") or "mpiexec"
 
 
+def mpicc() -> str:
+    """The MPI library's compiler: ``$MPICC``, else the one beside this Python (as
+    setup.py finds it), else the first on PATH."""
+    cc = os.environ.get("MPICC") or os.path.join(sys.prefix, "bin", "mpicc")
+    if not os.path.exists(cc):
+        cc = shutil.which("mpicc") or cc
+    return cc
+
+
 def build(out_dir: str) -> tuple[str, str]:
     """c_floor.c as a program and as the CPython module `c_floor` (the in-process
     references)."""
-    mpicc = os.environ.get("MPICC") or os.path.join(sys.prefix, "bin", "mpicc")
-    if not os.path.exists(mpicc):
-        mpicc = shutil.which("mpicc") or mpicc
+    cc = mpicc()
     exe = os.path.join(out_dir, "c_floor")
     lib = os.path.join(out_dir, "c_floor" + sysconfig.get_config_var("EXT_SUFFIX"))
     src = os.path.join(HERE, "c_floor.c")
-    subprocess.run([mpicc, "-O2", "-o", exe, src], check=True)
-    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", "-DC_FLOOR_LIB",
+    subprocess.run([cc, "-O2", "-o", exe, src], check=True)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-DC_FLOOR_LIB",
                     "-I" + sysconfig.get_paths()["include"], "-o", lib, src], check=True)
     return exe, lib
 

@@ -35,7 +35,6 @@ import ctypes
 import functools
 import itertools
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -52,11 +51,8 @@ OPS = tuple(c_floor.C_OPS)
 def build(out_dir: str) -> tuple[str, str]:
     """c_floor's CPython module and the PMPI library (call_gap.c)."""
     _, lib = c_floor.build(out_dir)
-    mpicc = os.environ.get("MPICC") or os.path.join(sys.prefix, "bin", "mpicc")
-    if not os.path.exists(mpicc):
-        mpicc = shutil.which("mpicc") or mpicc
     gap = os.path.join(out_dir, "libcall_gap.so")
-    subprocess.run([mpicc, "-O2", "-shared", "-fPIC", "-o", gap,
+    subprocess.run([c_floor.mpicc(), "-O2", "-shared", "-fPIC", "-o", gap,
                     os.path.join(c_floor.HERE, "call_gap.c")], check=True)
     return lib, gap
 
