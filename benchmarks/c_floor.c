@@ -13,10 +13,11 @@
  *
  * Fairness rules, for both: buffers are allocated once, 64-byte aligned and written
  * before any timing (as torch.zeros does for mcrdl's); the calls per trial are
- * calibrated by time, not by size (a batch of at least 20 ms on the slowest rank, the
- * calibration batches doubling as warm-up): a count from the size alone assumed about
- * 1 us per small call, while with more ranks than cores a call takes milliseconds; and
- * the variants alternate trial by trial, so a change of the machine's load meets both. */
+ * calibrated by time, not by size (a batch of at least 20 ms on the slowest rank and of
+ * at least 8 calls, the calibration batches doubling as warm-up): a count from the size
+ * alone assumed about 1 us per small call, while with more ranks than cores a call takes
+ * milliseconds; and the variants alternate trial by trial, so a change of the machine's
+ * load meets both. */
 #ifdef C_FLOOR_LIB
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>  /* first, as Python requires */
@@ -178,12 +179,14 @@ static double max_over_ranks(double mine) {
 }
 
 /* Calls per trial: batches grow until one takes 20 ms on the slowest rank (at most
- * 4000 calls); the same rule as c_floor.py's calibrate(). */
+ * 4000 calls), and a trial makes at least 8 calls (a 16 MiB call takes 3-7 ms here: 20 ms
+ * alone made a trial the mean of 4-6 of them); the same rule as c_floor.py's
+ * calibrate(). */
 static long calibrate(int op, int blocking, float* a, float* b, long bytes, int n) {
   long it = 1;
   for (;;) {
     double t = max_over_ranks(batch(op, blocking, a, b, bytes, n, it)) * it;
-    if (t >= 0.02 || it >= 4000) return it;
+    if (t >= 0.02 || it >= 4000) return it < 8 ? 8 : it;
     long next = t > 0 ? (long)(it * 0.025 / t) + 1 : it * 8;
     it = next < 2 * it ? 2 * it : next > 4000 ? 4000 : next;
   }

@@ -10,8 +10,9 @@ program and this script's rank part under ``mpiexec -n N`` for each N, and print
 table per world size. Times are the median over trials of the per-trial maximum over
 ranks of the mean time per call (float32, sizes as the tuning table counts them:
 all_gather's output, reduce_scatter's input). Calls per trial are calibrated by time
-(c_floor.c: a batch of at least 20 ms) and the timed variants alternate trial by trial
-(the rank part: in an order drawn anew each trial, the same on every rank).
+(c_floor.c: a batch of at least 20 ms and 8 calls) and the timed variants alternate
+trial by trial (the rank part: in an order drawn anew each trial, the same on every
+rank).
 
 Columns: C blocking, C nonblocking (the standalone program), the same with MPI
 initialized with MPI_THREAD_MULTIPLE ("MT": mcrdl's lanes need it, and MPICH's small
@@ -55,8 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 #: c_floor.c's rules: a trial is a batch of at least this long on the slowest rank, of
-#: at most MAX_ITERS calls.
-TRIAL_S, MAX_ITERS = 0.02, 4000
+#: at least MIN_ITERS and at most MAX_ITERS calls.
+TRIAL_S, MIN_ITERS, MAX_ITERS = 0.02, 8, 4000
 #: A step's value in mpi_blocking.json (mcrdl.tuning.schema.STEP_VALUES, which this
 #: script does not import: its driver runs without mcrdl's extension built).
 STEP_VALUES = {"blocking": True, "nonblocking": False, "allreduce": "allreduce"}
@@ -79,12 +80,13 @@ C_OPS = c_ops()
 
 def calibrate(batch) -> int:
     """Calls per trial, as c_floor.c's calibrate(): `batch(it)` runs `it` calls and returns
-    the time per call on the slowest rank; batches grow until one takes TRIAL_S."""
+    the time per call on the slowest rank; batches grow until one takes TRIAL_S, and a
+    trial makes at least MIN_ITERS calls."""
     it = 1
     while True:
         t = batch(it) * it
         if t >= TRIAL_S or it >= MAX_ITERS:
-            return it
+            return max(it, MIN_ITERS)
         nxt = int(it * 1.25 * TRIAL_S / t) + 1 if t > 0 else it * 8
         it = min(max(nxt, 2 * it), MAX_ITERS)
 
