@@ -178,17 +178,22 @@ static double max_over_ranks(double mine) {
   return all;
 }
 
-/* Calls per trial: batches grow until one takes 20 ms on the slowest rank (at most
- * 4000 calls), and a trial makes at least 8 calls (a 16 MiB call takes 3-7 ms here: 20 ms
- * alone made a trial the mean of 4-6 of them); the same rule as c_floor.py's
+/* A trial's rules (c_floor.py reads these three lines): a batch of at least TRIAL_S
+ * seconds on the slowest rank, of at least MIN_ITERS calls (a 16 MiB call takes 3-7 ms
+ * here: 20 ms alone made a trial the mean of 4-6 of them) and at most MAX_ITERS. */
+#define TRIAL_S 0.02
+#define MIN_ITERS 8
+#define MAX_ITERS 4000
+
+/* Calls per trial: batches grow until one takes TRIAL_S; the same rule as c_floor.py's
  * calibrate(). */
 static long calibrate(int op, int blocking, float* a, float* b, long bytes, int n) {
   long it = 1;
   for (;;) {
     double t = max_over_ranks(batch(op, blocking, a, b, bytes, n, it)) * it;
-    if (t >= 0.02 || it >= 4000) return it < 8 ? 8 : it;
-    long next = t > 0 ? (long)(it * 0.025 / t) + 1 : it * 8;
-    it = next < 2 * it ? 2 * it : next > 4000 ? 4000 : next;
+    if (t >= TRIAL_S || it >= MAX_ITERS) return it < MIN_ITERS ? MIN_ITERS : it;
+    long next = t > 0 ? (long)(it * 1.25 * TRIAL_S / t) + 1 : it * 8;
+    it = next < 2 * it ? 2 * it : next > MAX_ITERS ? MAX_ITERS : next;
   }
 }
 

@@ -53,11 +53,21 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "c_floor.c")) as _f:
+    #: c_floor.c's source, which the constants below are read from so the two files
+    #: cannot disagree.
+    C_SOURCE = _f.read()
 
 
-#: c_floor.c's rules: a trial is a batch of at least this long on the slowest rank, of
-#: at least MIN_ITERS and at most MAX_ITERS calls.
-TRIAL_S, MIN_ITERS, MAX_ITERS = 0.02, 8, 4000
+def c_define(name: str) -> float:
+    """A trial rule that c_floor.c defines (``#define TRIAL_S 0.02``)."""
+    return float(re.search(rf"^#define {name} (\S+)$", C_SOURCE, re.M).group(1))
+
+
+#: c_floor.c's rules: a trial is a batch of at least TRIAL_S seconds on the slowest
+#: rank, of at least MIN_ITERS and at most MAX_ITERS calls.
+TRIAL_S = c_define("TRIAL_S")
+MIN_ITERS, MAX_ITERS = int(c_define("MIN_ITERS")), int(c_define("MAX_ITERS"))
 #: A step's value in mpi_blocking.json (mcrdl.tuning.schema.STEP_VALUES, which this
 #: script does not import: its driver runs without mcrdl's extension built).
 STEP_VALUES = {"blocking": True, "nonblocking": False, "allreduce": "allreduce"}
@@ -69,8 +79,7 @@ def c_ops() -> dict[str, int]:
     """c_floor.c's op numbers (the `op` of its module's time() and call()), read from its
     enum, so the two files cannot disagree: ``enum { ALL_REDUCE, ALL_GATHER, ..., NOPS }``
     -> {"all_reduce": 0, ...}."""
-    with open(os.path.join(HERE, "c_floor.c")) as f:
-        body = re.search(r"enum\s*\{([^}]*)\}", f.read()).group(1)
+    body = re.search(r"enum\s*\{([^}]*)\}", C_SOURCE).group(1)
     names = [n.strip().lower() for n in body.split(",") if n.strip() and n.strip() != "NOPS"]
     return {n: i for i, n in enumerate(names)}
 
