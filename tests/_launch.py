@@ -18,6 +18,12 @@ FULL = pytest.mark.skipif(os.environ.get("MCRDL_TEST_FULL") != "1",
                           reason="wider sweep: run with MCRDL_TEST_FULL=1")
 
 
+def pythonpath(*dirs: str) -> str:
+    """PYTHONPATH for a child process: `dirs`, then this process's PYTHONPATH (which
+    tests/conftest.py starts with tests/_site, so the child's exit stays quick)."""
+    return os.pathsep.join([*dirs, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def mpiexec_or_skip() -> str:
     cand = os.path.join(sys.prefix, "bin", "mpiexec")
     path = cand if os.path.exists(cand) else shutil.which("mpiexec")

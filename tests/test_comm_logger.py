@@ -17,15 +17,14 @@ from mcrdl.extensions import comm_logger
 from mcrdl.extensions.comm_logger import bucket_of
 from mcrdl.ops import OPS
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, pythonpath, run_launcher
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
 
 def launch(n, script, *args, timeout=180):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [REPO, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(REPO))
     return run_launcher([mpiexec_or_skip(), "-n", str(n), sys.executable, script,
                          *map(str, args)], env=env, timeout=timeout)
 

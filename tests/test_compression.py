@@ -13,7 +13,7 @@ import torch
 import mcrdl
 from mcrdl.extensions.compression import _RAW, _ZFP, decode, encode
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, pythonpath, run_launcher
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fusion"))
 import zfp_checks  # noqa: E402
@@ -103,9 +103,8 @@ def test_compression_config_checks_its_fields():
 
 
 def test_compressed_operations_on_three_ranks():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-         *filter(None, [os.environ.get("PYTHONPATH")])]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=pythonpath(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     out = run_launcher([mpiexec_or_skip(), "-n", "3", sys.executable,
                         os.path.join(os.path.dirname(__file__), "fusion",
                                      "compression_ranks.py")], env=env, timeout=240)

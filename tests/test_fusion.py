@@ -12,7 +12,7 @@ import torch
 import mcrdl
 from mcrdl.extensions import FusionConfig, current
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "fusion")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,15 +20,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def launch(n, script, *args, timeout=240, env=None):
     """Run `script` on n ranks with this checkout's mcrdl first on the path."""
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [REPO, *filter(None, [os.environ.get("PYTHONPATH")])]), **(env or {}))
+    full_env = dict(os.environ, PYTHONPATH=pythonpath(REPO), **(env or {}))
     full_env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [mpiexec_or_skip(), "-n", str(n), sys.executable, os.path.join(HERE, script),
            *map(str, args)]
     return run_launcher(cmd, env=full_env, timeout=timeout)
 
 
-@pytest.mark.parametrize(("n", "rounds"), [(3, 4), (4, 6)])
+@pytest.mark.parametrize(("n", "rounds"), [(3, 4), pytest.param(4, 6, marks=FULL)])
 def test_fusion_randomized_bit_identical(n, rounds):
     out = launch(n, "fusion_ranks.py", rounds, 50)
     m = re.search(r"fusion OK randomized: world (\d+), (\d+) rounds, (\d+) calls on rank 0 "

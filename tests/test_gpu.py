@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, pythonpath, run_launcher
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -68,7 +68,7 @@ def test_entry_point_on_gpu(name, tmp_path):
     cmd = [mpiexec_or_skip(), "-n", "1", sys.executable, "-m", *ENTRY_POINTS[name],
            "--model", "tiny", "--steps", "3", "--device", "cuda", "--no-plot",
            "--out-dir", str(tmp_path), "--metrics", str(tmp_path / "m.jsonl")]
-    out = run_launcher(cmd, env=dict(os.environ, PYTHONPATH=ROOT, MCRDL_TIMEOUT="120"),
+    out = run_launcher(cmd, env=dict(os.environ, PYTHONPATH=pythonpath(ROOT), MCRDL_TIMEOUT="120"),
                        timeout=300)
     losses = [float(x) for x in re.findall(r"step +\d+/3 \| loss (\S+)", out)]
     assert len(losses) == 3 and all(math.isfinite(v) and 0 < v < 10 for v in losses), out

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "mixing")
 
@@ -22,7 +22,7 @@ def launch(n, script, *args, env=None, timeout=240, expect_rc=0, mpiexec_args=()
     return run_launcher(cmd, env=full_env, timeout=timeout, expect_rc=expect_rc)
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [3, pytest.param(4, marks=FULL)])
 def test_randomized_stress(n):
     out = launch(n, "stress.py", env={"MCRDL_TIMEOUT": "120"})
     m = re.search(r"stress OK: world (\d+), \d+ rounds, (\d+) async ops", out)
@@ -39,68 +39,71 @@ def test_opposite_issue_and_wait_orders_do_not_deadlock(n):
         assert f"rank {r}: opposite waits OK" in out
 
 
-@pytest.mark.parametrize("debug", ["0", "1"])
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_collective_one_rank_never_joins_times_out(backend, debug):
-    """In debug mode the error also names the rank that never arrived."""
-    limit = 3.0
-    # The nonblocking path's contract; the blocking MPI path's is in test_blocking.py.
-    out = launch(3, "timeout.py", backend, limit,
-                 env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never"}, timeout=120)
-    for r in (1, 2):
-        m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
-        assert m, out
-        assert limit <= float(m.group(1)) < limit + 5
-        assert f"rank {r}: next op refused: BackendUnavailableError" in out
+def _check_timeouts(out: str, limit: float) -> None:
+    """Ranks 1 and 2 timed out on each backend in turn, within timeout + 5 s, and the
+    backend then refused calls; every rank finalized."""
+    for backend in ("mpi", "gloo"):
+        for r in (1, 2):
+            m = re.search(rf"rank {r}: {backend}: CommTimeoutError after ([\d.]+) s", out)
+            assert m, out
+            assert limit <= float(m.group(1)) < limit + 5
+            assert f"rank {r}: {backend}: next op refused: BackendUnavailableError" in out
     for r in range(3):
         assert f"rank {r}: finalized" in out
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_fused_call_one_rank_never_joins_times_out(backend):
-    """Tensor fusion: the round's agreement times out instead of hanging; the (backend,
-    group) then refuses fused calls."""
+@pytest.mark.parametrize("debug", ["0", "1"])
+def test_collective_one_rank_never_joins_times_out(debug):
+    """On "mpi", then on "gloo" in the same launch. In debug mode the error also names the
+    rank that never arrived."""
+    limit = 3.0
+    # The nonblocking path's contract; the blocking MPI path's is in test_blocking.py.
+    out = launch(3, "timeout.py", "mpi,gloo", limit,
+                 env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never"}, timeout=120)
+    _check_timeouts(out, limit)
+
+
+def test_fused_call_one_rank_never_joins_times_out():
+    """Tensor fusion, on "mpi" then on "gloo": the round's agreement times out instead of
+    hanging; the (backend, group) then refuses fused calls."""
     limit = 3.0
     # The agreement is a small blocking all_reduce: on the blocking MPI path its timeout
     # ends the job (test_blocking.py); this checks the nonblocking path's contract.
-    out = launch(3, "timeout.py", backend, limit, "fusion", env={"MCRDL_MPI_BLOCKING": "never"},
-                 timeout=120)
-    for r in (1, 2):
-        m = re.search(rf"rank {r}: CommTimeoutError after ([\d.]+) s", out)
-        assert m, out
-        assert limit <= float(m.group(1)) < limit + 5
-        assert f"rank {r}: next op refused: BackendUnavailableError" in out
-    for r in range(3):
-        assert f"rank {r}: finalized" in out
+    out = launch(3, "timeout.py", "mpi,gloo", limit, "fusion",
+                 env={"MCRDL_MPI_BLOCKING": "never"}, timeout=120)
+    _check_timeouts(out, limit)
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_debug_mode_mismatches_raise_desync_on_every_rank(backend):
-    out = launch(3, "desync.py", backend, env={"MCRDL_DEBUG": "1"}, timeout=180)
+def test_debug_mode_mismatches_raise_desync_on_every_rank():
+    """On "mpi", then on "gloo" (in one launch)."""
+    out = launch(3, "desync.py", "mpi,gloo", env={"MCRDL_DEBUG": "1"}, timeout=180)
     cases = ["count", "dtype", "root", "reduce op", "split sizes", "async wait", "local error"]
-    for case in cases:
-        for r in range(3):
-            assert f"rank {r}: {case}: DesyncError raised" in out, (case, r, out)
+    for backend in ("mpi", "gloo"):
+        for case in cases:
+            for r in range(3):
+                assert f"rank {r}: {backend}: {case}: DesyncError raised" in out, (
+                    backend, case, r, out)
     assert "ranks disagree on the element count" in out
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_debug_mode_orders_per_backend_and_group(backend):
+def test_debug_mode_orders_per_backend_and_group():
     """Groups of one backend issued in a different order on different ranks: valid, so
-    debug mode must not serialize them (a deadlock would end in CommTimeoutError)."""
-    out = launch(3, "debug_cross_group.py", backend, 10, env={"MCRDL_DEBUG": "1"},
+    debug mode must not serialize them (a deadlock would end in CommTimeoutError). On
+    "mpi" and on "gloo", in one launch."""
+    out = launch(3, "debug_cross_group.py", "mpi,gloo", 10, env={"MCRDL_DEBUG": "1"},
                  timeout=120)
-    for r in range(3):
-        assert f"rank {r}: cross-group order OK on {backend}" in out, out
+    for backend in ("mpi", "gloo"):
+        for r in range(3):
+            assert f"rank {r}: cross-group order OK on {backend}" in out, out
 
 
-@pytest.mark.parametrize("backend", ["mpi", "gloo"])
-def test_async_p2p_completes_by_timed_wait_and_by_polling(backend):
+def test_async_p2p_completes_by_timed_wait_and_by_polling():
     """wait(timeout) and is_completed() of async send/recv (Gloo's complete only through
-    a plain wait in c10d)."""
-    out = launch(3, "p2p_timed_wait.py", backend, timeout=120)
-    for r in range(3):
-        assert f"rank {r}: p2p timed waits OK on {backend}" in out, out
+    a plain wait in c10d), on "mpi" and on "gloo", in one launch."""
+    out = launch(3, "p2p_timed_wait.py", "mpi,gloo", timeout=120)
+    for backend in ("mpi", "gloo"):
+        for r in range(3):
+            assert f"rank {r}: p2p timed waits OK on {backend}" in out, out
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,10 +29,11 @@ def token_dir(tmp_path_factory):
 
 
 def _env(**kw):
-    return dict(os.environ, MCRDL_TIMEOUT="120", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **kw)
+    return dict(os.environ, MCRDL_TIMEOUT="120", OMP_NUM_THREADS="1",
+                PYTHONPATH=pythonpath(ROOT), **kw)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=FULL)])
 def test_moe_layouts(n, token_dir, tmp_path):
     """Every step's loss of 20-step fp32 runs of (G_tensor, G_expert, G_data_nonexp) in
     (1,1,2), (1,2,2), (2,1,1) [n=2], (2,2,2), (1,4,4) [n=4], (2,4,4) [n=8], top-1 and

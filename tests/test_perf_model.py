@@ -30,6 +30,8 @@ from training.perf_model import (
 from training.perf_model.__main__ import main
 from training.topology import GridError
 
+from ._launch import pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # beta = 1 element per second and no latency: seconds are the paper's element volumes.
 UNIT = Network(ranks_per_node=1 << 20, intra_node_bandwidth=1.0, latency=0.0)
@@ -303,7 +305,7 @@ def _cli(*args: str) -> tuple[str, float]:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "training.perf_model", *args],
                           capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+                          env=dict(os.environ, PYTHONPATH=pythonpath(ROOT)), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, time.perf_counter() - t0
 

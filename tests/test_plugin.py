@@ -6,14 +6,14 @@ import sys
 
 import pytest
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, pythonpath, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "plugin")
 
 
 def test_entry_point_backend_runs_collectives():
     mpiexec = mpiexec_or_skip()
-    env = dict(os.environ, PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, PYTHONPATH=pythonpath(HERE),
                MCRDL_TIMEOUT="60")
     out = run_launcher([mpiexec, "-n", "3", sys.executable, os.path.join(HERE, "run_toy.py")],
                        env=env, timeout=180)

@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, pythonpath, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env(**kw):
-    return dict(os.environ, MCRDL_TIMEOUT="90", PYTHONPATH=ROOT, **kw)
+    return dict(os.environ, MCRDL_TIMEOUT="90", PYTHONPATH=pythonpath(ROOT), **kw)
 
 
 def test_samo_parity_and_checkpoints(tmp_path):

@@ -171,7 +171,8 @@ def test_work_completion_callbacks_settle_futures():
 
 
 @pytest.mark.parametrize("launcher, n", [pytest.param("mpiexec", 1, marks=FULL),
-                                         ("mpiexec", 2), ("mpiexec", 3), ("torchrun", 4),
+                                         pytest.param("mpiexec", 2, marks=FULL),
+                                         ("mpiexec", 3), ("torchrun", 4),
                                          pytest.param("mpiexec", 5, marks=FULL)])
 def test_every_collective_matches_numpy(launcher, n):
     out = launch(launcher, n, os.path.join(HERE, "collectives.py"))

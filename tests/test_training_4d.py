@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, pythonpath, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _env(**kw):
-    return dict(os.environ, MCRDL_TIMEOUT="120", PYTHONPATH=ROOT, OMP_NUM_THREADS="1", **kw)
+    return dict(os.environ, MCRDL_TIMEOUT="120", PYTHONPATH=pythonpath(ROOT),
+                OMP_NUM_THREADS="1", **kw)
 
 
 def test_4d_grids_in_one_launch():

@@ -6,7 +6,8 @@ op pending; ``is_completed()`` polled alone, and a later ``wait(timeout)``, comp
 as soon as the data is there (not after the timeout), with the right values; the
 backend stays usable (a collective afterwards). Gloo's send/recv report completion
 only through a plain wait, which mcrdl runs on a thread for timed waits and polls.
-Usage: p2p_timed_wait.py BACKEND"""
+BACKENDS is a comma-separated list, checked in turn in one init.
+Usage: p2p_timed_wait.py BACKENDS"""
 
 import sys
 import time
@@ -15,8 +16,8 @@ import torch
 
 import mcrdl
 
-backend = sys.argv[1]
-mcrdl.init([backend], timeout=30)
+backends = sys.argv[1].split(",")
+mcrdl.init(backends, timeout=30)
 rank, size = mcrdl.get_rank(), mcrdl.get_size()
 DELAY = 1.0
 
@@ -45,32 +46,37 @@ def complete_by(w, how: str, what: str) -> float:
     return took
 
 
-for k, how in enumerate(("wait", "poll")):
-    tag = 10 + k
-    if rank == 1:
-        buf = torch.zeros(64)
-        w = mcrdl.recv(backend, buf, src=0, tag=tag, async_op=True)
-        expect_timeout(w, f"recv ({how})")
-        took = complete_by(w, how, f"recv ({how})")
-        assert buf.eq(7.0 + k).all(), buf
-        print(f"rank 1: recv completed by {how} after {took:.2f} s", flush=True)
-    elif rank == 0:
-        time.sleep(DELAY)
-        w = mcrdl.send(backend, torch.full((64,), 7.0 + k), dst=1, tag=tag, async_op=True)
-        complete_by(w, how, f"send ({how})")
-    # the other way round: the send is posted first and its receiver comes late
-    if rank == 0:
-        w = mcrdl.send(backend, torch.full((16,), 3.0 + k), dst=1, tag=tag + 50,
-                       async_op=True)
-        complete_by(w, how, f"early send ({how})")
-    elif rank == 1:
-        time.sleep(0.3)
-        buf = torch.zeros(16)
-        mcrdl.recv(backend, buf, src=0, tag=tag + 50)
-        assert buf.eq(3.0 + k).all(), buf
+def check(backend: str) -> None:
+    for k, how in enumerate(("wait", "poll")):
+        tag = 10 + k
+        if rank == 1:
+            buf = torch.zeros(64)
+            w = mcrdl.recv(backend, buf, src=0, tag=tag, async_op=True)
+            expect_timeout(w, f"recv ({how})")
+            took = complete_by(w, how, f"recv ({how})")
+            assert buf.eq(7.0 + k).all(), buf
+            print(f"rank 1: recv completed by {how} after {took:.2f} s", flush=True)
+        elif rank == 0:
+            time.sleep(DELAY)
+            w = mcrdl.send(backend, torch.full((64,), 7.0 + k), dst=1, tag=tag, async_op=True)
+            complete_by(w, how, f"send ({how})")
+        # the other way round: the send is posted first and its receiver comes late
+        if rank == 0:
+            w = mcrdl.send(backend, torch.full((16,), 3.0 + k), dst=1, tag=tag + 50,
+                           async_op=True)
+            complete_by(w, how, f"early send ({how})")
+        elif rank == 1:
+            time.sleep(0.3)
+            buf = torch.zeros(16)
+            mcrdl.recv(backend, buf, src=0, tag=tag + 50)
+            assert buf.eq(3.0 + k).all(), buf
 
-t = torch.full((4,), float(rank))
-mcrdl.all_reduce(backend, t)  # the process group survived the timed-out waits
-assert t.eq(float(sum(range(size)))).all(), t
-print(f"rank {rank}: p2p timed waits OK on {backend}", flush=True)
+    t = torch.full((4,), float(rank))
+    mcrdl.all_reduce(backend, t)  # the process group survived the timed-out waits
+    assert t.eq(float(sum(range(size)))).all(), t
+    print(f"rank {rank}: p2p timed waits OK on {backend}", flush=True)
+
+
+for backend in backends:
+    check(backend)
 mcrdl.finalize()

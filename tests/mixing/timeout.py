@@ -1,8 +1,9 @@
 """Timeout (run under mpiexec -n N, N >= 2): rank 0 never joins a collective; every
 other rank must raise CommTimeoutError within timeout + 5 s, naming op, backend,
-group and sequence number. With "fusion", the calls go through tensor fusion: the
-round's agreement times out (async call, waited), then the (backend, group) refuses
-calls. Usage: timeout.py BACKEND [TIMEOUT_S] [fusion]"""
+group and sequence number; the backend then refuses calls. BACKENDS is a
+comma-separated list: each in turn, in one launch (the others keep working after one
+timed out). With "fusion", the calls go through tensor fusion: the round's agreement
+times out (async call, waited). Usage: timeout.py BACKENDS [TIMEOUT_S] [fusion]"""
 
 import os
 import sys
@@ -12,23 +13,25 @@ import torch
 
 import mcrdl
 
-backend = sys.argv[1]
+backends = sys.argv[1].split(",")
 limit = float(sys.argv[2]) if len(sys.argv) > 2 else 3.0
 fusion = sys.argv[3:] == ["fusion"]
 if fusion:
     mcrdl.configure(fusion=True)
-mcrdl.init([backend], timeout=limit)
+mcrdl.init(backends, timeout=limit)
 rank = mcrdl.get_rank()
-mcrdl.all_reduce(backend, torch.ones(4))  # a healthy op first: sequence number 1
+for backend in backends:
+    mcrdl.all_reduce(backend, torch.ones(4))  # a healthy op first: sequence number 1
 
-if rank != 0:
+
+def one_rank_missing(backend: str) -> None:
     start = time.monotonic()
     try:
         if fusion:  # buffered; the wait posts the round, whose agreement times out
             mcrdl.all_reduce(backend, torch.ones(4), async_op=True).wait()
         else:
             mcrdl.all_reduce(backend, torch.ones(4))
-        raise AssertionError("all_reduce without rank 0 returned")
+        raise AssertionError(f"all_reduce on {backend} without rank 0 returned")
     except mcrdl.CommTimeoutError as e:
         took = time.monotonic() - start
         msg = str(e)
@@ -38,15 +41,20 @@ if rank != 0:
                  else ("sequence number",) if fusion else ("sequence number 2",))
         for part in ("all_reduce", f"'{backend}'", "world", *parts):
             assert part in msg, (part, msg)
-        print(f"rank {rank}: CommTimeoutError after {took:.2f} s (timeout {limit} s): {msg}",
-              flush=True)
+        print(f"rank {rank}: {backend}: CommTimeoutError after {took:.2f} s "
+              f"(timeout {limit} s): {msg}", flush=True)
     try:  # the backend is unusable after a timeout: say so instead of mismatching ops
         mcrdl.all_reduce(backend, torch.ones(4))
-        raise AssertionError("op after a timeout did not raise")
+        raise AssertionError(f"op on {backend} after a timeout did not raise")
     except mcrdl.MCRDLError as e:
-        print(f"rank {rank}: next op refused: {type(e).__name__}", flush=True)
+        print(f"rank {rank}: {backend}: next op refused: {type(e).__name__}", flush=True)
+
+
+if rank != 0:
+    for backend in backends:
+        one_rank_missing(backend)
 else:
-    time.sleep(limit + 1)
-    print("rank 0: skipped the collective", flush=True)
+    time.sleep((limit + 1) * len(backends))
+    print("rank 0: skipped the collectives", flush=True)
 mcrdl.finalize()
 print(f"rank {rank}: finalized", flush=True)

@@ -2,10 +2,12 @@
 mpi4py reference (mcrdl/backends/pccl_ref.py). Run under mpiexec with
 MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
-Checked, for every dtype (one per path with PCCL_TEST_ALGOS=core) and every reduce op
-that applies, sizes 0, 1, 7 and 1000 (multi-dimensional too, but not with
-PCCL_TEST_ALGOS=core), tensor and list forms,
-blocking and async, on the world and on a permuted sub-group (mixed_order), with each
+Checked, for every dtype and every reduce op that applies (on sub-groups, the Gloo
+intra-node phase and everywhere with PCCL_TEST_ALGOS=core: one dtype per path, and every
+op at size 7, SUM at the others), sizes 0, 1, 7 and 1000 (multi-dimensional too, but not
+with PCCL_TEST_ALGOS=core), tensor and list forms,
+blocking and async, on the world, on a permuted sub-group (mixed_order) and from 4 ranks
+on a third (the odd ranks at 4, every rank but the last from 5: uneven), with each
 (inter, intra) algorithm pair:
   all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, RTOL for
   floating sums/products as the conformance tests). Then the flat C++ ring/rd
@@ -77,8 +79,11 @@ def main() -> int:
     sub_ranks = mixed_order(pccl.initialized().world_nodes)
     groups = [(None, list(range(world))), (mcrdl.new_group(sub_ranks), sub_ranks)]
     if world >= 4:
-        odd = list(range(1, world, 2))
-        groups.append((mcrdl.new_group(odd), odd))
+        # a strided sub-group (the odd ranks); from 5 ranks on, every rank but the last
+        # instead: its last node is a rank short, the uneven layout that runs flat (the
+        # only uneven one of the default run, whose layouts from 5 ranks on are even)
+        third = list(range(1, world, 2)) if world < 5 else list(range(world - 1))
+        groups.append((mcrdl.new_group(third), third))
     checks = 0
     for inter, intra in ALGOS:
         if intra == "gloo" and not hierarchical:
@@ -88,17 +93,24 @@ def main() -> int:
                 if rank not in ranks:
                     continue
                 me, p = ranks.index(rank), len(ranks)
-                for dtype in PATH_DTYPES if intra == "gloo" or CORE else R.DTYPES:
+                # Every dtype and every reduce op at every shape on the world; elsewhere
+                # one dtype per path, and every op at one shape (SUM at the others): the
+                # handling of a dtype or an op does not depend on the group or layout.
+                wide = gi == 0 and intra != "gloo" and not CORE
+                for dtype in R.DTYPES if wide else PATH_DTYPES:
                     for shape in SHAPES:
                         key = (inter, intra, gi)
                         checks += check_all_gather(dtype, shape, group, ranks, me, p, key)
-                        for op in R.ops_for(dtype):
+                        every_op = wide or shape == (7,)
+                        for op in R.ops_for(dtype) if every_op else ("SUM",):
                             checks += check_reductions(dtype, op, shape, group, ranks, me, p,
                                                        key)
     for intra in ("mpi", "gloo") if hierarchical and not CORE else ("mpi",):
         with use_algorithms("auto", intra):
             checks += check_wait_order(rank, world, groups[1][0])
     checks += check_cpp_vs_python(rank, world)
+    if world >= 5 and hierarchical and rank in groups[2][1]:  # the uneven group ran flat
+        assert not pccl.initialized().layouts[groups[2][0].id].hierarchical
     total = torch.tensor([checks])
     mcrdl.all_reduce("mpi", total)
     if rank == 0:
