@@ -340,8 +340,10 @@ def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, ...]]],
     over runs of mcrdl minus the best in-process C variant (us), mcrdl over it, mcrdl
     over the C call made once per Python loop iteration, and that call over the best
     in-process C variant (what any Python caller pays: the floor under mcrdl's ratio).
+    From 3 runs on, each range also gives its median: one noisy run moves the range
+    but not the median, which is what the targets are read against.
     `per_run` holds one (minus us, over, over per py call, py floor) tuple per run."""
-    lines = [f"\nspread over {runs} runs (min to max)",
+    lines = [f"\nspread over {runs} runs (min to max; the median too from 3 runs)",
              "| ranks | op | bytes | values | mcrdl - best C in-proc us "
              "| mcrdl / best C in-proc | mcrdl / C per py call | C per py call / best C in-proc |",
              "|---|---|---|---|---|---|---|---|"]
@@ -351,8 +353,10 @@ def spread_table(per_run: dict[tuple[int, str, int], list[tuple[float, ...]]],
         if not vals:
             return "-"
         lo, hi = min(vals), max(vals)
-        return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else \
-            f"{format(lo, fmt)} to {format(hi, fmt)}"
+        if format(lo, fmt) == format(hi, fmt):
+            return format(lo, fmt)
+        mid = f" (median {format(statistics.median(vals), fmt)})" if len(vals) > 2 else ""
+        return f"{format(lo, fmt)} to {format(hi, fmt)}{mid}"
 
     for (n, op, nbytes), rows in sorted(per_run.items()):
         cols = list(zip(*rows, strict=True))

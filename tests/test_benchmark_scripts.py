@@ -94,7 +94,7 @@ def test_c_floor_spread_table_reports_each_ratios_range():
                    (2, "all_reduce", 1 << 20): [(5.0, 1.031, 1.0, 1.031),
                                                 (9.0, 1.048, 1.01, 1.0376)],
                    (2, "bcast", 8): [(0.05, 1.1, 0.97, 1.134)]}, 2)
-    assert lines[0].strip().startswith("spread over 2 runs")
+    assert lines[0].strip().startswith("spread over 2 runs (min to max")
     assert lines[1].endswith("| C per py call / best C in-proc |")
     rows = lines[3:]
     assert rows == [
@@ -102,6 +102,11 @@ def test_c_floor_spread_table_reports_each_ratios_range():
         "| 2 | all_reduce | 1048576 | 2 | +5.00 to +9.00 | 1.03 to 1.05 | 1.00 to 1.01 "
         "| 1.031 to 1.038 |",
         "| 2 | bcast | 8 | 1 | +0.05 | 1.10 | 0.97 | 1.134 |"]  # a size one run lacked
+    # from 3 runs the median follows each range (one outlier moves the range, not it)
+    three = table({(2, "all_gather", 16 << 20): [(9.0, 1.02, 1.0, 1.02), (-3.0, 0.99, 1.0, 1.0),
+                                                  (40.0, 1.10, 1.0, 1.08)]}, 3)
+    assert three[3] == ("| 2 | all_gather | 16777216 | 3 | -3.00 to +40.00 (median +9.00) "
+                        "| 0.99 to 1.10 (median 1.02) | 1.00 | 1.000 to 1.080 (median 1.020) |")
 
 
 def test_c_floor_pooled_fit_fits_the_median_ratios_of_runs():
