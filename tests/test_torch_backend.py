@@ -181,7 +181,9 @@ def test_every_collective_matches_numpy(launcher, n):
     print(re.search(r"rank 0: .*", out).group(0))
 
 
-@pytest.mark.parametrize("launcher, n", [("mpiexec", 4), ("torchrun", 2)])
+# torchrun's env:// start is also the collectives' (torchrun 4) and the entry points'
+@pytest.mark.parametrize("launcher, n", [("mpiexec", 4), pytest.param("torchrun", 2,
+                                                                       marks=FULL)])
 def test_ddp_fsdp2_dtensor_dcp_match_gloo(launcher, n):
     out = launch(launcher, n, os.path.join(HERE, "training.py"), timeout=400)
     for r in range(n):

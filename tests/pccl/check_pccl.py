@@ -2,10 +2,10 @@
 mpi4py reference (mcrdl/backends/pccl_ref.py). Run under mpiexec with
 MCRDL_RANKS_PER_NODE set to simulate nodes; rank 0 prints one summary line.
 
-Checked, for every dtype and every reduce op that applies (on sub-groups, the Gloo
-intra-node phase and everywhere with PCCL_TEST_ALGOS=core: one dtype per path, and every
-op at size 7, SUM at the others), sizes 0, 1, 7 and 1000 (multi-dimensional too, but not
-with PCCL_TEST_ALGOS=core), tensor and list forms,
+Checked, for every dtype and every reduce op that applies (on sub-groups, with mixed
+algorithm pairs, in the Gloo intra-node phase and everywhere with PCCL_TEST_ALGOS=core:
+one dtype per path, and every op at size 7, SUM at the others), sizes 0, 1, 7 and 1000
+(multi-dimensional too, but not with PCCL_TEST_ALGOS=core), tensor and list forms,
 blocking and async, on the world, on a permuted sub-group (mixed_order) and from 4 ranks
 on a third (the odd ranks at 4, every rank but the last from 5: uneven), with each
 (inter, intra) algorithm pair:
@@ -93,10 +93,12 @@ def main() -> int:
                 if rank not in ranks:
                     continue
                 me, p = ranks.index(rank), len(ranks)
-                # Every dtype and every reduce op at every shape on the world; elsewhere
-                # one dtype per path, and every op at one shape (SUM at the others): the
-                # handling of a dtype or an op does not depend on the group or layout.
-                wide = gi == 0 and intra != "gloo" and not CORE
+                # Every dtype and every reduce op at every shape on the world with one
+                # algorithm in both phases; elsewhere (sub-groups, mixed pairs, Gloo's
+                # phase) one dtype per path, and every op at one shape (SUM at the
+                # others): the handling of a dtype or an op does not depend on the group,
+                # the layout or how the phases' algorithms combine.
+                wide = gi == 0 and (inter, intra) in ALGOS[:3] and not CORE
                 for dtype in R.DTYPES if wide else PATH_DTYPES:
                     for shape in SHAPES:
                         key = (inter, intra, gi)
