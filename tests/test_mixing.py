@@ -12,6 +12,8 @@ import pytest
 from ._launch import FULL, mpiexec_or_skip, run_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "mixing")
+# The backends the mixing scripts that take a list check in turn, in one launch.
+BOTH = ("mpi", "gloo")
 
 
 def launch(n, script, *args, env=None, timeout=240, expect_rc=0, mpiexec_args=()):
@@ -42,7 +44,7 @@ def test_opposite_issue_and_wait_orders_do_not_deadlock(n):
 def _check_timeouts(out: str, limit: float) -> None:
     """Ranks 1 and 2 timed out on each backend in turn, within timeout + 5 s, and the
     backend then refused calls; every rank finalized."""
-    for backend in ("mpi", "gloo"):
+    for backend in BOTH:
         for r in (1, 2):
             m = re.search(rf"rank {r}: {backend}: CommTimeoutError after ([\d.]+) s", out)
             assert m, out
@@ -58,7 +60,7 @@ def test_collective_one_rank_never_joins_times_out(debug):
     rank that never arrived."""
     limit = 3.0
     # The nonblocking path's contract; the blocking MPI path's is in test_blocking.py.
-    out = launch(3, "timeout.py", "mpi,gloo", limit,
+    out = launch(3, "timeout.py", ",".join(BOTH), limit,
                  env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never"}, timeout=120)
     _check_timeouts(out, limit)
 
@@ -69,16 +71,16 @@ def test_fused_call_one_rank_never_joins_times_out():
     limit = 3.0
     # The agreement is a small blocking all_reduce: on the blocking MPI path its timeout
     # ends the job (test_blocking.py); this checks the nonblocking path's contract.
-    out = launch(3, "timeout.py", "mpi,gloo", limit, "fusion",
+    out = launch(3, "timeout.py", ",".join(BOTH), limit, "fusion",
                  env={"MCRDL_MPI_BLOCKING": "never"}, timeout=120)
     _check_timeouts(out, limit)
 
 
 def test_debug_mode_mismatches_raise_desync_on_every_rank():
     """On "mpi", then on "gloo" (in one launch)."""
-    out = launch(3, "desync.py", "mpi,gloo", env={"MCRDL_DEBUG": "1"}, timeout=180)
+    out = launch(3, "desync.py", ",".join(BOTH), env={"MCRDL_DEBUG": "1"}, timeout=180)
     cases = ["count", "dtype", "root", "reduce op", "split sizes", "async wait", "local error"]
-    for backend in ("mpi", "gloo"):
+    for backend in BOTH:
         for case in cases:
             for r in range(3):
                 assert f"rank {r}: {backend}: {case}: DesyncError raised" in out, (
@@ -90,9 +92,9 @@ def test_debug_mode_orders_per_backend_and_group():
     """Groups of one backend issued in a different order on different ranks: valid, so
     debug mode must not serialize them (a deadlock would end in CommTimeoutError). On
     "mpi" and on "gloo", in one launch."""
-    out = launch(3, "debug_cross_group.py", "mpi,gloo", 10, env={"MCRDL_DEBUG": "1"},
+    out = launch(3, "debug_cross_group.py", ",".join(BOTH), 10, env={"MCRDL_DEBUG": "1"},
                  timeout=120)
-    for backend in ("mpi", "gloo"):
+    for backend in BOTH:
         for r in range(3):
             assert f"rank {r}: cross-group order OK on {backend}" in out, out
 
@@ -100,8 +102,8 @@ def test_debug_mode_orders_per_backend_and_group():
 def test_async_p2p_completes_by_timed_wait_and_by_polling():
     """wait(timeout) and is_completed() of async send/recv (Gloo's complete only through
     a plain wait in c10d), on "mpi" and on "gloo", in one launch."""
-    out = launch(3, "p2p_timed_wait.py", "mpi,gloo", timeout=120)
-    for backend in ("mpi", "gloo"):
+    out = launch(3, "p2p_timed_wait.py", ",".join(BOTH), timeout=120)
+    for backend in BOTH:
         for r in range(3):
             assert f"rank {r}: p2p timed waits OK on {backend}" in out, out
 
