@@ -1,7 +1,7 @@
 """Cache lines one cold call touches: mcrdl's blocking mpi calls against the minimal C
 entry from Python (c_floor.c's ``call``), counted by valgrind's callgrind.
 
-    python benchmarks/call_lines.py [--calls 40] [--ops all_reduce bcast all_gather
+    python benchmarks/call_lines.py [--calls 40] [--keep DIR] [--ops all_reduce bcast all_gather
                                      reduce_scatter barrier]
 
 Why: between two large collectives the MPI copy evicts the caches, so the code and data
@@ -16,7 +16,8 @@ instruction cache), with simulated 64 KiB 16-way first-level caches: a miss is t
 line the call touches. Only the calls themselves are counted (callgrind
 --toggle-collect on the front's C function and on c_floor's ``call``), a dump per op.
 Prints per op: instructions, code lines, data lines, all lines per call, and mcrdl minus
-the C entry's lines. Needs valgrind and the MPI library's ``mpicc``; takes 1-2 minutes.
+the C entry's lines; ``--keep DIR`` keeps the dumps, to name the functions with
+``callgrind_annotate``. Needs valgrind and the MPI library's ``mpicc``; takes 1-2 minutes.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    ap.add_argument("--keep", metavar="DIR",
+                    help="copy the callgrind dumps (one per op) into DIR, for "
+                         "callgrind_annotate --inclusive=yes DIR/<op>.out")
     args = ap.parse_args(argv)
     valgrind = shutil.which("valgrind")
     if not valgrind:
@@ -142,6 +146,10 @@ def main(argv=None) -> None:
             name, t = totals(path)
             if name and name != "warm" and t:
                 rows[name] = t
+                if args.keep:
+                    os.makedirs(args.keep, exist_ok=True)
+                    shutil.copy(path, os.path.join(args.keep,
+                                                   name.replace(" ", "_") + ".out"))
     n = args.calls
     print(f"per cold call, {n} calls each, world of 1 "
           f"(python {sysconfig.get_python_version()}):")
