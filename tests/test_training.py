@@ -22,11 +22,12 @@ def _env(**kw):
     return env
 
 
-@pytest.mark.parametrize("n", [pytest.param(1, marks=FULL), pytest.param(2, marks=FULL), 3, 4])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=FULL), pytest.param(2, marks=FULL),
+                               pytest.param(3, marks=FULL), 4])
 def test_parity_with_serial_pytorch(n):
-    """Every step's loss of (G_inter, G_data) in {(3,1) even and uneven, (2,2) even and
-    uneven, (4,1)}, and in the wider sweep (1,1), (2,1) and (1,2), both optimizers, equals
-    the serial run to 1e-5."""
+    """Every step's loss of (G_inter, G_data) in {(2,2) even and uneven, (4,1)}, and in the
+    wider sweep (1,1), (2,1), (1,2) and (3,1) even and uneven, both optimizers, equals the
+    serial run to 1e-5."""
     out = run_launcher([mpiexec_or_skip(), "-n", str(n), sys.executable,
                         os.path.join(HERE, "check_parity.py")], env=_env(), timeout=300)
     m = re.search(r"parity OK: world (\d+), (\d+) runs x 20 steps, max rel diff (\S+)", out)

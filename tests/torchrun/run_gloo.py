@@ -1,6 +1,8 @@
 """Runs on every rank under torchrun: no MPI world, so "mpi" is unavailable with a
 reason, and "gloo" rendezvouses on torchrun's env:// store."""
 
+import time
+
 import torch
 
 import mcrdl
@@ -33,8 +35,10 @@ nxt, prv = (rank + 1) % size, (rank - 1) % size
 buf = torch.zeros(5)
 wr = mcrdl.recv("gloo", buf, src=prv, tag=3, async_op=True)
 ws = mcrdl.send("gloo", torch.full((5,), float(rank)), dst=nxt, tag=3, async_op=True)
-while not wr.is_completed():
-    pass
+deadline = time.monotonic() + 30
+while not wr.is_completed():  # polling (sleeping between polls: ranks share 2 cores)
+    assert time.monotonic() < deadline, "polling never completed the recv"
+    time.sleep(1e-4)
 assert ws.wait(timeout=30) and buf.eq(float(prv)).all(), buf
 
 g = mcrdl.new_group(list(reversed(range(size))))
