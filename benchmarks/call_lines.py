@@ -1,5 +1,6 @@
-"""Cache lines one cold call touches: mcrdl's blocking mpi calls against the minimal C
-entry from Python (c_floor.c's ``call``), counted by valgrind's callgrind.
+"""Cache lines one cold call touches: mcrdl's blocking mpi calls, each against the same
+MPI call made from the minimal C entry from Python (c_floor.c's ``call``), counted by
+valgrind's callgrind.
 
     python benchmarks/call_lines.py [--calls 40] [--keep DIR] [--ops all_reduce bcast all_gather
                                      reduce_scatter barrier]
@@ -9,15 +10,18 @@ a call runs through before and after MPI come from memory again on every call. A
 that, not the instructions, is most of what mcrdl costs over C (docs/performance.md,
 "sixth"), and timings on a shared 2-core machine cannot resolve it: this count is
 exact and repeatable. One rank (an MPI singleton, world of 1: the path up to MPI and
-back is the same as at any size; MPI's own lines are counted in both columns).
+back is the same as at any size; MPI's own lines are counted in both columns). mcrdl
+runs every op as the blocking MPI collective (MCRDL_MPI_BLOCKING=always, unless the
+caller set it), as the C entry does: each row's "minus C" is then mcrdl's own part.
 
 Each call is made after 4 MiB of writes (data caches) and a 370 KB function (the
 instruction cache), with simulated 64 KiB 16-way first-level caches: a miss is then a
 line the call touches. Only the calls themselves are counted (callgrind
 --toggle-collect on the front's C function and on c_floor's ``call``), a dump per op.
-Prints per op: instructions, code lines, data lines, all lines per call, and mcrdl minus
-the C entry's lines; ``--keep DIR`` keeps the dumps, to name the functions with
-``callgrind_annotate``. Needs valgrind and the MPI library's ``mpicc``; takes 1-2 minutes.
+Prints per op, for the C call and for mcrdl's: instructions, code lines, data lines,
+all lines per call, and mcrdl minus C in instructions and lines. ``--keep DIR`` keeps the
+dumps, to name the functions with ``callgrind_annotate``. Needs valgrind and the MPI
+library's ``mpicc``; takes 1-2 minutes per op.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import c_floor  # noqa: E402  (its build of c_floor.c)
 
 OPS = tuple(c_floor.C_OPS)  # the ops c_floor.c measures
+OPS_CODE = c_floor.C_OPS
 
 # The flusher: evict() writes 4 MiB; flush_i() runs ~370 KB of straight-line code (more
 # than the simulated instruction cache); dump() ends one op's counts.
@@ -60,19 +65,23 @@ RANK = r"""
 import ctypes, functools, importlib.util, sys
 import torch, mcrdl
 lib_path, flush_path, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
-ops = sys.argv[4:]
 spec = importlib.util.spec_from_file_location("c_floor", lib_path)
 cm = importlib.util.module_from_spec(spec); spec.loader.exec_module(cm)
 fl = ctypes.CDLL(flush_path); fl.dump.argtypes = [ctypes.c_char_p]
 mcrdl.init(["mpi"])
+codes = {name: int(code) for name, code in (kv.split("=") for kv in sys.argv[4].split(","))}
+ops = sys.argv[5:]
 a, b = torch.zeros(2), torch.zeros(2)
-arms = {"C entry": functools.partial(cm.call, 0, 1, a.data_ptr(), b.data_ptr(), 8),
-        "all_reduce": functools.partial(mcrdl.all_reduce, "mpi", a),
+# b = op(a) in both columns (c_floor.c's call: `a` is the input, `b` the output)
+arms = {"all_reduce": functools.partial(mcrdl.all_reduce, "mpi", a),
         "bcast": functools.partial(mcrdl.bcast, "mpi", a, 0),
         "all_gather": functools.partial(mcrdl.all_gather, "mpi", b, a),
         "reduce_scatter": functools.partial(mcrdl.reduce_scatter, "mpi", b, a),
         "barrier": functools.partial(mcrdl.barrier, "mpi")}
-for name in ["C entry", *ops]:
+for op in ops:
+    nbytes = 0 if op == "barrier" else 8
+    arms["C " + op] = functools.partial(cm.call, codes[op], 1, a.data_ptr(), b.data_ptr(), nbytes)
+for name in [n for op in ops for n in ("C " + op, op)]:
     fn = arms[name]
     for _ in range(3):
         fn()
@@ -134,10 +143,12 @@ def main(argv=None) -> None:
                "--D1=65536,16,64", "--LL=4194304,16,64", "--collect-jumps=no",
                "--toggle-collect=*front_vectorcall*", "--toggle-collect=py_call",
                f"--callgrind-out-file={out}", python, script, lib, flush,
-               str(args.calls), *args.ops]
+               str(args.calls), ",".join(f"{op}={OPS_CODE[op]}" for op in args.ops),
+               *args.ops]
         env = dict(os.environ, MCRDL_TIMEOUT="600", PYTHONPATH=os.pathsep.join(
             [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
              os.environ.get("PYTHONPATH", "")]))
+        env.setdefault("MCRDL_MPI_BLOCKING", "always")
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"valgrind failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -151,22 +162,26 @@ def main(argv=None) -> None:
                     shutil.copy(path, os.path.join(args.keep,
                                                    name.replace(" ", "_") + ".out"))
     n = args.calls
-    print(f"per cold call, {n} calls each, world of 1 "
-          f"(python {sysconfig.get_python_version()}):")
-    print("| call | instructions | code lines | data lines | lines | minus C entry |")
-    print("|---|---|---|---|---|---|")
-    base = None
-    for name in ["C entry", *args.ops]:
-        t = rows.get(name)
-        if t is None:
-            print(f"| {name} | (no dump) | | | | |")
-            continue
-        code, data = t.get("I1mr", 0) / n, (t.get("D1mr", 0) + t.get("D1mw", 0)) / n
-        lines = code + data
-        base = lines if name == "C entry" else base
-        extra = "" if base is None or name == "C entry" else f"+{lines - base:.0f}"
-        print(f"| {name} | {t.get('Ir', 0) / n:.0f} | {code:.0f} | {data:.0f} | {lines:.0f} "
-              f"| {extra} |")
+    print(f"per cold call, {n} calls each, world of 1, MCRDL_MPI_BLOCKING="
+          f"{env['MCRDL_MPI_BLOCKING']} (python {sysconfig.get_python_version()}):")
+    print("| call | instructions | code lines | data lines | lines | minus C: instructions "
+          "| minus C: lines |")
+    print("|---|---|---|---|---|---|---|")
+    for op in args.ops:
+        per = {}
+        for name in ("C " + op, op):
+            t = rows.get(name)
+            if t is None:
+                print(f"| {name} | (no dump) | | | | | |")
+                continue
+            code, data = t.get("I1mr", 0) / n, (t.get("D1mr", 0) + t.get("D1mw", 0)) / n
+            per[name] = (t.get("Ir", 0) / n, code + data)
+            extra = ["", ""]
+            if name == op and "C " + op in per:
+                extra = [f"{per[op][0] - per['C ' + op][0]:+.0f}",
+                         f"{per[op][1] - per['C ' + op][1]:+.0f}"]
+            print(f"| {name} | {per[name][0]:.0f} | {code:.0f} | {data:.0f} | "
+                  f"{per[name][1]:.0f} | {extra[0]} | {extra[1]} |")
 
 
 if __name__ == "__main__":

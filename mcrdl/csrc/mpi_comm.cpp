@@ -72,10 +72,22 @@ C10_ALWAYS_INLINE ReducePlan reduce_plan(at::ScalarType t, int code) {
   return {op, type, half, code == AVG};
 }
 
+// The bytes of a validated tensor (strided, contiguous): numel x item size, without
+// TensorBase::nbytes()'s layout check (a small call's path: ~25 instructions).
+inline int64_t dense_nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+// Whether the byte ranges [a, a + an) and [b, b + bn) share a byte (never when one is
+// empty).
+inline bool ranges_overlap(const void* a, int64_t an, const void* b, int64_t bn) {
+  auto a0 = static_cast<const char*>(a), b0 = static_cast<const char*>(b);
+  return an > 0 && bn > 0 && a0 < b0 + bn && b0 < a0 + an;
+}
+
 bool overlaps(const at::Tensor& a, const at::Tensor& b) {
   if (a.numel() == 0 || b.numel() == 0) return false;
-  auto a0 = static_cast<const char*>(a.data_ptr()), b0 = static_cast<const char*>(b.data_ptr());
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+  return ranges_overlap(a.data_ptr(), a.nbytes(), b.data_ptr(), b.nbytes());
 }
 
 at::Tensor flat_cat(const std::vector<at::Tensor>& list) {
@@ -280,7 +292,7 @@ class MpiComm {
       };
     void* d = buf->data_ptr();
     auto held = [&] { return std::vector<at::Tensor>{t, *buf}; };
-    if (blocking_.use(kAllReduce, t.nbytes()))
+    if (blocking_.use(kAllReduce, dense_nbytes(t)))
       return run_blocking("all_reduce", "MPI_Allreduce", async_op, std::move(finish),
                           [d, n, p, c = comm_] {
                             return MPIC(MPI_Allreduce)(MPI_IN_PLACE, d, n, p.type, p.op, c);
@@ -339,7 +351,7 @@ class MpiComm {
     const int root = static_cast<int>(src);
     void* d = t.data_ptr();
     auto held = [&] { return std::vector<at::Tensor>{t}; };
-    if (blocking_.use(kBcast, t.nbytes()))
+    if (blocking_.use(kBcast, dense_nbytes(t)))
       return run_blocking("bcast", "MPI_Bcast", async_op, {},
                           [d, n, dt, root, c = comm_] {
                             return MPIC(MPI_Bcast)(d, n, dt, root, c);
@@ -355,29 +367,42 @@ class MpiComm {
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
     const at::Tensor& input_t = to_tensor(input, "all_gather", "input");
+    if (THPVariable_Check(output.ptr())) {  // one tensor of `size` blocks: a small call's path
+      const at::Tensor& out = THPVariable_Unpack(output.ptr());
+      validate_all_gather(out, input_t, size_);
+      check_device("all_gather", input_t);
+      return all_gather_into(out, input_t, {}, async_op);
+    }
     BlockArg out = to_blocks(output, "all_gather", "output", false);
     validate_all_gather(out, input_t, size_);
     check_device("all_gather", input_t);
+    at::Tensor recv = at::empty({input_t.numel() * size_}, input_t.options());
+    return all_gather_into(
+        recv, input_t,
+        [recv, list = std::move(out.list)] { c10::NoGradGuard ng; scatter_into(recv, list); },
+        async_op);
+  }
+
+  // all_gather of validated tensors into `recv`, then `finish` (a list output's copy).
+  py::object all_gather_into(const at::Tensor& recv, const at::Tensor& input_t,
+                             std::function<void()> finish, bool async_op) {
     auto in = c10::MaybeOwned<at::Tensor>::borrowed(input_t);
-    auto recv = out.is_list ? c10::MaybeOwned<at::Tensor>::owned(
-                                  at::empty({input_t.numel() * size_}, input_t.options()))
-                            : c10::MaybeOwned<at::Tensor>::borrowed(out.tensor());
-    if (overlaps(*in, *recv)) {
-      c10::NoGradGuard ng;
-      in = c10::MaybeOwned<at::Tensor>::owned(in->clone());
+    // Each tensor's pointer and byte count read once: (both are contiguous and strided,
+    // validated) the small call's path has no other use for the tensors' accessors.
+    const mcount n = to_mcount(input_t.numel(), "all_gather");
+    const int64_t per = dense_nbytes(input_t);
+    const int64_t nbytes = per * size_;
+    const void* sd = input_t.data_ptr();
+    void* rd = recv.data_ptr();
+    if (ranges_overlap(sd, per, rd, nbytes)) {
+      c10::NoGradGuard ng;  // the input is part of the output: send a copy
+      in = c10::MaybeOwned<at::Tensor>::owned(input_t.clone());
+      sd = in->data_ptr();
     }
-    const MPI_Datatype dt = move_type(in->scalar_type());
-    const mcount n = to_mcount(in->numel(), "all_gather");
-    std::function<void()> finish;
-    if (out.is_list)
-      finish = [recv = *recv, list = out.list] { c10::NoGradGuard ng; scatter_into(recv, list); };
-    const int64_t nbytes = in->nbytes() * size_;
-    const void* sd = in->data_ptr();
-    void* rd = recv->data_ptr();
-    auto held = [&] { return std::vector<at::Tensor>{*in, *recv}; };
+    const MPI_Datatype dt = move_type(input_t.scalar_type());
+    auto held = [&] { return std::vector<at::Tensor>{*in, recv}; };
     const int var = blocking_.use(kAllGather, nbytes);
     if (var == kVarAllReduce) {
-      const int64_t per = in->nbytes();
       to_mcount(nbytes, "all_gather");
       return run_blocking("all_gather", "MPI_Allreduce", async_op, std::move(finish),
                           [sd, rd, per, nbytes, r = rank_, c = comm_] {
@@ -450,7 +475,7 @@ class MpiComm {
     const MPI_Datatype dt = move_type(out.scalar_type());
     const mcount n = to_mcount(out.numel(), "scatter");
     const int sr = static_cast<int>(src);
-    const int64_t nbytes = out.nbytes() * size_;
+    const int64_t nbytes = dense_nbytes(out) * size_;
     if (blocking_.use(kScatter, nbytes))
       return run_blocking("scatter", "MPI_Scatter", async_op, {},
                           [out, send, n, dt, sr, root, c = comm_] {
@@ -491,7 +516,7 @@ class MpiComm {
         if (p.average) recv.div_(size);
         if (p.upcast) out.view({-1}).copy_(recv);
       };
-    const int64_t nbytes = out.nbytes() * size_;
+    const int64_t nbytes = dense_nbytes(out) * size_;
     const void* sd = send->data_ptr();
     void* rd = recv->data_ptr();
     auto held = [&] { return std::vector<at::Tensor>{*send, *recv, out}; };

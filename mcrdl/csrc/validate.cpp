@@ -210,6 +210,13 @@ void validate_all_gather(const BlockArg& out, const at::Tensor& in, int size) {
   check_blocks("all_gather", "output", out, in, "input", size);
 }
 
+void validate_all_gather_failed(const at::Tensor& out, const at::Tensor& in, int size) {
+  BlockArg b;
+  b.borrowed = &out;
+  validate_all_gather(b, in, size);  // the same checks, one of which throws
+  fail("all_gather", "internal error: an inline check failed where the full ones passed");
+}
+
 void validate_gather(const BlockArg& out, const at::Tensor& in, int64_t dst, int rank, int size) {
   check_tensor("gather", "input", in);
   check_rank("gather", "dst", dst, size);

@@ -61,6 +61,20 @@ inline void validate_bcast(const at::Tensor& t, int64_t src, int size) {
   check_rank("bcast", "src", src, size);
 }
 void validate_all_gather(const BlockArg& out, const at::Tensor& in, int size);
+[[noreturn, gnu::cold]] void validate_all_gather_failed(const at::Tensor& out,
+                                                       const at::Tensor& in, int size);
+// An output given as one tensor: the same checks, inline (a small call's path); the
+// message of a failure is the BlockArg form's, made out of line.
+inline void validate_all_gather(const at::Tensor& out, const at::Tensor& in, int size) {
+  check_tensor("all_gather", "input", in);
+  if (C10_LIKELY(out.defined())) {
+    check_tensor("all_gather", "output", out);
+    if (C10_LIKELY(out.scalar_type() == in.scalar_type() && out.device() == in.device() &&
+                   out.numel() == in.numel() * size))
+      return;
+  }
+  validate_all_gather_failed(out, in, size);
+}
 void validate_gather(const BlockArg& out, const at::Tensor& in, int64_t dst, int rank, int size);
 void validate_scatter(const at::Tensor& out, const BlockArg& in, int64_t src, int rank, int size);
 void validate_reduce_scatter(const at::Tensor& out, const BlockArg& in, int rop, int size);
