@@ -14,12 +14,11 @@ from ._launch import FULL, mpiexec_or_skip, run_launcher
 HERE = os.path.join(os.path.dirname(__file__), "pccl")
 
 # (world size, MCRDL_RANKS_PER_NODE, expected layout)
-# The default run keeps one of each kind: flat, hierarchical with a power of two nodes
-# (every algorithm pair, Gloo's intra-node phase included) and with an odd number of
-# nodes (3 x 2, whose third group, every rank but the last, is uneven and runs flat; 3
-# nodes run the inter-node phase on a group that is not a power of two, through the same
-# flat ring/rd code as 3 ranks per node would). The wider sweep adds an uneven world, 3
-# per node and the widest.
+# The default run keeps one of each kind: flat, and hierarchical with a power of two
+# nodes (every algorithm pair, Gloo's intra-node phase included), whose third group
+# (every rank but the last, 2 + 1) is uneven and runs flat over 3 ranks: ring and rd on
+# a group that is not a power of two, through the same flat code as an odd number of
+# nodes. The wider sweep adds an uneven world, 3 nodes x 2, 3 per node and the widest.
 LAYOUTS = [
     (2, 1, "2 nodes x 1 (flat)"),
     pytest.param(3, 3, "1 nodes x 3 (flat)", marks=FULL),
@@ -27,7 +26,7 @@ LAYOUTS = [
     # 2 + 2 + 1: uneven, the whole group runs flat
     pytest.param(5, 2, "3 nodes x 0 (flat)", marks=FULL),
     pytest.param(6, 3, "2 nodes x 3 (hierarchical)", marks=FULL),
-    (6, 2, "3 nodes x 2 (hierarchical)"),
+    pytest.param(6, 2, "3 nodes x 2 (hierarchical)", marks=FULL),
     pytest.param(7, 1, "7 nodes x 1 (flat)", marks=FULL),
     pytest.param(8, 4, "2 nodes x 4 (hierarchical)", marks=FULL),
 ]

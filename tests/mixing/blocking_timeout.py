@@ -32,7 +32,8 @@ if rank != 0:
         print(f"rank {rank}: raised after {time.monotonic() - start:.2f} s: "
               f"CommTimeoutError: {e}", flush=True)
 else:
-    time.sleep(limit + 8)
+    # past the others' timeout and the 5 s the tests allow for the job's end
+    time.sleep(limit + 5)
     print("rank 0: skipped the collective", flush=True)
 mcrdl.finalize()
 print(f"rank {rank}: finalized", flush=True)
