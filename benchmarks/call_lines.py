@@ -40,7 +40,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import c_floor  # noqa: E402  (its build of c_floor.c)
 
 OPS = tuple(c_floor.C_OPS)  # the ops c_floor.c measures
-OPS_CODE = c_floor.C_OPS
 
 # The flusher: evict() writes 4 MiB; flush_i() runs ~370 KB of straight-line code (more
 # than the simulated instruction cache); dump() ends one op's counts.
@@ -143,7 +142,7 @@ def main(argv=None) -> None:
                "--D1=65536,16,64", "--LL=4194304,16,64", "--collect-jumps=no",
                "--toggle-collect=*front_vectorcall*", "--toggle-collect=py_call",
                f"--callgrind-out-file={out}", python, script, lib, flush,
-               str(args.calls), ",".join(f"{op}={OPS_CODE[op]}" for op in args.ops),
+               str(args.calls), ",".join(f"{op}={c_floor.C_OPS[op]}" for op in args.ops),
                *args.ops]
         env = dict(os.environ, MCRDL_TIMEOUT="600", PYTHONPATH=os.pathsep.join(
             [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -87,6 +87,8 @@ def main() -> int:
         # also its only flat group of an odd size, 3, where ring and rd have a remainder)
         third = list(range(world - 1))
         groups.append((mcrdl.new_group(third), third))
+    # The algorithm pairs that run every dtype and every op on the world (see below).
+    one_algo = ALGOS[:3] if world <= 2 else ALGOS[:1]
     checks = 0
     for inter, intra in ALGOS:
         if intra == "gloo" and not hierarchical:
@@ -103,7 +105,6 @@ def main() -> int:
                 # op at one shape (SUM at the others): the handling of a dtype or an op
                 # does not depend on the group, the layout or how the phases' algorithms
                 # combine, and ring's and rd's reduction loops are the same at any size.
-                one_algo = ALGOS[:3] if world <= 2 else ALGOS[:1]
                 wide = gi == 0 and (inter, intra) in one_algo and not CORE
                 for dtype in R.DTYPES if wide else PATH_DTYPES:
                     for shape in SHAPES:
