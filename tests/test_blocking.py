@@ -63,9 +63,9 @@ def test_blocking_steps_fixed_modes_and_nearest_group_size():
     assert mpi.blocking_steps("bcast", 3, "always", None, True) == [(-1, True)]
 
 
-def _run(n, *args, mode, timeout):
+def _run(n, *args, mode, timeout, done_dir):
     mpiexec = mpiexec_or_skip()
-    env = dict(os.environ, MCRDL_MPI_BLOCKING=mode)
+    env = dict(os.environ, MCRDL_MPI_BLOCKING=mode, TIMEOUT_DONE_DIR=str(done_dir))
     cmd = [mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "blocking_timeout.py"),
            *map(str, args)]
     out = run_launcher(cmd, env=env, timeout=timeout, expect_rc=None)
@@ -78,7 +78,7 @@ def test_work_wait_raises_the_watchdog_text():
     finalize drains for the init timeout, naming that recv after 1 s, and says it
     abandoned it."""
     mpiexec = mpiexec_or_skip()
-    code = ("import time, torch, mcrdl\nfrom mcrdl import _C\nmcrdl.init(['mpi'], timeout=3)\n"
+    code = ("import time, torch, mcrdl\nfrom mcrdl import _C\nmcrdl.init(['mpi'], timeout=2)\n"
             "if mcrdl.get_rank() == 1:\n"
             "    w = mcrdl.recv('mpi', torch.empty(1), src=0, tag=7, async_op=True)\n"
             "    try:\n        w.wait(timeout=0.25)\n    except mcrdl.CommTimeoutError as e:\n"
@@ -88,18 +88,18 @@ def test_work_wait_raises_the_watchdog_text():
     out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=60)
     assert "texts agree: recv on backend 'mpi' (group world, sequence number 1)" in out, out
     why, recv = "mcrdl: the 'mpi' backend was finalized", "recv (group world, sequence number 1)"
-    assert (f"{why}: waiting up to 2 s more for 1 op still in flight on lane 'mpi': {recv} "
+    assert (f"{why}: waiting up to 1 s more for 1 op still in flight on lane 'mpi': {recv} "
             "(a rank may never post its side)") in out, out
     assert f"{why}: abandoned 1 op that did not complete: {recv}" in out, out
     assert out.count("mcrdl: the 'mpi' backend") == 2, out  # rank 0 had nothing in flight
 
 
-def test_blocking_call_past_timeout_ends_the_job():
+def test_blocking_call_past_timeout_ends_the_job(tmp_path):
     """A rank never joins a small blocking all_reduce on the blocking path: the waiting
     rank prints the CommTimeoutError text and MPI_Abort ends the job within timeout + 5 s;
     no process is left."""
     limit = 2.0
-    out, end = _run(2, limit, mode="always", timeout=60)
+    out, end = _run(2, limit, mode="always", timeout=60, done_dir=tmp_path)
     called = float(re.search(r"rank 1: calling at ([\d.]+)", out).group(1))
     assert end - called < limit + 5, (end - called, out)
     text = _C.timeout_message("all_reduce", "mpi", "world", 2, limit)
@@ -115,11 +115,11 @@ def test_blocking_call_past_timeout_ends_the_job():
     assert not [p for p in pids if _alive(p)], out
 
 
-def test_async_call_past_timeout_still_raises():
+def test_async_call_past_timeout_still_raises(tmp_path):
     """An async op of the blocking variant (run by the communicator's issue thread) keeps
     the async contract: its wait raises CommTimeoutError, the job goes on."""
     limit = 2.0
-    out, _ = _run(2, limit, "async", mode="always", timeout=90)
+    out, _ = _run(2, limit, "async", mode="always", timeout=90, done_dir=tmp_path)
     text = _C.timeout_message("all_reduce", "mpi", "world", 2, limit)
     m = re.search(r"rank 1: raised after ([\d.]+) s: CommTimeoutError: (.*)", out)
     assert m and m.group(2) == text and float(m.group(1)) < limit + 5, out
@@ -136,16 +136,6 @@ def test_allreduce_variant_matches_torch():
                         os.path.join(HERE, "allreduce_variant.py")], env=env, timeout=180)
     counts = sorted(int(c) for c in re.findall(r"rank \d: ok (\d+)", out))
     assert counts == [208, 416, 416], out
-
-
-def test_debug_mode_keeps_the_nonblocking_path():
-    code = ("import os, mcrdl, mcrdl.api\nos.environ['MCRDL_DEBUG'] = '1'\nmcrdl.init(['mpi'])\n"
-            "b = mcrdl.api.current_runtime().backend('mpi')\n"
-            "assert not b._world.uses_blocking('all_reduce', 8)\nprint('debug: nonblocking')\n")
-    mpiexec = mpiexec_or_skip()
-    env = dict(os.environ, MCRDL_MPI_BLOCKING="always")
-    out = run_launcher([mpiexec, "-n", "1", sys.executable, "-c", code], env=env, timeout=60)
-    assert "debug: nonblocking" in out, out
 
 
 def _select(tree, coll, comm_size, nbytes, threaded, commutative=True):
@@ -382,23 +372,12 @@ mcrdl.finalize()
     assert "rank 0 ok" in out and "rank 1 ok" in out, out
 
 
-def _blocking_table_run(env_table, mode, expected, n=2):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
-    env.update(MCRDL_TIMEOUT="60", MCRDL_MPI_BLOCKING=mode)
-    if env_table:
-        env["MCRDL_TUNING_TABLE"] = str(env_table)
-    cmd = [mpiexec_or_skip(), "-n", str(n), sys.executable,
-           os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
-           json.dumps(expected)]
-    out = run_launcher(cmd, env=env, timeout=120)
-    assert out.count("variants as expected") == n, out
-
-
 def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
     """A table whose steps make all_reduce up to 64 B blocking: "mpi" and "auto" calls of
     8 B run the blocking MPI collective (MpiComm.blocking_calls), 256 B ones and bcast
-    (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides."""
+    (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides, and
+    debug mode keeps the nonblocking path even under "always". One launch: each setting is
+    an init/finalize session of tuning/blocking_table.py."""
     from mcrdl.tuning.table import TuningTable
 
     t = TuningTable({"command": "test"})
@@ -407,15 +386,27 @@ def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
     path = tmp_path / "blocking.json"
     t.save(path)
     shipped_bcast = [list(s) for s in mpi.shipped_blocking()["bcast"][2]]
-    _blocking_table_run(path, "auto", {"all_reduce": [[64, True], [-1, False]],
-                                       "bcast": shipped_bcast})
-    _blocking_table_run(path, "never", {})
+    sessions = [
+        {"env": {"MCRDL_MPI_BLOCKING": "auto"},
+         "expected": {"all_reduce": [[64, True], [-1, False]], "bcast": shipped_bcast}},
+        {"env": {"MCRDL_MPI_BLOCKING": "never"}, "expected": {}},
+        {"env": {"MCRDL_MPI_BLOCKING": "always", "MCRDL_DEBUG": "1"}, "expected": {}},
+    ]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING", "MCRDL_DEBUG")}
+    env.update(MCRDL_TIMEOUT="60", MCRDL_TUNING_TABLE=str(path))
+    cmd = [mpiexec_or_skip(), "-n", "2", sys.executable,
+           os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
+           json.dumps(sessions)]
+    out = run_launcher(cmd, env=env, timeout=120)
+    for i in range(len(sessions)):
+        assert out.count(f"session {i}: variants as expected") == 2, out
 
 
-@pytest.mark.parametrize("differ", ["table", "mode"])
-def test_ranks_with_other_variants_fail_at_init(tmp_path, differ):
-    """Two ranks whose tuning tables (or MCRDL_MPI_BLOCKING) would make them run other
-    variants of the same call: init raises DesyncError on both, naming the setting."""
+def test_ranks_with_other_variants_fail_at_init(tmp_path):
+    """Two ranks whose tuning tables (then, with the same table, whose MCRDL_MPI_BLOCKING)
+    would make them run other variants of the same call: init raises DesyncError on both,
+    naming the setting. One launch: the second init follows the failed first."""
     from mcrdl.tuning.table import TuningTable
 
     paths = []
@@ -425,21 +416,29 @@ def test_ranks_with_other_variants_fail_at_init(tmp_path, differ):
         paths.append(tmp_path / f"steps{hi}.json")
         t.save(paths[-1])
     # one os.write per line: both ranks write to the same pipe
-    code = ("import os, mcrdl\ntry:\n    mcrdl.init(['mpi'])\n    os.write(1, b'no error\\n')\n"
-            "except mcrdl.DesyncError as e:\n    os.write(1, f'DesyncError: {e}\\n'.encode())\n")
+    code = ("import os, mcrdl\n"
+            "for differ in ('table', 'mode'):\n"
+            "    if differ == 'mode':\n"
+            "        os.environ.pop('MCRDL_TUNING_TABLE')\n"
+            "        os.environ['MCRDL_MPI_BLOCKING'] = os.environ['MODE']\n"
+            "    try:\n        mcrdl.init(['mpi'])\n        os.write(1, b'no error\\n')\n"
+            "    except mcrdl.DesyncError as e:\n"
+            "        os.write(1, f'{differ}: DesyncError: {e}\\n'.encode())\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
     env["MCRDL_TIMEOUT"] = "60"
     cmd = [mpiexec_or_skip()]
     for i in range(2):
-        setting = (["-env", "MCRDL_TUNING_TABLE", str(paths[i])] if differ == "table"
-                   else ["-env", "MCRDL_MPI_BLOCKING", ("never", "always")[i]])
-        cmd += [*([":"] if i else []), "-n", "1", *setting, sys.executable, "-c", code]
+        cmd += [*([":"] if i else []), "-n", "1", "-env", "MCRDL_TUNING_TABLE", str(paths[i]),
+                "-env", "MODE", ("never", "always")[i], sys.executable, "-c", code]
     out = run_launcher(cmd, env=env, timeout=120)
-    assert out.count("DesyncError: init: backend 'mpi' would run other blocking variants on "
-                     "ranks [1]") == 2, out
-    want = ("(64, True)" if differ == "table" else "'never'")
-    assert want in out and "no error" not in out, out
+    assert "no error" not in out, out
+    for differ, want in (("table", "(64, True)"), ("mode", "'never'")):
+        lines = [ln for ln in out.splitlines() if ln.startswith(f"{differ}: DesyncError")]
+        assert len(lines) == 2, out
+        for ln in lines:
+            assert ("init: backend 'mpi' would run other blocking variants on ranks [1]"
+                    in ln and want in ln), out
 
 
 def test_gil_kept_only_when_nothing_else_can_need_it():
@@ -506,38 +505,44 @@ os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
         assert eval(line.group(1)) == {**want, **extra}, out  # noqa: S307 (our own repr)
 
 
-@pytest.mark.parametrize("variant", ["always", "never"])
-def test_blocking_call_releases_the_gil_a_python_thread_needs(variant):
+def test_blocking_call_releases_the_gil_a_python_thread_needs():
     """Rank 1 joins a small blocking all_reduce only after a file that a Python thread of
     rank 0 writes while rank 0's main thread is inside that all_reduce: rank 0 must have
     released the GIL (it has a second Python thread), or the job would hang until the
     watchdog (blocking variant) or the deadline (nonblocking variant, polled by the
-    caller) ended it."""
+    caller) ended it. Both variants, forced in turn, in one launch."""
     mpiexec = mpiexec_or_skip()
     code = r"""
-import os, sys, threading, time, torch, mcrdl
+import os, sys, threading, time, torch, mcrdl, mcrdl.api
 mcrdl.init(['mpi'], timeout=30)
-flag = sys.argv[1]
 rank = mcrdl.get_rank()
-mcrdl.barrier('mpi')
-if rank == 0:
-    def later():
-        time.sleep(0.5)  # rank 0's main thread is in the all_reduce by then
-        open(flag, 'w').close()
-    t = threading.Thread(target=later); t.start()
-    x = torch.ones(1); mcrdl.all_reduce('mpi', x); t.join()
-else:
-    while not os.path.exists(flag):
-        time.sleep(0.01)
-    x = torch.ones(1); mcrdl.all_reduce('mpi', x)
-assert x.item() == 2.0, x
-os.write(1, f'rank {rank} ok\n'.encode())
+backend = mcrdl.api.current_runtime().backend('mpi')
+for variant in ('blocking', 'nonblocking'):
+    flag = os.path.join(sys.argv[1], variant)
+    mcrdl.barrier('mpi')
+    calls = backend.comm(None).blocking_calls
+    with backend.variant('all_reduce', variant):
+        if rank == 0:
+            def later():
+                time.sleep(0.5)  # rank 0's main thread is in the all_reduce by then
+                open(flag, 'w').close()
+            t = threading.Thread(target=later); t.start()
+            x = torch.ones(1); mcrdl.all_reduce('mpi', x); t.join()
+        else:
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            x = torch.ones(1); mcrdl.all_reduce('mpi', x)
+    assert x.item() == 2.0, x
+    ran = backend.comm(None).blocking_calls - calls
+    assert ran == (variant == 'blocking'), (variant, ran)
+    os.write(1, f'rank {rank} {variant} ok\n'.encode())
 mcrdl.finalize()
 """
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, MCRDL_MPI_BLOCKING=variant, MCRDL_TIMEOUT="30")
+        env = dict(os.environ, MCRDL_TIMEOUT="30")
         env.pop("MCRDL_HOLD_GIL", None)
-        out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code,
-                            os.path.join(tmp, "flag")], env=env, timeout=120)
-    assert "rank 0 ok" in out and "rank 1 ok" in out, out
+        out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code, tmp], env=env,
+                           timeout=120)
+    for variant in ("blocking", "nonblocking"):
+        assert f"rank 0 {variant} ok" in out and f"rank 1 {variant} ok" in out, out

@@ -55,24 +55,26 @@ def _check_timeouts(out: str, limit: float) -> None:
 
 
 @pytest.mark.parametrize("debug", ["0", "1"])
-def test_collective_one_rank_never_joins_times_out(debug):
+def test_collective_one_rank_never_joins_times_out(debug, tmp_path):
     """On "mpi", then on "gloo" in the same launch. In debug mode the error also names the
     rank that never arrived."""
     limit = 2.0
     # The nonblocking path's contract; the blocking MPI path's is in test_blocking.py.
     out = launch(3, "timeout.py", ",".join(BOTH), limit,
-                 env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never"}, timeout=120)
+                 env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never",
+                      "TIMEOUT_DONE_DIR": str(tmp_path)}, timeout=120)
     _check_timeouts(out, limit)
 
 
-def test_fused_call_one_rank_never_joins_times_out():
+def test_fused_call_one_rank_never_joins_times_out(tmp_path):
     """Tensor fusion, on "mpi" then on "gloo": the round's agreement times out instead of
     hanging; the (backend, group) then refuses fused calls."""
     limit = 2.0
     # The agreement is a small blocking all_reduce: on the blocking MPI path its timeout
     # ends the job (test_blocking.py); this checks the nonblocking path's contract.
     out = launch(3, "timeout.py", ",".join(BOTH), limit, "fusion",
-                 env={"MCRDL_MPI_BLOCKING": "never"}, timeout=120)
+                 env={"MCRDL_MPI_BLOCKING": "never", "TIMEOUT_DONE_DIR": str(tmp_path)},
+                 timeout=120)
     _check_timeouts(out, limit)
 
 

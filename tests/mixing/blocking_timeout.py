@@ -2,14 +2,15 @@
 small blocking all_reduce. Under MCRDL_MPI_BLOCKING=always the other ranks' watchdog
 prints the CommTimeoutError text and ends the job with MPI_Abort; under "never" they
 raise CommTimeoutError (its text printed, to compare). "async" waits on an async op
-instead, which raises CommTimeoutError in every mode. Usage: blocking_timeout.py
-TIMEOUT_S [async]"""
+instead, which raises CommTimeoutError in every mode; rank 0 then waits for the others
+through idle_rank.py. Usage: blocking_timeout.py TIMEOUT_S [async]"""
 
 import os
 import sys
 import time
 
 import torch
+from idle_rank import done, wait_for_others
 
 import mcrdl
 
@@ -31,9 +32,11 @@ if rank != 0:
     except mcrdl.CommTimeoutError as e:
         print(f"rank {rank}: raised after {time.monotonic() - start:.2f} s: "
               f"CommTimeoutError: {e}", flush=True)
+    done(rank)
 else:
-    # past the others' timeout and the 5 s the tests allow for the job's end
-    time.sleep(limit + 5)
+    # past the others' timeout and the 5 s the tests allow for the job's end (an abort
+    # ends this wait: no rank is through then)
+    wait_for_others(mcrdl.get_size() - 1, limit + 5, limit + 5)
     print("rank 0: skipped the collective", flush=True)
 mcrdl.finalize()
 print(f"rank {rank}: finalized", flush=True)

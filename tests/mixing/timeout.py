@@ -3,13 +3,17 @@ other rank must raise CommTimeoutError within timeout + 5 s, naming op, backend,
 group and sequence number; the backend then refuses calls. BACKENDS is a
 comma-separated list: each in turn, in one launch (the others keep working after one
 timed out). With "fusion", the calls go through tensor fusion: the round's agreement
-times out (async call, waited). Usage: timeout.py BACKENDS [TIMEOUT_S] [fusion]"""
+times out (async call, waited). Usage: timeout.py BACKENDS [TIMEOUT_S] [fusion]
+
+Rank 0 stays out until the others are through (idle_rank.py), or (limit + 1) s per
+backend."""
 
 import os
 import sys
 import time
 
 import torch
+from idle_rank import done, wait_for_others
 
 import mcrdl
 
@@ -53,8 +57,10 @@ def one_rank_missing(backend: str) -> None:
 if rank != 0:
     for backend in backends:
         one_rank_missing(backend)
-else:
-    time.sleep((limit + 1) * len(backends))
+    done(rank)
+else:  # past the others' deadlines (limit + 5 s a backend) at most
+    wait_for_others(mcrdl.get_size() - 1, (limit + 5) * len(backends),
+                    (limit + 1) * len(backends))
     print("rank 0: skipped the collectives", flush=True)
 mcrdl.finalize()
 print(f"rank {rank}: finalized", flush=True)
