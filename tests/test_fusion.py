@@ -42,15 +42,15 @@ def test_fusion_randomized_bit_identical(n, rounds):
     print(out[m.start():].strip())
 
 
-@pytest.mark.parametrize("mode", ["always", "never"])
-def test_deferred_call_reaches_the_backend_as_issued(mode):
+def test_deferred_call_reaches_the_backend_as_issued():
     """A call deferred behind buffered calls on one rank and posted inline on the other
     gets the same arguments on both (the filled-in split sizes once turned it into
-    another MPI collective: a hang under MCRDL_MPI_BLOCKING=always)."""
-    out = launch(2, "deferred_form_ranks.py", 10, timeout=120,
-                 env={"MCRDL_MPI_BLOCKING": mode})
-    assert "deferred form OK" in out, out
-    assert out.count("backend got split sizes [(None, None)]") == 2, out
+    another MPI collective: a hang under MCRDL_MPI_BLOCKING=always). Both modes, as two
+    init/finalize sessions of one launch."""
+    out = launch(2, "deferred_form_ranks.py", 10, "always,never", timeout=120)
+    for mode in ("always", "never"):
+        assert f"{mode}: deferred form OK" in out, out
+        assert out.count(f"{mode}: backend got split sizes [(None, None)]") == 2, out
 
 
 def test_fusion_in_debug_mode():

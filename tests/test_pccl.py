@@ -136,15 +136,17 @@ def test_model_and_env_errors(monkeypatch):
     assert node_ids(None, 5) == [0, 0, 1, 1, 2]
 
 
-@pytest.mark.parametrize("mode", ["always", "never"])
-def test_mpi_algorithm_blocking_variant(mode):
+def test_mpi_algorithm_blocking_variant():
     """The "mpi" algorithm's MPI collectives follow MCRDL_MPI_BLOCKING like the "mpi"
     backend's (issue 22): with "always" the blocking collective runs in both phases of a
     hierarchical group, on the caller's thread for blocking calls and on the issue thread
-    for async ones; with "never" the nonblocking one. Results are checked either way."""
-    env = dict(os.environ, MCRDL_RANKS_PER_NODE="2", MCRDL_TIMEOUT="60", MCRDL_MPI_BLOCKING=mode)
-    cmd = [mpiexec_or_skip(), "-n", "4", sys.executable, os.path.join(HERE, "blocking_variant.py")]
+    for async ones; with "never" the nonblocking one. Results are checked either way. One
+    launch: each mode is an init/finalize session."""
+    env = dict(os.environ, MCRDL_RANKS_PER_NODE="2", MCRDL_TIMEOUT="60")
+    cmd = [mpiexec_or_skip(), "-n", "4", sys.executable, os.path.join(HERE, "blocking_variant.py"),
+           "always,never"]
     out = run_launcher(cmd, env=env, timeout=120)
-    found = re.findall(r"rank \d ok=(\w+) blocking_steps=(\d+) layout=2x2", out)
-    assert len(found) == 4 and all(ok == "True" for ok, _ in found), out
-    assert all((int(steps) > 0) == (mode == "always") for _, steps in found), out
+    for mode in ("always", "never"):
+        found = re.findall(rf"rank \d mode={mode} ok=(\w+) blocking_steps=(\d+) layout=2x2", out)
+        assert len(found) == 4 and all(ok == "True" for ok, _ in found), out
+        assert all((int(steps) > 0) == (mode == "always") for _, steps in found), out
