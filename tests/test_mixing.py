@@ -116,7 +116,7 @@ def test_dead_rank_makes_the_job_exit_nonzero(backend, cleanup):
     """A rank is SIGKILLed mid-run. 'launcher': mpiexec's own cleanup; 'survivors':
     with it disabled, the survivors raise (CommTimeoutError, or Gloo's connection error)
     or are ended by the MPI runtime; either way the job exits non-zero, nothing is left."""
-    limit = 5
+    limit = 3
     args = ("-disable-auto-cleanup",) if cleanup == "survivors" else ()
     start = time.monotonic()
     out = launch(3, "fault.py", backend, env={"MCRDL_TIMEOUT": str(limit)}, timeout=limit + 60,
