@@ -249,6 +249,14 @@ class Bootstrap:
             agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
             store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.size,
                                   self.rank == 0 and not agent, td)
+            # The launcher's store outlives an init/finalize session (torchrun's agent
+            # hosts it): each session gets keys of its own, or a later session would read
+            # an earlier one's object collectives and rendezvous as its own. Every rank
+            # adds 1 once a session, and none adds for the next before all have added for
+            # this one (closing is collective), so the count says which session this is.
+            session = (store.add("mcrdl/sessions", 1) - 1) // self.size
+            if session:
+                return dist.PrefixStore(f"mcrdl/session{session}", store)
         return dist.PrefixStore("mcrdl", store)
 
     def close(self) -> None:

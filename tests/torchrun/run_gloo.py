@@ -21,6 +21,10 @@ def session(debug: str) -> None:
     # this session's debug setting took effect (runtime.bases: the stack below extensions)
     base = mcrdl.api.current_runtime().bases["gloo"]
     assert (type(base).__name__ == "Debugged") == (debug == "1"), type(base)
+    # the same object collective in every session: each reads its own session's values
+    # (torchrun's store outlives a session)
+    views = mcrdl.all_gather_object((debug, mcrdl.get_rank()))
+    assert views == [(debug, r) for r in range(mcrdl.get_size())], views
     rank, size = mcrdl.get_rank(), mcrdl.get_size()
 
     try:
@@ -56,7 +60,7 @@ def session(debug: str) -> None:
     mcrdl.bcast("gloo", t, src=0, group=g)  # group rank 0 is world rank size-1
     assert t.item() == size - 1, t
     mcrdl.finalize()
-    print(f"rank {rank}: debug {debug}: torchrun gloo OK")
+    os.write(1, f"rank {rank}: debug {debug}: torchrun gloo OK\n".encode())  # one line
 
 
 for debug in sys.argv[1].split(","):
