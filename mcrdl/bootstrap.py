@@ -247,16 +247,24 @@ class Bootstrap:
                     "(the address and a free port of rank 0's node) or launch with mpiexec"
                 )
             agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), self.size,
-                                  self.rank == 0 and not agent, td)
-            # The launcher's store outlives an init/finalize session (torchrun's agent
-            # hosts it): each session gets keys of its own, or a later session would read
+            addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+            if self.rank == 0 and not agent:
+                store = _hosted.get(addr)
+                if store is None:
+                    store = _hosted[addr] = dist.TCPStore(*addr, self.size, True, td)
+                store.set_timeout(td)
+            else:
+                store = dist.TCPStore(*addr, self.size, False, td)
+            # This store outlives an init/finalize session (torchrun's agent hosts it, or
+            # rank 0 keeps it in _hosted), and the agent's outlives a restart of the
+            # workers: each session of each restart gets keys of its own, or it would read
             # an earlier one's object collectives and rendezvous as its own. Every rank
             # adds 1 once a session, and none adds for the next before all have added for
             # this one (closing is collective), so the count says which session this is.
-            session = (store.add("mcrdl/sessions", 1) - 1) // self.size
-            if session:
-                return dist.PrefixStore(f"mcrdl/session{session}", store)
+            restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+            session = (store.add(f"mcrdl-sessions-{restart}", 1) - 1) // self.size
+            if session or restart != "0":
+                return dist.PrefixStore(f"mcrdl-{restart}-{session}", store)
         return dist.PrefixStore("mcrdl", store)
 
     def close(self) -> None:
@@ -275,6 +283,12 @@ class Bootstrap:
             else:
                 self._store.set(f"bootstrap/closed/{self.rank}", b"1")
         self._store = None
+
+
+# The stores rank 0 hosts at a launcher-given address (MASTER_ADDR, MASTER_PORT), by
+# address, kept for the process: the port is fixed, so a later session must reuse the
+# server, and the other ranks may still be reading from it when this session closes.
+_hosted: dict[tuple[str, int], object] = {}
 
 
 def _this_host(info: LaunchInfo) -> str:

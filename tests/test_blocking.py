@@ -406,7 +406,8 @@ def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
 def test_ranks_with_other_variants_fail_at_init(tmp_path):
     """Two ranks whose tuning tables (then, with the same table, whose MCRDL_MPI_BLOCKING)
     would make them run other variants of the same call: init raises DesyncError on both,
-    naming the setting. One launch: the second init follows the failed first."""
+    naming the setting. One launch: the second case is an init of its own after the first
+failed one is finalized."""
     from mcrdl.tuning.table import TuningTable
 
     paths = []
@@ -423,7 +424,8 @@ def test_ranks_with_other_variants_fail_at_init(tmp_path):
             "        os.environ['MCRDL_MPI_BLOCKING'] = os.environ['MODE']\n"
             "    try:\n        mcrdl.init(['mpi'])\n        os.write(1, b'no error\\n')\n"
             "    except mcrdl.DesyncError as e:\n"
-            "        os.write(1, f'{differ}: DesyncError: {e}\\n'.encode())\n")
+            "        os.write(1, f'{differ}: DesyncError: {e}\\n'.encode())\n"
+            "    mcrdl.finalize()  # the next case starts from a fresh init\n")
     env = {k: v for k, v in os.environ.items()
            if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING")}
     env["MCRDL_TIMEOUT"] = "60"

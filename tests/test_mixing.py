@@ -123,6 +123,7 @@ def test_dead_rank_makes_the_job_exit_nonzero(backend, cleanup):
                  expect_rc=None, mpiexec_args=args)
     took = time.monotonic() - start
     assert "loop finished" not in out, out
+    assert "rank 1: reached iteration 50" in out, out  # the kill ended it, not a timeout
     assert re.search(r"EXIT CODE: [1-9]|exit code [1-9]|Killed|Terminated", out), out
     assert took < limit + 30, took
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]

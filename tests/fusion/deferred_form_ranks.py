@@ -9,7 +9,7 @@ any program. Both ranks must hand the mpi backend the same arguments: with the s
 sizes that validation fills in, the deferred call ran MPI_Ialltoallv while the inline
 one ran MPI_Alltoall (under MCRDL_MPI_BLOCKING=always), and the job hung until the
 timeout. Every rank prints the split sizes the backend received; rank 0 prints
-"deferred form OK" after checking the results against a formula.
+"<mode>: deferred form OK" after checking the results against a formula.
 
 Usage: deferred_form_ranks.py TIMEOUT_S MODES, MODES a comma-separated list of
 MCRDL_MPI_BLOCKING values: each an init/finalize session in turn.

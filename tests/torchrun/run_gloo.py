@@ -1,5 +1,6 @@
 """Runs on every rank under torchrun: no MPI world, so "mpi" is unavailable with a
-reason, and "gloo" rendezvouses on torchrun's env:// store. Usage: run_gloo.py DEBUGS, a
+reason, and "gloo" rendezvouses on torchrun's env:// store (its agent's, or with
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 one rank 0 hosts). Usage: run_gloo.py DEBUGS, a
 comma-separated list of MCRDL_DEBUG values: each an init/finalize session in turn."""
 
 import os
@@ -22,7 +23,7 @@ def session(debug: str) -> None:
     base = mcrdl.api.current_runtime().bases["gloo"]
     assert (type(base).__name__ == "Debugged") == (debug == "1"), type(base)
     # the same object collective in every session: each reads its own session's values
-    # (torchrun's store outlives a session)
+    # (the store outlives a session: torchrun's agent or rank 0 hosts it)
     views = mcrdl.all_gather_object((debug, mcrdl.get_rank()))
     assert views == [(debug, r) for r in range(mcrdl.get_size())], views
     rank, size = mcrdl.get_rank(), mcrdl.get_size()
@@ -60,7 +61,8 @@ def session(debug: str) -> None:
     mcrdl.bcast("gloo", t, src=0, group=g)  # group rank 0 is world rank size-1
     assert t.item() == size - 1, t
     mcrdl.finalize()
-    os.write(1, f"rank {rank}: debug {debug}: torchrun gloo OK\n".encode())  # one line
+    store = "agent" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else "rank 0"
+    os.write(1, f"rank {rank}: debug {debug}: torchrun gloo OK, {store} store\n".encode())
 
 
 for debug in sys.argv[1].split(","):

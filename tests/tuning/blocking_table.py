@@ -49,9 +49,12 @@ def session(expected_steps: dict) -> int:
 
 
 for i, s in enumerate(json.loads(sys.argv[1])):
-    saved = dict(os.environ)
+    saved = {var: os.environ.get(var) for var in s["env"]}
     os.environ.update(s["env"])
     rank = session(s["expected"])
-    os.environ.clear()
-    os.environ.update(saved)
+    for var, value in saved.items():  # only these: init sets variables of its own
+        if value is None:
+            os.environ.pop(var)
+        else:
+            os.environ[var] = value
     print(f"rank {rank}: session {i}: variants as expected", flush=True)
