@@ -89,6 +89,7 @@ class Bootstrap:
         self._comms: dict[int, object] = {}  # group id -> MPI communicator (members only)
         self._seqs: dict[int, int] = {}  # group id -> object collectives so far (store)
         self._store = None
+        self._session = ""  # which session of a launcher's store (_make_store), for errors
         #: whether a backend on MPI warned of an oversubscribed node (once an init)
         self.warned_oversubscribed = False
         if info.mpi_world:
@@ -169,7 +170,7 @@ class Bootstrap:
         return CommTimeoutError(
             f"{op} (group {g.describe()}, object collective number {self._seqs.get(g.id, 0)}) "
             f"did not complete within {self.timeout} s; a rank of the group may never have "
-            "called it, may be stuck, or may have died")
+            f"called it, may be stuck, or may have died{self._session}")
 
     def _wait(self, requests: list, op: str, g: Group) -> None:
         """Poll MPI requests until done (sleeping back-off), CommTimeoutError past the
@@ -263,6 +264,9 @@ class Bootstrap:
             # this one (closing is collective), so the count says which session this is.
             restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
             session = (store.add(f"mcrdl-sessions-{restart}", 1) - 1) // self.size
+            self._session = (f"; this rank is in mcrdl session {session + 1} of the launcher's "
+                             f"store (worker restart {restart}): every rank must call "
+                             "mcrdl.init and mcrdl.finalize alike, or the ranks' sessions differ")
             if session or restart != "0":
                 return dist.PrefixStore(f"mcrdl-{restart}-{session}", store)
         return dist.PrefixStore("mcrdl", store)

@@ -33,3 +33,34 @@ def test_gloo_under_torchrun(store):
     for debug in debugs:
         for r in range(3):
             assert f"rank {r}: debug {debug}: torchrun gloo OK, {store} store" in out, out
+
+
+def test_sessions_on_a_store_rank_0_keeps(monkeypatch):
+    """In one process (no launch): a store at MASTER_ADDR/MASTER_PORT that rank 0 hosts
+    is kept for the next session, which reads its own object collectives, not the first
+    one's; a session whose ranks do not line up times out naming the session."""
+    import socket
+
+    from mcrdl import CommTimeoutError
+    from mcrdl.bootstrap import Bootstrap
+    from mcrdl.launch import LaunchInfo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    alone = LaunchInfo("torchrun", 0, 1, 0, 1, False)
+    first = Bootstrap(alone, 5.0)
+    assert first.all_gather_object("first") == ["first"]
+    first.close()
+    second = Bootstrap(alone, 5.0)  # the same port: rank 0's server is reused
+    assert second.all_gather_object("second") == ["second"]  # not the first's value
+    second.close()
+    # a third session that expects a second rank (as if ranks' init calls differed)
+    lonely = Bootstrap(LaunchInfo("torchrun", 0, 2, 0, 2, False), 1.0)
+    with pytest.raises(CommTimeoutError, match=r"in mcrdl session \d+ of the launcher's store"
+                                               r".*call mcrdl.init and mcrdl.finalize alike"):
+        lonely.all_gather_object("third")
