@@ -253,7 +253,8 @@ class Bootstrap:
                 store = _hosted.get(addr)
                 if store is None:
                     store = _hosted[addr] = dist.TCPStore(*addr, self.size, True, td)
-                store.set_timeout(td)
+                else:  # this session's timeout on the server an earlier one made
+                    store.set_timeout(td)
             else:
                 store = dist.TCPStore(*addr, self.size, False, td)
             # This store outlives an init/finalize session (torchrun's agent hosts it, or

@@ -41,9 +41,11 @@ def test_sessions_on_a_store_rank_0_keeps(monkeypatch):
     one's; a session whose ranks do not line up times out naming the session."""
     import socket
 
-    from mcrdl import CommTimeoutError
+    from mcrdl import CommTimeoutError, bootstrap
     from mcrdl.bootstrap import Bootstrap
     from mcrdl.launch import LaunchInfo
+
+    monkeypatch.setattr(bootstrap, "_hosted", {})  # the servers this test makes go with it
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
