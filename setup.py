@@ -91,7 +91,14 @@ setup(
             extra_compile_args=["-O2", "-std=c++20", "-Wno-c++20-extensions",
                                 "-fvisibility=hidden",
                                 "-g" if os.environ.get("MCRDL_DEBUG_INFO") == "1" else "-g0"],
-            extra_link_args=link,
+            # --exclude-libs,ALL: where the compiler links its C++ runtime statically (a
+            # GCC built without a shared libstdc++, or with -static-libstdc++ in its
+            # specs), that copy stays private to the module. Exported, its symbols bind
+            # half to the process's libstdc++.so (torch's) and half to the copy, and the
+            # two copies' locale facet ids disagree: formatting a number in an
+            # ostringstream then calls a codecvt facet as num_put and crashes (seen on an
+            # H100 machine's image). Without static archives it changes nothing.
+            extra_link_args=[*link, "-Wl,--exclude-libs,ALL"],
         )
     ],
     # With ninja (the README installs it) the sources compile in parallel: MAX_JOBS jobs,

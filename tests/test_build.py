@@ -1,0 +1,93 @@
+"""The build of mcrdl's C++ core: what the linked module exposes to the process.
+
+The module (mcrdl._C) shares its process with torch's libraries, which use the shared C++
+runtime (libstdc++.so). Where a compiler links its C++ runtime statically (a GCC built
+without a shared libstdc++, or with -static-libstdc++ in its specs: an H100 machine's
+image did), that copy must stay private to the module (setup.py links with
+--exclude-libs,ALL). Exported, its symbols bind half to torch's runtime and half to the
+copy, the two copies' locale facet ids disagree, and formatting a number in an
+ostringstream then calls the wrong facet: the CommTimeoutError text stopped at its first
+number here, and the process died of SIGSEGV on that machine.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mcrdl import _C
+
+from ._launch import FULL
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Definitions only a C++ runtime itself holds (no header instantiates them in a module):
+# exception handling and std::locale.
+RUNTIME_MARKS = ("__cxa_throw", "__cxa_begin_catch", "__gxx_personality_v0")
+RUNTIME_PREFIXES = ("_ZNSt6locale", "_ZNKSt6locale")
+
+
+def exported_runtime_symbols(so: str) -> list[str]:
+    """The C++ runtime's own definitions among the dynamic symbols `so` exports."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) not found")
+    out = subprocess.run([nm, "-D", "--defined-only", so], capture_output=True, text=True,
+                         check=True).stdout
+    names = [line.split()[-1] for line in out.splitlines() if line.strip()]
+    return [n for n in names if n in RUNTIME_MARKS or n.startswith(RUNTIME_PREFIXES)]
+
+
+def timeout_text_probe() -> str:
+    return ("from mcrdl import _C; "
+            "print(_C.timeout_message('all_reduce', 'mpi', 'world', 7, 0.5))")
+
+
+def check_timeout_text(text: str) -> None:
+    assert "(group world, sequence number 7) did not complete within 0.5 s;" in text, text
+    assert text.rstrip().endswith("issue the same calls)"), text
+
+
+def test_module_keeps_any_cxx_runtime_private():
+    leaked = exported_runtime_symbols(_C.__file__)
+    assert not leaked, (f"{_C.__file__} exports the C++ runtime's own symbols "
+                        f"({leaked[:5]}...): it was linked without --exclude-libs,ALL")
+
+
+def test_numbers_format_in_the_module():
+    check_timeout_text(_C.timeout_message("all_reduce", "mpi", "world", 7, 0.5))
+
+
+@FULL
+def test_statically_linked_cxx_runtime_stays_private(tmp_path):
+    """Builds the module as the H100 image's compiler did (static libstdc++): it must
+    need no libstdc++.so, export none of the runtime, and format numbers. 2 minutes on
+    2 cores."""
+    cxx = os.environ.get("CXX", "g++")
+    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True).stdout.strip()
+    if not os.path.isabs(archive) or not os.path.exists(archive):
+        pytest.skip(f"{cxx} has no static libstdc++ (libstdc++.a) to link")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "mcrdl", src / "mcrdl",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(ROOT / "setup.py", src)
+    shutil.copy(ROOT / "pyproject.toml", src)
+    env = dict(os.environ, LDFLAGS="-static-libstdc++", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+                           cwd=src, env=env, capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    so = str(next((src / "mcrdl").glob("_C*.so")))
+    needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
+    assert "libstdc++" not in needed, "the build did not link libstdc++ statically:\n" + needed
+    assert not exported_runtime_symbols(so)
+    run = subprocess.run([sys.executable, "-c", timeout_text_probe()], cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=str(src)), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    check_timeout_text(run.stdout)
