@@ -17,8 +17,14 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
+from mcrdl.torch_backend import process_group as pg_module
 from mcrdl.torch_backend import routing
-from mcrdl.torch_backend.process_group import McrdlWork, _op_of, explicit_timeout
+from mcrdl.torch_backend.process_group import (
+    McrdlWork,
+    _op_of,
+    _pinned_routes,
+    explicit_timeout,
+)
 
 from ._launch import FULL, mpiexec_or_skip, run_launcher
 from .test_mixing import _alive
@@ -96,6 +102,53 @@ def test_set_torch_routes_is_process_wide_and_resets(monkeypatch):
 def test_missing_backend_named_with_what_is_initialized():
     with pytest.raises(mcrdl.BackendUnavailableError, match=r"alltoall=pccl.*initialized: mpi"):
         routing.check_initialized(routing.table({"alltoall": "pccl"}), ["mpi"], "here")
+
+
+@pytest.mark.parametrize("backend,pinned", [
+    (None, None), ("mcrdl", None), ("MCRDL", None), ("cpu:mcrdl,cuda:mcrdl", None),
+    ("gloo", "gloo"), ("MPI", "mpi"), ("cpu:gloo", "gloo"),
+])
+def test_new_group_backend_pins_the_group(backend, pinned):
+    """The backend later torch passes to the new_group hook: one of mcrdl's carries every
+    op of the group; "mcrdl" (or none) leaves the routes alone."""
+    got = _pinned_routes(backend, "new_group([1])")
+    assert got == (None if pinned is None else dict.fromkeys(routing.KEYS, pinned))
+
+
+@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:nccl", "ucc"])
+def test_new_group_backend_mcrdl_cannot_pin_is_refused(backend):
+    with pytest.raises(mcrdl.InvalidArgumentError,
+                       match=r"new_group\(\[1\]\): backend=.*pass one of those, or "
+                             r"backend=None"):
+        _pinned_routes(backend, "new_group([1])")
+
+
+class FakeFront:
+    """The front as create() sees it: initialized, rank 0 of 4."""
+
+    def is_initialized(self):
+        return True
+
+    def get_rank(self):
+        return 0
+
+    def get_size(self):
+        return 4
+
+
+@pytest.mark.parametrize("default_is_mcrdl,says", [
+    (True, r"torch \S+ calls a backend only on the members of a new group, also when "
+           r"'mcrdl' is the default group.*need torch >= 2.13"),
+    (False, r"when the default group is another backend's. Make 'mcrdl' the default"),
+])
+def test_sub_group_through_the_creator_is_refused(monkeypatch, default_is_mcrdl, says):
+    """torch calls the creator only on the members of a sub-group: under another default
+    backend, and under the mcrdl default before torch 2.13 (no new_group hook)."""
+    monkeypatch.setattr(pg_module, "_default_group_is_mcrdl", lambda: default_is_mcrdl)
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.global_ranks_in_group, opts.group_rank, opts.group_size = [0, 1], 0, 2
+    with pytest.raises(mcrdl.InvalidArgumentError, match=r"new_group\(ranks=\[0, 1\].*" + says):
+        pg_module.create(FakeFront(), opts, None)
 
 
 def test_explicit_timeout():

@@ -27,6 +27,7 @@ from torch._C._distributed_c10d import AllgatherOptions  # not in dist's namespa
 from torch.distributed.constants import default_pg_timeout
 
 from .._C import Work as _CWork
+from ..backends import registry
 from ..errors import (
     BackendUnavailableError,
     CommTimeoutError,
@@ -42,6 +43,7 @@ from .routing import (
     ALLTOALL,
     BARRIER,
     BROADCAST,
+    EVERY_OTHER,
     GATHER,
     RECV,
     REDUCE,
@@ -686,11 +688,13 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
 
     # -- groups and lifetime ---------------------------------------------------------
     def new_group(self, ranks, timeout=None, pg_options=None, group_name=None,
-                  group_desc=None):
+                  group_desc=None, backend=None):
         """torch.distributed.new_group's hook: torch 2.13 hands every new_group (and so
         new_subgroups and DeviceMesh's dimension groups) to the default group's
-        ``new_group`` on every rank, without the ``backend`` argument, so every sub-group
-        of an "mcrdl" world is an mcrdl group. mcrdl makes groups collectively over the
+        ``new_group`` on every rank, so every sub-group of an "mcrdl" world is an mcrdl
+        group. torch 2.13 passes no ``backend``; later torch passes the one asked for
+        (the default group's when none was): one of mcrdl's backends then carries every
+        op of the group (_pinned_routes). mcrdl makes groups collectively over the
         world: use_local_synchronization=True (only members call) cannot be served."""
         if group_name is not None and not str(group_name).isdigit():
             # torch names groups by a counter, or by a hash of the ranks when only the
@@ -702,7 +706,8 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         group = self._api.new_group(list(ranks))
         if not group.is_member:
             return None
-        routes = _group_routes(pg_options, self._api, f"new_group({list(ranks)})")
+        where = f"new_group({list(ranks)})"
+        routes = _group_routes(pg_options, self._api, where, _pinned_routes(backend, where))
         pg = ProcessGroupMCRDL(self._api, group.rank, group.size, group, routes,
                                _group_timeout(self._api, timeout))
         pg._set_group_name(str(group_name))
@@ -720,13 +725,37 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             self._api.finalize()
 
 
-def _group_routes(pg_options: object, front, where: str) -> dict[str, str]:
+def _pinned_routes(backend: object, where: str) -> dict[str, str] | None:
+    """The table of a sub-group whose new_group named one of mcrdl's backends (every
+    family to it); None when it named none, or "mcrdl" (also as every device's entry of
+    a device map such as "cpu:mcrdl,cuda:mcrdl")."""
+    if backend is None:
+        return None
+    name = str(backend).strip().lower()
+    entries = {e.partition(":")[2].strip() if ":" in e else e.strip()
+               for e in name.split(",") if e.strip()}
+    if entries <= {BACKEND_NAME, "undefined"}:
+        return None
+    known = registry.known_names()
+    if len(entries) == 1 and next(iter(entries)) in known:
+        return table({EVERY_OTHER: next(iter(entries))})
+    raise InvalidArgumentError(
+        f"{where}: backend={backend!r} under the 'mcrdl' default group: a sub-group of an "
+        f"mcrdl world is an mcrdl group, which can pin its ops to one of mcrdl's backends "
+        f"({', '.join(known)}); pass one of those, or backend=None (the group's ops follow "
+        f"mcrdl's routes), or pg_options=mcrdl.TorchBackendOptions(routes=...) for "
+        f"per-operation routes")
+
+
+def _group_routes(pg_options: object, front, where: str,
+                  base: dict[str, str] | None = None) -> dict[str, str]:
     """The routes of a new group: the process-wide dict itself, or the group's own table
-    when pg_options carries routes. Backends named must be initialized."""
+    when pg_options carries routes (over `base`, else the process-wide table), or `base`.
+    Backends named must be initialized."""
     if pg_options is None:
-        routes = process_routes()
+        routes = process_routes() if base is None else base
     elif isinstance(pg_options, TorchBackendOptions):
-        routes = table(pg_options.routes, process_routes())
+        routes = table(pg_options.routes, process_routes() if base is None else base)
     else:
         raise InvalidArgumentError(
             f"{where}: pg_options of the mcrdl backend is a mcrdl.TorchBackendOptions, got "
@@ -746,6 +775,11 @@ def _group_timeout(front, timeout: datetime.timedelta | None) -> float | None:
 def _runtime_timeout(front) -> float:
     runtime = front.current_runtime()
     return runtime.timeout if runtime is not None else front.DEFAULT_TIMEOUT
+
+
+def _default_group_is_mcrdl() -> bool:
+    """Whether torch's default group is an mcrdl one (False before init_process_group)."""
+    return isinstance(dist.distributed_c10d._world.default_pg, ProcessGroupMCRDL)
 
 
 def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
@@ -773,13 +807,22 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
         group = None
     elif sorted(ranks) == list(range(world_size)):
         group = front.new_group(ranks)
+    elif _default_group_is_mcrdl():
+        # torch before 2.13 has no new_group hook: it calls the creator on the members
+        raise InvalidArgumentError(
+            f"new_group(ranks={ranks}): torch {torch.__version__} calls a backend only on "
+            "the members of a new group, also when 'mcrdl' is the default group, and mcrdl "
+            "creates groups collectively over every rank. Sub-groups of an mcrdl world "
+            "need torch >= 2.13, which hands new_group to the default group on every rank: "
+            "upgrade torch, or use groups of every rank, or mcrdl's own API "
+            "(mcrdl.new_group on every rank) for the sub-group's communication")
     else:
         raise InvalidArgumentError(
             f"new_group(ranks={ranks}, backend='mcrdl'): mcrdl creates groups collectively "
             "over every rank, but torch calls a backend only on the members of a new "
             "group when the default group is another backend's. Make 'mcrdl' the default "
-            "(init_process_group('mcrdl'): its new_group runs on every rank), or use a "
-            "group of every rank")
+            "(init_process_group('mcrdl'): its new_group runs on every rank, torch >= "
+            "2.13), or use a group of every rank")
     _watchdog.default_timeout = lambda: _runtime_timeout(front)
     where = "init_process_group('mcrdl')" if group is None else f"new_group({ranks})"
     routes = _group_routes(pg_options, front, where)

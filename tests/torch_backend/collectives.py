@@ -367,6 +367,28 @@ out = torch.empty(SIZE)
 dist.all_to_all_single(out, torch.ones(SIZE), group=pinned)
 assert logged_backends() == {"all_reduce": {other}, "all_to_all_single": {other}}, \
     logged_backends()
+# the hook as torch after 2.13 calls it, with new_group's backend: mcrdl's `other` then
+# carries every op of the group
+named = dist.distributed_c10d._get_default_group().new_group(
+    SUB, group_name="9000", group_desc="backend kwarg", backend=other)
+assert (named is None) == (RANK not in SUB), named
+if named is not None:
+    assert set(named.routes.values()) == {other}, named.routes
+    mcrdl.reset_log()
+    t = torch.full((2,), float(RANK))
+    named.allreduce([t]).wait()
+    same("backend kwarg group", t, np.full(2, float(sum(SUB))), torch.float32)
+    assert logged_backends() == {"all_reduce": {other}}, logged_backends()
+# torch before 2.13 has no hook and calls the creator on the members only: refused, with
+# the torch version to use, before anything is sent
+if SIZE > 1:
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.global_ranks_in_group, opts.group_rank, opts.group_size = SUB, 0, len(SUB)
+    try:
+        mcrdl.torch_backend.create(mcrdl.api, opts, None)
+        raise AssertionError("a sub-group through the creator was not refused")
+    except mcrdl.InvalidArgumentError as exc:
+        assert "need torch >= 2.13" in str(exc) and torch.__version__ in str(exc), exc
 
 # -- bad input: raised by the rank that passed it, before anything is sent ---------------
 bad = SIZE - 1
