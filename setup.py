@@ -98,7 +98,8 @@ setup(
             # two copies' locale facet ids disagree: formatting a number in an
             # ostringstream then calls a codecvt facet as num_put and crashes (seen on an
             # H100 machine's image). Without static archives it changes nothing.
-            extra_link_args=[*link, "-Wl,--exclude-libs,ALL"],
+            extra_link_args=[*link, *(["-Wl,--exclude-libs,ALL"]
+                                       if sys.platform.startswith("linux") else [])],
         )
     ],
     # With ninja (the README installs it) the sources compile in parallel: MAX_JOBS jobs,

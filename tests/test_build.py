@@ -27,9 +27,15 @@ from ._launch import FULL
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Definitions only a C++ runtime itself holds (no header instantiates them in a module):
-# exception handling and std::locale.
+# exception handling, std::locale, and the locale facets' ids (std::num_put<...>::id and
+# the like: the ids the two copies disagreed on).
 RUNTIME_MARKS = ("__cxa_throw", "__cxa_begin_catch", "__gxx_personality_v0")
 RUNTIME_PREFIXES = ("_ZNSt6locale", "_ZNKSt6locale")
+
+
+def is_runtime_symbol(name: str) -> bool:
+    return (name in RUNTIME_MARKS or name.startswith(RUNTIME_PREFIXES)
+            or (name.startswith("_ZNSt") and name.endswith("2idE")))
 
 
 def exported_runtime_symbols(so: str) -> list[str]:
@@ -40,7 +46,7 @@ def exported_runtime_symbols(so: str) -> list[str]:
     out = subprocess.run([nm, "-D", "--defined-only", so], capture_output=True, text=True,
                          check=True).stdout
     names = [line.split()[-1] for line in out.splitlines() if line.strip()]
-    return [n for n in names if n in RUNTIME_MARKS or n.startswith(RUNTIME_PREFIXES)]
+    return [n for n in names if is_runtime_symbol(n)]
 
 
 def timeout_text_probe() -> str:
@@ -54,6 +60,9 @@ def check_timeout_text(text: str) -> None:
 
 
 def test_module_keeps_any_cxx_runtime_private():
+    """Where the toolchain links libstdc++ as a shared library (CI's), there is nothing to
+    leak and this passes with or without --exclude-libs; the FULL test below is the one
+    that links the runtime statically and so checks the flag."""
     leaked = exported_runtime_symbols(_C.__file__)
     assert not leaked, (f"{_C.__file__} exports the C++ runtime's own symbols "
                         f"({leaked[:5]}...): it was linked without --exclude-libs,ALL")
@@ -83,6 +92,8 @@ def test_statically_linked_cxx_runtime_stays_private(tmp_path):
                            cwd=src, env=env, capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     so = str(next((src / "mcrdl").glob("_C*.so")))
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf (binutils) not found")
     needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
     assert "libstdc++" not in needed, "the build did not link libstdc++ statically:\n" + needed
     assert not exported_runtime_symbols(so)

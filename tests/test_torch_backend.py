@@ -104,23 +104,31 @@ def test_missing_backend_named_with_what_is_initialized():
         routing.check_initialized(routing.table({"alltoall": "pccl"}), ["mpi"], "here")
 
 
+INITIALIZED = ["mpi", "gloo", "MyNet"]
+
+
 @pytest.mark.parametrize("backend,pinned", [
     (None, None), ("mcrdl", None), ("MCRDL", None), ("cpu:mcrdl,cuda:mcrdl", None),
-    ("gloo", "gloo"), ("MPI", "mpi"), ("cpu:gloo", "gloo"),
+    ("gloo", "gloo"), ("MPI", "mpi"), ("cpu:gloo", "gloo"), ("cpu:gloo,cuda:gloo", "gloo"),
+    ("mynet", "MyNet"),  # torch lowercases the name; a plug-in keeps its spelling
 ])
 def test_new_group_backend_pins_the_group(backend, pinned):
-    """The backend later torch passes to the new_group hook: one of mcrdl's carries every
-    op of the group; "mcrdl" (or none) leaves the routes alone."""
-    got = _pinned_routes(backend, "new_group([1])")
+    """The backend later torch passes to the new_group hook: one of mcrdl's initialized
+    backends carries every op of the group; "mcrdl" (or none) leaves the routes alone."""
+    got = _pinned_routes(backend, "new_group([1])", INITIALIZED)
     assert got == (None if pinned is None else dict.fromkeys(routing.KEYS, pinned))
 
 
-@pytest.mark.parametrize("backend", ["cpu:gloo,cuda:nccl", "ucc"])
-def test_new_group_backend_mcrdl_cannot_pin_is_refused(backend):
+@pytest.mark.parametrize("backend,why", [
+    ("cpu:gloo,cuda:nccl", "can pin its ops to one of mcrdl's initialized backends"),
+    ("ucc", "can pin its ops to one of mcrdl's initialized backends"),
+    ("nccl", r"mcrdl's backend 'nccl' is not initialized in this process \(mcrdl.init"),
+])
+def test_new_group_backend_mcrdl_cannot_pin_is_refused(backend, why):
     with pytest.raises(mcrdl.InvalidArgumentError,
-                       match=r"new_group\(\[1\]\): backend=.*pass one of those, or "
-                             r"backend=None"):
-        _pinned_routes(backend, "new_group([1])")
+                       match=r"new_group\(\[1\]\): backend=.* default group: .*" + why +
+                             r".*; pass one of mpi, gloo, MyNet, or backend=None"):
+        _pinned_routes(backend, "new_group([1])", INITIALIZED)
 
 
 class FakeFront:

@@ -703,11 +703,13 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
                 "new_group: mcrdl creates groups collectively over every rank; "
                 "use_local_synchronization=True (only the members call new_group) is not "
                 "supported: call new_group on every rank")
+        # checked on every rank before the collective, so that all of them raise alike
+        where = f"new_group({list(ranks)})"
+        routes = _group_routes(pg_options, self._api, where,
+                               _pinned_routes(backend, where, self._api.get_backends()))
         group = self._api.new_group(list(ranks))
         if not group.is_member:
             return None
-        where = f"new_group({list(ranks)})"
-        routes = _group_routes(pg_options, self._api, where, _pinned_routes(backend, where))
         pg = ProcessGroupMCRDL(self._api, group.rank, group.size, group, routes,
                                _group_timeout(self._api, timeout))
         pg._set_group_name(str(group_name))
@@ -725,24 +727,31 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             self._api.finalize()
 
 
-def _pinned_routes(backend: object, where: str) -> dict[str, str] | None:
-    """The table of a sub-group whose new_group named one of mcrdl's backends (every
-    family to it); None when it named none, or "mcrdl" (also as every device's entry of
-    a device map such as "cpu:mcrdl,cuda:mcrdl")."""
+def _pinned_routes(backend: object, where: str,
+                   initialized: Sequence[str]) -> dict[str, str] | None:
+    """The table of a sub-group whose new_group named one of the `initialized` mcrdl
+    backends (every family to it; torch lowercases the name, so it matches any case);
+    None when it named none, or "mcrdl" (also as every device's entry of a device map
+    such as "cpu:mcrdl,cuda:mcrdl"). A device map naming one backend for every device
+    pins the group to it, CUDA tensors too."""
     if backend is None:
         return None
-    name = str(backend).strip().lower()
     entries = {e.partition(":")[2].strip() if ":" in e else e.strip()
-               for e in name.split(",") if e.strip()}
+               for e in str(backend).lower().split(",") if e.strip()}
     if entries <= {BACKEND_NAME, "undefined"}:
         return None
-    known = registry.known_names()
-    if len(entries) == 1 and next(iter(entries)) in known:
-        return table({EVERY_OTHER: next(iter(entries))})
+    by_lower = {n.lower(): n for n in initialized}
+    name = next(iter(entries)) if len(entries) == 1 else None
+    if name in by_lower:
+        return table({EVERY_OTHER: by_lower[name]})
+    known = {n.lower() for n in registry.known_names()}
+    why = (f"mcrdl's backend {name!r} is not initialized in this process (mcrdl.init([...]) "
+           f"before init_process_group initializes it)" if name in known else
+           "a sub-group of an mcrdl world is an mcrdl group, which can pin its ops to one "
+           "of mcrdl's initialized backends")
     raise InvalidArgumentError(
-        f"{where}: backend={backend!r} under the 'mcrdl' default group: a sub-group of an "
-        f"mcrdl world is an mcrdl group, which can pin its ops to one of mcrdl's backends "
-        f"({', '.join(known)}); pass one of those, or backend=None (the group's ops follow "
+        f"{where}: backend={backend!r} under the 'mcrdl' default group: {why}; pass one of "
+        f"{', '.join(initialized) or 'none'}, or backend=None (the group's ops follow "
         f"mcrdl's routes), or pg_options=mcrdl.TorchBackendOptions(routes=...) for "
         f"per-operation routes")
 

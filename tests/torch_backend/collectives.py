@@ -379,6 +379,12 @@ if named is not None:
     named.allreduce([t]).wait()
     same("backend kwarg group", t, np.full(2, float(sum(SUB))), torch.float32)
     assert logged_backends() == {"all_reduce": {other}}, logged_backends()
+try:  # a backend mcrdl cannot pin: every rank raises, before the (collective) group
+    dist.distributed_c10d._get_default_group().new_group(SUB, group_name="9001",
+                                                         backend="ucc")
+    raise AssertionError("new_group(backend='ucc') was not refused")
+except mcrdl.InvalidArgumentError as exc:
+    assert "backend='ucc'" in str(exc) and "pass one of" in str(exc), exc
 # torch before 2.13 has no hook and calls the creator on the members only: refused, with
 # the torch version to use, before anything is sent
 if SIZE > 1:
