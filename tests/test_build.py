@@ -49,9 +49,8 @@ def exported_runtime_symbols(so: str) -> list[str]:
     return [n for n in names if is_runtime_symbol(n)]
 
 
-def timeout_text_probe() -> str:
-    return ("from mcrdl import _C; "
-            "print(_C.timeout_message('all_reduce', 'mpi', 'world', 7, 0.5))")
+TIMEOUT_TEXT_PROBE = ("from mcrdl import _C; "
+                      "print(_C.timeout_message('all_reduce', 'mpi', 'world', 7, 0.5))")
 
 
 def check_timeout_text(text: str) -> None:
@@ -97,7 +96,7 @@ def test_statically_linked_cxx_runtime_stays_private(tmp_path):
     needed = subprocess.run(["readelf", "-d", so], capture_output=True, text=True).stdout
     assert "libstdc++" not in needed, "the build did not link libstdc++ statically:\n" + needed
     assert not exported_runtime_symbols(so)
-    run = subprocess.run([sys.executable, "-c", timeout_text_probe()], cwd=tmp_path,
+    run = subprocess.run([sys.executable, "-c", TIMEOUT_TEXT_PROBE], cwd=tmp_path,
                          env=dict(os.environ, PYTHONPATH=str(src)), capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr

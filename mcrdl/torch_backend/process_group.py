@@ -761,10 +761,12 @@ def _group_routes(pg_options: object, front, where: str,
     """The routes of a new group: the process-wide dict itself, or the group's own table
     when pg_options carries routes (over `base`, else the process-wide table), or `base`.
     Backends named must be initialized."""
+    if base is None:
+        base = process_routes()
     if pg_options is None:
-        routes = process_routes() if base is None else base
+        routes = base
     elif isinstance(pg_options, TorchBackendOptions):
-        routes = table(pg_options.routes, process_routes() if base is None else base)
+        routes = table(pg_options.routes, base)
     else:
         raise InvalidArgumentError(
             f"{where}: pg_options of the mcrdl backend is a mcrdl.TorchBackendOptions, got "
