@@ -22,6 +22,7 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -64,6 +65,8 @@ def main(argv=None) -> int:
               f"global batch {args.global_batch_size}, micro-batch {args.micro_batch_size}, "
               f"{args.steps} steps (1 warm-up); torch {torch.__version__}, "
               f"{os.cpu_count()} cores, {platform.node()}", flush=True)
+    # each process's run outputs (metrics), removed after the runs
+    scratch = tempfile.TemporaryDirectory(prefix="mcrdl-pipebench-")
     rows = []
     for gi, gd in todo:
         cfg = TrainConfig(model=args.model, steps=args.steps, G_inter=gi, G_data=gd,
@@ -71,12 +74,13 @@ def main(argv=None) -> int:
                           global_batch_size=args.global_batch_size, dtype=args.dtype,
                           offload_optimizer=args.offload_optimizer, plot=False, progress=False,
                           quiet=True,
-                          log_interval=10**6, out_dir=f"/tmp/mcrdl-pipebench-{os.getppid()}")
+                          log_interval=10**6, out_dir=scratch.name)
         res = run(cfg)
         if rank == 0:
             mean = {p: sum(s[p] for s in res.phases.values()) / len(res.phases)
                     for p in PHASES + ("wall",)}
             rows.append((f"{gi}x{gd}", res, mean))
+    scratch.cleanup()
     if rank == 0:
         print("\n| G_inter x G_data | tokens/s | " + " | ".join(f"{p} ms" for p in PHASES)
               + " | step ms | bubble measured | bubble model |")

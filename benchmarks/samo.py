@@ -35,6 +35,7 @@ import argparse
 import os
 import platform
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -129,6 +130,8 @@ def main(argv=None) -> int:
               f"{torch.__version__}, {os.cpu_count()} cores, {platform.node()}", flush=True)
         memory_table(args.model, [float(p) for p in args.memory_sparsities.split(",")])
     limit = args.memory_limit * MiB if args.memory_limit else None
+    # each process's run outputs (metrics), removed after the runs
+    scratch = tempfile.TemporaryDirectory(prefix="mcrdl-samobench-")
     rows = []
     for gi, gd, kind in layouts:
         cfg = TrainConfig(model=args.model, steps=args.steps, G_inter=gi, G_data=gd,
@@ -136,7 +139,7 @@ def main(argv=None) -> int:
                           global_batch_size=args.global_batch_size, dtype=args.dtype,
                           prune_sparsity=args.sparsity, samo=kind == "samo", plot=False,
                           progress=False, quiet=True, log_interval=10**6,
-                          out_dir=f"/tmp/mcrdl-samobench-{os.getppid()}")
+                          out_dir=scratch.name)
         per_rank = account(cfg)
         peak = max(per_rank)
         if limit is None:
@@ -145,6 +148,7 @@ def main(argv=None) -> int:
             rows.append((gi, gd, kind, peak, None))
             continue
         rows.append((gi, gd, kind, peak, run(cfg)))
+    scratch.cleanup()
     if rank == 0:
         print(f"\n## Layouts under a memory limit of {limit / MiB:.2f} MiB of model states "
               "per rank\n")

@@ -18,6 +18,32 @@ FULL = pytest.mark.skipif(os.environ.get("MCRDL_TEST_FULL") != "1",
                           reason="wider sweep: run with MCRDL_TEST_FULL=1")
 
 
+#: What makes GPUs visible to a process. tests/conftest.py blanks these for every process
+#: the tests start, so that the CPU suite runs on the CPU also on a GPU machine (where its
+#: multi-rank worlds would otherwise share one GPU, and "auto" devices and every usable
+#: backend would change under its checks); tests/test_gpu.py gives its own launches the
+#: session's values back (gpus_visible).
+GPU_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+_GPU_VALUES: dict[str, str | None] = {}
+
+
+def hide_gpus() -> None:
+    """Blank GPU_VARS in os.environ (for the processes started from here on), keeping the
+    values they had for gpus_visible."""
+    for var in GPU_VARS:
+        _GPU_VALUES.setdefault(var, os.environ.get(var))
+        os.environ[var] = ""
+
+
+def gpus_visible() -> None:
+    """Give GPU_VARS the values they had before hide_gpus (unset where they were unset)."""
+    for var, value in _GPU_VALUES.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+
+
 def pythonpath(*dirs: str) -> str:
     """PYTHONPATH for a child process: `dirs`, then this process's PYTHONPATH (which
     tests/conftest.py starts with tests/_site, so the child's exit stays quick)."""
@@ -33,11 +59,12 @@ def mpiexec_or_skip() -> str:
 
 
 def run_launcher(cmd: list[str], env: dict | None = None, timeout: float = 300,
-                 expect_rc: int | None = 0) -> str:
+                 expect_rc: int | str | None = 0) -> str:
     """Run `cmd` in its own process group; kill the group on timeout; return its output.
 
     Fails the test (showing the output) when the exit code differs from `expect_rc`
-    (None accepts any) or the timeout expires.
+    ("nonzero": any failure, whatever words the launcher reports it with; None accepts
+    any) or the timeout expires.
     """
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -47,7 +74,10 @@ def run_launcher(cmd: list[str], env: dict | None = None, timeout: float = 300,
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish within {timeout} s; output:\n{out}")
-    if expect_rc is not None and proc.returncode != expect_rc:
+    if expect_rc == "nonzero":
+        if proc.returncode == 0:
+            pytest.fail(f"{' '.join(cmd)} exited 0 (expected a failure); output:\n{out}")
+    elif expect_rc is not None and proc.returncode != expect_rc:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode} (expected {expect_rc}); "
                     f"output:\n{out}")
     return out

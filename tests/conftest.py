@@ -2,7 +2,9 @@
 
 import os
 
-from ._launch import pythonpath
+import pytest
+
+from ._launch import gpus_visible, hide_gpus, pythonpath
 
 # Every process the tests start loads tests/_site/sitecustomize.py, which makes its exit
 # skip the collection of what is still alive (0.6 s of CPU per process: see there).
@@ -14,3 +16,29 @@ if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 # Multi-rank tests (tests/dist) run only under mpiexec, via tests/test_dist_launch.py
 # or by hand with MCRDL_DIST_TEST=1; plain `pytest tests` does not collect them.
 collect_ignore = [] if os.environ.get("MCRDL_DIST_TEST") == "1" else ["dist"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _children_environment(tmp_path_factory):
+    """The environment of the processes the tests start (ranks, launchers).
+
+    - Their temporary files (torchrun's logs, mpiexec's topology file, the training
+      checks' outputs) go under this session's pytest folder, which pytest prunes (it
+      keeps the last 3 sessions'), not into /tmp.
+    - They see no GPU (tests._launch.hide_gpus): the CPU suite is the same on a GPU
+      machine; tests/test_gpu.py makes the GPUs visible to its own launches. This
+      process keeps what it saw at its start (CUDA reads the variables once).
+
+    The ranks of tests/dist run pytest too and inherit their launcher's environment."""
+    if os.environ.get("MCRDL_DIST_TEST") == "1":
+        yield
+        return
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("processes"))
+    hide_gpus()
+    yield
+    gpus_visible()
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before

@@ -36,6 +36,10 @@ _SCRIPT = textwrap.dedent(r'''
 
     t = torch.ones(2)
     res["initialized_at_start"] = mcrdl.is_initialized()
+    # where nccl can run: a CUDA build of torch with NCCL and a GPU visible to this process
+    res["nccl_runs_here"] = bool(
+        torch.cuda.is_available() and torch.distributed.is_available()
+        and torch.distributed.is_nccl_available() and not getattr(torch.version, "hip", None))
     probe("available_before_init", mcrdl.available_backends)
     before = {
         "all_reduce mpi": lambda: mcrdl.all_reduce("mpi", t),
@@ -221,7 +225,8 @@ def test_available_backends_fresh(fresh, key):
     got = _listed(fresh, key)
     assert isinstance(got, list) and all(isinstance(n, str) for n in got), got
     assert "mpi" in got and "gloo" in got, got
-    assert "auto" not in got and "nccl" not in got, got
+    assert "auto" not in got, got
+    assert ("nccl" in got) == fresh["nccl_runs_here"], (got, fresh["nccl_runs_here"])
 
 
 def test_available_backends_here():

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from ._launch import mpiexec_or_skip, pythonpath, run_launcher
+from ._launch import gpus_visible, hide_gpus, mpiexec_or_skip, pythonpath, run_launcher
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -16,6 +16,15 @@ pytestmark = pytest.mark.skipif(
     "the GPU examples run only on a GPU machine",
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _launches_see_the_gpus():
+    """tests/conftest.py hides the GPUs from the processes the CPU suite starts; these
+    launches are the GPU suite's."""
+    gpus_visible()
+    yield
+    hide_gpus()
 EXAMPLES = os.path.join(ROOT, "examples")
 GPU = os.path.join(ROOT, "tests", "gpu")
 

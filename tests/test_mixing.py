@@ -120,11 +120,10 @@ def test_dead_rank_makes_the_job_exit_nonzero(backend, cleanup):
     args = ("-disable-auto-cleanup",) if cleanup == "survivors" else ()
     start = time.monotonic()
     out = launch(3, "fault.py", backend, env={"MCRDL_TIMEOUT": str(limit)}, timeout=limit + 60,
-                 expect_rc=None, mpiexec_args=args)
+                 expect_rc="nonzero", mpiexec_args=args)
     took = time.monotonic() - start
     assert "loop finished" not in out, out
     assert "rank 1: reached iteration 50" in out, out  # the kill ended it, not a timeout
-    assert re.search(r"EXIT CODE: [1-9]|exit code [1-9]|Killed|Terminated", out), out
     assert took < limit + 30, took
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
     alive = [p for p in pids if _alive(p)]

@@ -33,6 +33,14 @@ HERE = os.path.join(os.path.dirname(__file__), "torch_backend")
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "torch_ddp.py")
 _LAUNCHER_VARS = ("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA", "MCRDL_TORCH_ROUTES")
 
+# torch before 2.13 calls a backend only on the members of a new group (no new_group hook
+# on the default group), and mcrdl makes groups over every rank, so sub-groups of an mcrdl
+# world are refused there (with that reason, tested in this process below). The worlds
+# marked so make sub-groups: DeviceMesh's dimensions, and the collectives' own groups.
+_TORCH = tuple(int(v) for v in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+SUBGROUPS = pytest.mark.skipif(_TORCH < (2, 13), reason=(
+    f"makes sub-groups of an mcrdl world: needs torch >= 2.13, this is {torch.__version__}"))
+
 
 def launch(launcher: str, n: int, script: str, *args, env=None, timeout=300, expect_rc=0,
            mpiexec_args=()) -> str:
@@ -235,6 +243,7 @@ def test_work_completion_callbacks_settle_futures():
                                          pytest.param("mpiexec", 2, marks=FULL),
                                          ("mpiexec", 3), ("torchrun", 4),
                                          pytest.param("mpiexec", 5, marks=FULL)])
+@SUBGROUPS
 def test_every_collective_matches_numpy(launcher, n):
     out = launch(launcher, n, os.path.join(HERE, "collectives.py"))
     for r in range(n):
@@ -245,6 +254,7 @@ def test_every_collective_matches_numpy(launcher, n):
 # torchrun's env:// start is also the collectives' (torchrun 4) and the entry points'
 @pytest.mark.parametrize("launcher, n", [("mpiexec", 4), pytest.param("torchrun", 2,
                                                                        marks=FULL)])
+@SUBGROUPS
 def test_ddp_fsdp2_dtensor_dcp_match_gloo(launcher, n):
     out = launch(launcher, n, os.path.join(HERE, "training.py"), timeout=400)
     for r in range(n):
@@ -271,9 +281,9 @@ def test_dead_rank_ends_the_job():
     limit = 5
     start = time.monotonic()
     out = launch("mpiexec", 3, os.path.join(HERE, "failures.py"), "dead-rank", limit,
-                 timeout=limit + 90, expect_rc=None, mpiexec_args=("-disable-auto-cleanup",))
+                 timeout=limit + 90, expect_rc="nonzero",
+                 mpiexec_args=("-disable-auto-cleanup",))
     assert "loop finished" not in out, out
-    assert re.search(r"EXIT CODE: [1-9]|exit code [1-9]|Killed|Terminated", out), out
     assert time.monotonic() - start < limit + 60
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
     assert len(pids) == 3 and not [p for p in pids if _alive(p)], out

@@ -696,7 +696,10 @@ def test_unknown_backend(ctx):
     the usable backends; also in init, which then changes nothing."""
     ex = Expect(ctx, "-")
     x = z(1)
-    for bad, shown in (("nosuch", "'nosuch'"), ("", "''"), ("MPI", "'MPI'"), ("nccl", "'nccl'"),
+    # a known backend that cannot run here: nccl without a usable GPU, else rccl
+    unusable = next(n for n in ("nccl", "rccl") if n not in mcrdl.available_backends())
+    for bad, shown in (("nosuch", "'nosuch'"), ("", "''"), ("MPI", "'MPI'"),
+                       (unusable, repr(unusable)),
                        (None, "None"), (3, "3"), (["mpi"], "['mpi']")):
         lists = ("mpi", "gloo")
         ex(f"all_reduce backend={bad!r}", BUE, lambda bad=bad: mcrdl.all_reduce(bad, x),
@@ -710,9 +713,10 @@ def test_unknown_backend(ctx):
         if isinstance(bad, (str, int)):  # None: all backends; a list: those named
             ex(f"synchronize backends={bad!r}", BUE, lambda bad=bad: mcrdl.synchronize(bad),
                shown)
-    ex("nccl says why", BUE, lambda: mcrdl.all_reduce("nccl", x), "nccl", "unavailable")
+    ex(f"{unusable} says why", BUE, lambda: mcrdl.all_reduce(unusable, x), unusable,
+       "unavailable")
     for bad, shown in (("nosuch", "'nosuch'"), (["mpi", "nosuch"], "'nosuch'"), ([None], "None"),
-                       (3, "3"), ("nccl", "'nccl'")):
+                       (3, "3"), (unusable, repr(unusable))):
         ex(f"init({bad!r})", BUE, lambda bad=bad: mcrdl.init(bad), shown, "mpi", "gloo")
     ex.check("backends unchanged after failed init", set(BACKENDS) <= set(mcrdl.get_backends()),
              f"get_backends() = {mcrdl.get_backends()}")

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import serial_losses  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.data import TokenFile  # noqa: E402
@@ -356,7 +357,7 @@ def main():
     assert n == WORLD, f"run with mpiexec -n {WORLD}"
     torch.set_num_threads(1)
     steps = int(os.environ.get("PARITY_STEPS", 20))
-    directory = os.path.join(tempfile.gettempdir(), f"mcrdl-4d-{os.getppid()}-{rank}")
+    directory = scratch_dir(f"mcrdl-4d-{rank}-")
     dataset = token_data(directory)
     cases = CASES
     if os.environ.get("GRIDS_4D"):

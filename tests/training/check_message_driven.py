@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from tests.training._scratch import scratch_dir  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.train_gpt import run  # noqa: E402
 
@@ -39,7 +40,7 @@ def main():
         cfg = TrainConfig(model="tiny", steps=1, G_inter=3, micro_batch_size=2,
                           global_batch_size=8, pipeline_limit=limit, plot=False, progress=False,
                           quiet=True,
-                          out_dir=f"/tmp/mcrdl-md-{os.getpid()}", log_interval=10**6)
+                          out_dir=scratch_dir("mcrdl-md-"), log_interval=10**6)
         res = run(cfg, compute_delay={slow: DELAY}, record=True)
         order = " ".join(f"{e.kind}{e.microbatch}" for e in res.events)
         # each rank reports its order to rank 0

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import serial_moe_losses  # noqa: E402
 from training.data import load_dataset  # noqa: E402
 from training.moe import moe_loss  # noqa: E402
@@ -54,7 +55,7 @@ def tiny(**kw) -> MoETrainConfig:
     base = dict(model="moe-tiny", steps=20, experts=2, top_k=1, capacity_factor=0.8,
                 router_group_tokens=32, moe_every=2, micro_batch_size=2, global_batch_size=8,
                 seed=7, lr=3e-3, warmup_steps=3, plot=False, progress=False, quiet=True,
-                comm_log=False, out_dir=f"/tmp/mcrdl-moe-check-{os.getpid()}")
+                comm_log=False, out_dir=scratch_dir("mcrdl-moe-check-"))
     return MoETrainConfig(**{**base, **kw})
 
 

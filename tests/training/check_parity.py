@@ -12,6 +12,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import mcrdl  # noqa: E402
+from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import serial_losses  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.data import ByteCorpus  # noqa: E402
@@ -33,7 +34,7 @@ def main():
     base = dict(model="tiny", steps=steps, micro_batch_size=1, global_batch_size=8,
                 seed=7, lr=3e-3, warmup_steps=3, plot=False, progress=False,
                 quiet=True,
-                out_dir=f"/tmp/mcrdl-parity-{os.getpid()}", log_interval=10**6)
+                out_dir=scratch_dir("mcrdl-parity-"), log_interval=10**6)
     data = ByteCorpus()
     ref = serial_losses(TrainConfig(**base), data) if rank == 0 else None
     worst_all = 0.0

@@ -1,0 +1,13 @@
+"""A scratch folder per process for the training checks' outputs, removed at its exit."""
+
+import atexit
+import shutil
+import tempfile
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new folder under the temporary directory (the test session's own one under
+    pytest: tests/conftest.py), removed with its contents when the process exits."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
