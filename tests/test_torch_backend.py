@@ -167,6 +167,37 @@ def test_sub_group_through_the_creator_is_refused(monkeypatch, default_is_mcrdl,
         pg_module.create(FakeFront(), opts, None)
 
 
+class GroupFront(FakeFront):
+    """FakeFront with mpi initialized, recording the groups it is asked to make."""
+
+    def __init__(self):
+        self.made = []
+
+    def get_backends(self):
+        return ["mpi"]
+
+    def new_group(self, ranks):
+        self.made.append(ranks)
+        raise AssertionError("create() made the group before checking its routes")
+
+
+@pytest.mark.parametrize("pg_options,error,says", [
+    ("routes", mcrdl.InvalidArgumentError, r"pg_options of the mcrdl backend is a "
+                                           r"mcrdl.TorchBackendOptions, got str"),
+    (mcrdl.TorchBackendOptions(routes="alltoall=pccl"), mcrdl.BackendUnavailableError,
+     r"alltoall=pccl.*initialized: mpi"),
+])
+def test_creator_checks_routes_before_making_the_group(pg_options, error, says):
+    """new_group(every rank, backend="mcrdl") under another default backend: the group's
+    routes are refused on every rank before the collective creation of the group."""
+    front = GroupFront()
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.global_ranks_in_group, opts.group_rank, opts.group_size = [0, 1, 2, 3], 0, 4
+    with pytest.raises(error, match=r"new_group\(\[0, 1, 2, 3\]\).*" + says):
+        pg_module.create(front, opts, pg_options)
+    assert front.made == []
+
+
 def test_explicit_timeout():
     assert explicit_timeout(dist.constants.default_pg_timeout) is None
     assert explicit_timeout(datetime.timedelta(seconds=7)) == 7.0

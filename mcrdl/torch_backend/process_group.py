@@ -815,19 +815,17 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
                 f"{options.group_size} differs from mcrdl's launch discovery (rank "
                 f"{world_rank} of {world_size}); launch with mpiexec, torchrun or srun and "
                 "leave rank and world_size to them")
-        group = None
-    elif sorted(ranks) == list(range(world_size)):
-        group = front.new_group(ranks)
-    elif _default_group_is_mcrdl():
-        # torch before 2.13 has no new_group hook: it calls the creator on the members
-        raise InvalidArgumentError(
-            f"new_group(ranks={ranks}): torch {torch.__version__} calls a backend only on "
-            "the members of a new group, also when 'mcrdl' is the default group, and mcrdl "
-            "creates groups collectively over every rank. Sub-groups of an mcrdl world "
-            "need torch >= 2.13, which hands new_group to the default group on every rank: "
-            "upgrade torch, or use groups of every rank, or mcrdl's own API "
-            "(mcrdl.new_group on every rank) for the sub-group's communication")
-    else:
+    elif sorted(ranks) != list(range(world_size)):
+        # torch called the creator on the members only: a sub-group cannot be made
+        if _default_group_is_mcrdl():
+            # torch before 2.13 has no new_group hook: it calls the creator on the members
+            raise InvalidArgumentError(
+                f"new_group(ranks={ranks}): torch {torch.__version__} calls a backend only on "
+                "the members of a new group, also when 'mcrdl' is the default group, and mcrdl "
+                "creates groups collectively over every rank. Sub-groups of an mcrdl world "
+                "need torch >= 2.13, which hands new_group to the default group on every rank: "
+                "upgrade torch, or use groups of every rank, or mcrdl's own API "
+                "(mcrdl.new_group on every rank) for the sub-group's communication")
         raise InvalidArgumentError(
             f"new_group(ranks={ranks}, backend='mcrdl'): mcrdl creates groups collectively "
             "over every rank, but torch calls a backend only on the members of a new "
@@ -835,8 +833,10 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
             "(init_process_group('mcrdl'): its new_group runs on every rank, torch >= "
             "2.13), or use a group of every rank")
     _watchdog.default_timeout = lambda: _runtime_timeout(front)
-    where = "init_process_group('mcrdl')" if group is None else f"new_group({ranks})"
+    where = f"new_group({ranks})" if ranks else "init_process_group('mcrdl')"
+    # checked before the group's collective creation, so that every rank raises alike
     routes = _group_routes(pg_options, front, where)
+    group = front.new_group(ranks) if ranks else None
     pg = ProcessGroupMCRDL(front, options.group_rank, options.group_size, group, routes,
                            None if group is None else _group_timeout(front, options.timeout),
                            finalize_on_shutdown=owns)
