@@ -6,6 +6,8 @@ import math
 import os
 import re
 import sys
+import time
+import warnings
 
 import pytest
 
@@ -37,6 +39,9 @@ def _layout_id(layout) -> str:
     return f"{n}ranks-{k}pernode"
 
 
+SLOW_S = 90  # a launch that took longer says where its time went (a warning)
+
+
 @pytest.mark.parametrize("n,per_node,expected", LAYOUTS, ids=[_layout_id(x) for x in LAYOUTS])
 def test_pccl_conformance(n, per_node, expected):
     env = dict(os.environ, MCRDL_RANKS_PER_NODE=str(per_node), MCRDL_TIMEOUT="120")
@@ -46,11 +51,19 @@ def test_pccl_conformance(n, per_node, expected):
     if n >= 5 and not wide:
         env["PCCL_TEST_ALGOS"] = "core"
     cmd = [mpiexec_or_skip(), "-n", str(n), sys.executable, os.path.join(HERE, "check_pccl.py")]
+    start = time.monotonic()
     out = run_launcher(cmd, env=env, timeout=400)
+    took = time.monotonic() - start
     m = re.search(r"pccl OK: world (\d+), (.*), (\d+) checks", out)
     assert m, out
     assert int(m.group(1)) == n and m.group(2) == expected, m.group(0)
     assert int(m.group(3)) > 1000, m.group(0)
+    if took > SLOW_S:
+        # not a failure (the machine may be busy), but CI's log shows where the time went
+        # (one CI run took 117 s at 4 ranks, 27-45 s otherwise)
+        phases = re.search(r"pccl phases on rank 0: .*", out)
+        warnings.warn(f"pccl at {n} ranks took {took:.0f} s; "
+                      f"{phases.group(0) if phases else out[-1500:]}", stacklevel=1)
 
 
 def test_layout():

@@ -90,9 +90,11 @@ def main() -> int:
     # The algorithm pairs that run every dtype and every op on the world (see below).
     one_algo = ALGOS[:3] if world <= 2 else ALGOS[:1]
     checks = 0
+    took = {}  # phase -> seconds on this rank, printed by rank 0 (where a slow run went)
     for inter, intra in ALGOS:
         if intra == "gloo" and not hierarchical:
             continue
+        start = time.monotonic()
         with use_algorithms(inter, intra):
             for gi, (group, ranks) in enumerate(groups):
                 if rank not in ranks:
@@ -114,10 +116,15 @@ def main() -> int:
                         for op in R.ops_for(dtype) if every_op else ("SUM",):
                             checks += check_reductions(dtype, op, shape, group, ranks, me, p,
                                                        key)
+        took[f"{inter}/{intra}"] = time.monotonic() - start
+    start = time.monotonic()
     for intra in ("mpi", "gloo") if hierarchical and not CORE else ("mpi",):
         with use_algorithms("auto", intra):
             checks += check_wait_order(rank, world, groups[1][0])
+    took["wait order"] = time.monotonic() - start
+    start = time.monotonic()
     checks += check_cpp_vs_python(rank, world)
+    took["C++ vs Python"] = time.monotonic() - start
     if world >= 4 and hierarchical and rank in groups[2][1]:  # the uneven group ran flat
         assert not pccl.initialized().layouts[groups[2][0].id].hierarchical
     total = torch.tensor([checks])
@@ -125,6 +132,7 @@ def main() -> int:
     if rank == 0:
         print(f"pccl OK: world {world}, {lay.nodes} nodes x {lay.per_node} "
               f"({'hierarchical' if lay.hierarchical else 'flat'}), {int(total)} checks")
+        print("pccl phases on rank 0: " + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
     mcrdl.finalize()
     return 0
 
