@@ -23,7 +23,7 @@ FULL = pytest.mark.skipif(os.environ.get("MCRDL_TEST_FULL") != "1",
 #: multi-rank worlds would otherwise share one GPU, and "auto" devices and every usable
 #: backend would change under its checks); tests/test_gpu.py gives its own launches the
 #: session's values back (gpus_visible).
-GPU_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+GPU_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 _GPU_VALUES: dict[str, str | None] = {}
 
 
@@ -35,13 +35,15 @@ def hide_gpus() -> None:
         os.environ[var] = ""
 
 
-def gpus_visible() -> None:
-    """Give GPU_VARS the values they had before hide_gpus (unset where they were unset)."""
+def gpus_visible() -> bool:
+    """Give GPU_VARS the values they had before hide_gpus (unset where they were unset);
+    False when hide_gpus has not run (nothing to give back)."""
     for var, value in _GPU_VALUES.items():
         if value is None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = value
+    return bool(_GPU_VALUES)
 
 
 def pythonpath(*dirs: str) -> str:

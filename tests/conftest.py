@@ -27,7 +27,8 @@ def _children_environment(tmp_path_factory):
       keeps the last 3 sessions'), not into /tmp.
     - They see no GPU (tests._launch.hide_gpus): the CPU suite is the same on a GPU
       machine; tests/test_gpu.py makes the GPUs visible to its own launches. This
-      process keeps what it saw at its start (CUDA reads the variables once).
+      process keeps seeing them where CUDA was initialized before (CUDA reads the
+      variables once; test_gpu.py's collection initializes it).
 
     The ranks of tests/dist run pytest too and inherit their launcher's environment."""
     if os.environ.get("MCRDL_DIST_TEST") == "1":

@@ -16,17 +16,18 @@ pytestmark = pytest.mark.skipif(
     "the GPU examples run only on a GPU machine",
 )
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+GPU = os.path.join(ROOT, "tests", "gpu")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _launches_see_the_gpus():
     """tests/conftest.py hides the GPUs from the processes the CPU suite starts; these
     launches are the GPU suite's."""
-    gpus_visible()
+    hidden = gpus_visible()
     yield
-    hide_gpus()
-EXAMPLES = os.path.join(ROOT, "examples")
-GPU = os.path.join(ROOT, "tests", "gpu")
+    if hidden:
+        hide_gpus()
 
 
 def test_listing3_overlap_on_nccl():

@@ -832,11 +832,11 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
             "group when the default group is another backend's. Make 'mcrdl' the default "
             "(init_process_group('mcrdl'): its new_group runs on every rank, torch >= "
             "2.13), or use a group of every rank")
-    _watchdog.default_timeout = lambda: _runtime_timeout(front)
     where = f"new_group({ranks})" if ranks else "init_process_group('mcrdl')"
     # checked before the group's collective creation, so that every rank raises alike
     routes = _group_routes(pg_options, front, where)
     group = front.new_group(ranks) if ranks else None
+    _watchdog.default_timeout = lambda: _runtime_timeout(front)
     pg = ProcessGroupMCRDL(front, options.group_rank, options.group_size, group, routes,
                            None if group is None else _group_timeout(front, options.timeout),
                            finalize_on_shutdown=owns)

@@ -75,7 +75,9 @@ def mixed_order(world_nodes: list[int]) -> list[int]:
 
 
 def main() -> int:
+    began = time.monotonic()
     mcrdl.init(["mpi", "gloo", "pccl"])
+    took = {"init": time.monotonic() - began}  # phase -> seconds on this rank (rank 0 prints)
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
     lay = pccl.initialized().layouts[0]
     hierarchical = lay.hierarchical
@@ -90,7 +92,6 @@ def main() -> int:
     # The algorithm pairs that run every dtype and every op on the world (see below).
     one_algo = ALGOS[:3] if world <= 2 else ALGOS[:1]
     checks = 0
-    took = {}  # phase -> seconds on this rank, printed by rank 0 (where a slow run went)
     for inter, intra in ALGOS:
         if intra == "gloo" and not hierarchical:
             continue
@@ -132,6 +133,7 @@ def main() -> int:
     if rank == 0:
         print(f"pccl OK: world {world}, {lay.nodes} nodes x {lay.per_node} "
               f"({'hierarchical' if lay.hierarchical else 'flat'}), {int(total)} checks")
+        took["total"] = time.monotonic() - began
         print("pccl phases on rank 0: " + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
     mcrdl.finalize()
     return 0
