@@ -34,12 +34,8 @@ def _children_environment(tmp_path_factory):
     if os.environ.get("MCRDL_DIST_TEST") == "1":
         yield
         return
-    before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("processes"))
-    hide_gpus()
-    yield
-    gpus_visible()
-    if before is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = before
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("processes")))
+        hide_gpus()
+        yield
+        gpus_visible()

@@ -15,6 +15,7 @@ on a third (every rank but the last: uneven), with each
   and float32 data, at several block sizes.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -74,10 +75,20 @@ def mixed_order(world_nodes: list[int]) -> list[int]:
     return out
 
 
+@contextlib.contextmanager
+def timed(took: dict, phase: str):
+    """Record the seconds the block took as took[phase] (rank 0 prints them: where a slow
+    run's time went)."""
+    start = time.monotonic()
+    yield
+    took[phase] = time.monotonic() - start
+
+
 def main() -> int:
+    took = {}  # phase -> seconds on this rank
     began = time.monotonic()
-    mcrdl.init(["mpi", "gloo", "pccl"])
-    took = {"init": time.monotonic() - began}  # phase -> seconds on this rank (rank 0 prints)
+    with timed(took, "init"):
+        mcrdl.init(["mpi", "gloo", "pccl"])
     rank, world = mcrdl.get_rank(), mcrdl.get_size()
     lay = pccl.initialized().layouts[0]
     hierarchical = lay.hierarchical
@@ -95,8 +106,7 @@ def main() -> int:
     for inter, intra in ALGOS:
         if intra == "gloo" and not hierarchical:
             continue
-        start = time.monotonic()
-        with use_algorithms(inter, intra):
+        with timed(took, f"{inter}/{intra}"), use_algorithms(inter, intra):
             for gi, (group, ranks) in enumerate(groups):
                 if rank not in ranks:
                     continue
@@ -117,15 +127,12 @@ def main() -> int:
                         for op in R.ops_for(dtype) if every_op else ("SUM",):
                             checks += check_reductions(dtype, op, shape, group, ranks, me, p,
                                                        key)
-        took[f"{inter}/{intra}"] = time.monotonic() - start
-    start = time.monotonic()
-    for intra in ("mpi", "gloo") if hierarchical and not CORE else ("mpi",):
-        with use_algorithms("auto", intra):
-            checks += check_wait_order(rank, world, groups[1][0])
-    took["wait order"] = time.monotonic() - start
-    start = time.monotonic()
-    checks += check_cpp_vs_python(rank, world)
-    took["C++ vs Python"] = time.monotonic() - start
+    with timed(took, "wait order"):
+        for intra in ("mpi", "gloo") if hierarchical and not CORE else ("mpi",):
+            with use_algorithms("auto", intra):
+                checks += check_wait_order(rank, world, groups[1][0])
+    with timed(took, "C++ vs Python"):
+        checks += check_cpp_vs_python(rank, world)
     if world >= 4 and hierarchical and rank in groups[2][1]:  # the uneven group ran flat
         assert not pccl.initialized().layouts[groups[2][0].id].hierarchical
     total = torch.tensor([checks])
