@@ -124,6 +124,35 @@ def test_partition():
         partition(2, 3)
 
 
+@pytest.mark.parametrize("launcher, local", [
+    ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1"}, 1),       # MPICH hydra
+    ({"OMPI_COMM_WORLD_RANK": "7", "OMPI_COMM_WORLD_SIZE": "8",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, 3),                               # Open MPI
+    ({"PMI_RANK": "7", "SLURM_PROCID": "7", "SLURM_LOCALID": "3"}, 3),     # srun --mpi=pmi2
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, 1),  # srun, no PMI
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}, 3),               # torchrun
+    ({}, 0),                                                                # python script.py
+])
+def test_auto_device_is_the_launchers_local_gpu(monkeypatch, launcher, local):
+    """--device auto takes GPU local_rank % visible GPUs for every launcher mcrdl knows,
+    the GPU the nccl backend uses (it had read only LOCAL_RANK and MPI_LOCALRANKID, so
+    every rank of an Open MPI or srun job landed on cuda:0)."""
+    from training.config import TrainConfig
+    from training.trainer import pick_device
+    for name in list(os.environ):
+        if name.startswith(("PMI", "OMPI_", "SLURM_", "MV2_", "MPI_LOCAL", "TORCHELASTIC")) \
+                or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(name)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device(TrainConfig(device="auto")) == torch.device("cuda", local % 2)
+    assert pick_device(TrainConfig(device="cpu")) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device(TrainConfig(device="auto")) == torch.device("cpu")
+
+
 def test_process_grid():
     from training.topology import GridError, ProcessGrid
     g = ProcessGrid({"data": 2, "pipe": 4}, world_size=8, rank=5)

@@ -5,7 +5,6 @@ step, and sharded checkpoints saved and loaded collectively."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import torch
@@ -25,11 +24,13 @@ from .topology import Axis, ProcessGrid
 
 
 def pick_device(cfg: TrainConfig) -> torch.device:
-    """--device, or for "auto" this rank's GPU (by local rank) if there is one, else cpu."""
+    """--device, or for "auto" this rank's GPU if there is one, else cpu. The GPU is the
+    one the nccl backend takes: the node-local rank as the launcher gives it (mpiexec of
+    MPICH or Open MPI, srun, torchrun; mcrdl.launch.detect) modulo the visible GPUs."""
     if cfg.device != "auto":
         return torch.device(cfg.device)
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", 0)))
+        local = mcrdl.launch.detect().local_rank
         return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
 
