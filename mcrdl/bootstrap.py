@@ -21,7 +21,7 @@ import numpy as np
 
 from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
 from .groups import Group, bad_group_error
-from .launch import LaunchInfo, detect, node_cores_for_ranks, oversubscribed
+from .launch import LaunchInfo, detect, node_cores_for_ranks, node_id, oversubscribed
 
 # MPICH's shared-memory ("release_gather") blocking bcast, barrier, allreduce and reduce
 # are several times faster than its point-to-point algorithms at small sizes, but its
@@ -90,6 +90,7 @@ class Bootstrap:
         self._seqs: dict[int, int] = {}  # group id -> object collectives so far (store)
         self._store = None
         self._session = ""  # which session of a launcher's store (_make_store), for errors
+        self._single_node: bool | None = None  # single_node(), once asked
         #: whether a backend on MPI warned of an oversubscribed node (once an init)
         self.warned_oversubscribed = False
         if info.mpi_world:
@@ -120,6 +121,16 @@ class Bootstrap:
                                         max(group.rank, 0))
             if group.is_member:
                 self._comms[group.id] = comm
+
+    def single_node(self) -> bool:
+        """Whether every rank of the world runs on this node, by node id: the launcher's
+        local size is missing under some launchers and then reads as the world's.
+        Collective the first time, then cached; every rank asks at the same points (init
+        builds the same backends on every rank)."""
+        if self._single_node is None:
+            self._single_node = (self.size == 1
+                                 or len(set(self.all_gather_object(node_id()))) == 1)
+        return self._single_node
 
     # -- object collectives -------------------------------------------------------------
     def all_gather_object(self, obj: object, group: Group | None = None) -> list:
@@ -229,14 +240,15 @@ class Bootstrap:
         env = os.environ
         comm = self._comms.get(0)
         if comm is not None:
-            host = env.get("MASTER_ADDR") or _this_host(self.info)
+            single = self.single_node()  # collective: before anything only rank 0 does
+            host = env.get("MASTER_ADDR") or ("127.0.0.1" if single else _host_address())
             store = None
             if self.rank == 0:
                 store = dist.TCPStore(host, 0, self.size, True, td, wait_for_workers=False)
                 addr = (host, store.port)
             else:
                 addr = None
-            host, port = comm.bcast(addr, root=0)
+            host, port = self.broadcast_object(addr)
             if store is None:
                 store = dist.TCPStore(host, port, self.size, False, td)
         elif self.info.launcher == "single":
@@ -296,9 +308,8 @@ class Bootstrap:
 _hosted: dict[tuple[str, int], object] = {}
 
 
-def _this_host(info: LaunchInfo) -> str:
-    if info.local_size >= info.size:
-        return "127.0.0.1"  # every rank on this node: loopback
+def _host_address() -> str:
+    """This host's address as other nodes reach it."""
     try:
         return socket.gethostbyname(socket.getfqdn())
     except OSError:

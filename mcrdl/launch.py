@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -133,6 +134,29 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+def slurm_tasks_on_node(spec: str | None, node: int | None) -> int | None:
+    """The tasks Slurm placed on node `node` (SLURM_NODEID) from SLURM_TASKS_PER_NODE
+    (`spec`: per node in node order, runs compressed, as "4(x2),3"), or None where either
+    is missing or malformed. Slurm sets it for every job step, where
+    SLURM_NTASKS_PER_NODE exists only under --ntasks-per-node."""
+    if not spec or node is None:
+        return None
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not m:
+            return None
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts[node] if 0 <= node < len(counts) else None
+
+
+def _slurm_local_size() -> int | None:
+    """This node's task count under srun: the tasks it placed here, else the per-node
+    count the job asked for."""
+    return (slurm_tasks_on_node(os.environ.get("SLURM_TASKS_PER_NODE"), _env_int("SLURM_NODEID"))
+            or _env_int("SLURM_NTASKS_PER_NODE"))
+
+
 @dataclass(frozen=True)
 class LaunchInfo:
     """How this process was started.
@@ -157,13 +181,14 @@ class LaunchInfo:
         return rpn if rpn and rpn > 0 else self.local_size
 
 
-def _without_mpi(launcher: str, names: tuple[str, str, str, str], why: str) -> LaunchInfo:
-    """A launch with no MPI world; `names`: the variables of rank, size, local rank and
-    local size."""
-    rank, size, local_rank, local_size = names
+def _without_mpi(launcher: str, names: tuple[str, str, str], local_size: int | None,
+                 why: str) -> LaunchInfo:
+    """A launch with no MPI world; `names`: the variables of rank, size and local rank;
+    `local_size`: the ranks on this node where the launcher says (else all of them)."""
+    rank, size, local_rank = names
     n = _env_int(size) or 1
     return LaunchInfo(launcher, _env_int(rank) or 0, n, _env_int(local_rank) or 0,
-                      _env_int(local_size) or n, False, why)
+                      local_size or n, False, why)
 
 
 def detect() -> LaunchInfo:
@@ -177,17 +202,17 @@ def detect() -> LaunchInfo:
                         "SLURM_NTASKS") or 1
         local_rank = _env_int("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
                               "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID") or 0
-        local_size = _env_int("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                              "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE") or size
+        local_size = (_env_int("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                               "MV2_COMM_WORLD_LOCAL_SIZE") or _slurm_local_size() or size)
         return LaunchInfo("mpi", rank, size, local_rank, local_size, True)
     if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
         return _without_mpi(
-            "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+            "torchrun", ("RANK", "WORLD_SIZE", "LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE"),
             "the process was started by torchrun (RANK/WORLD_SIZE set) without an MPI world; "
             "launch with 'mpiexec -n N' (or srun with PMI) to use MPI")
     if "SLURM_PROCID" in env and (_env_int("SLURM_NTASKS") or 1) > 1:
         return _without_mpi(
-            "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+            "slurm", ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"), _slurm_local_size(),
             "srun started this process without an MPI process-management interface; "
             "use 'srun --mpi=pmix' (or pmi2) to use MPI")
     # A plain 'python script.py': a world of one; MPI runs as a singleton.

@@ -36,7 +36,7 @@ class GlooBackend(C10dBackend):
     def __init__(self, ctx: InitContext):
         # One node: loopback. Several: the device of this host's name, or the interface
         # GLOO_SOCKET_IFNAME names.
-        self._single_node = ctx.bootstrap.info.local_size >= ctx.world.size
+        self._single_node = ctx.bootstrap.single_node()
         super().__init__(ctx)
 
     def _new_pg(self, store, rank: int, size: int):

@@ -1,0 +1,109 @@
+"""Launcher discovery (mcrdl.launch.detect) under each launcher's environment, and the
+one-node-or-several decision the store and Gloo take from the ranks' node ids."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+
+import pytest
+
+from ._launch import clean_env, mpiexec_or_skip, pythonpath, run_launcher
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: Launcher variables, cleared before each case sets its own.
+LAUNCHER_PREFIXES = ("PMI", "OMPI_", "SLURM_", "MV2_", "MPI_LOCAL", "TORCHELASTIC", "HYDRA_")
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.mark.parametrize("env, expected", [
+    # MPICH's hydra
+    ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"},
+     ("mpi", 5, 8, 1, 4)),
+    # Open MPI's mpirun
+    ({"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"},
+     ("mpi", 6, 8, 2, 4)),
+    # srun --mpi=pmi2 -n 11 over 3 nodes, no --ntasks-per-node: the third node has 3
+    ({"PMI_RANK": "9", "PMI_SIZE": "11", "SLURM_PROCID": "9", "SLURM_NTASKS": "11",
+      "SLURM_LOCALID": "1", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "4(x2),3"},
+     ("mpi", 9, 11, 1, 3)),
+    # the same on the first node, and with --ntasks-per-node as well
+    ({"PMI_RANK": "1", "PMI_SIZE": "11", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+      "SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NTASKS_PER_NODE": "4"},
+     ("mpi", 1, 11, 1, 4)),
+    # srun without an MPI process-management interface
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+      "SLURM_TASKS_PER_NODE": "4(x2)"},
+     ("slurm", 5, 8, 1, 4)),
+    # a tasks-per-node string this does not know: the per-node request, else the world
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+      "SLURM_TASKS_PER_NODE": "4[x2]", "SLURM_NTASKS_PER_NODE": "4"},
+     ("slurm", 5, 8, 1, 4)),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"},
+     ("slurm", 5, 8, 1, 8)),
+    # torchrun
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+      "TORCHELASTIC_RUN_ID": "x"}, ("torchrun", 3, 4, 1, 2)),
+    # python script.py
+    ({}, ("single", 0, 1, 0, 1)),
+])
+def test_detect(monkeypatch, env, expected):
+    """Rank, size, local rank and local size as each launcher gives them. Under srun the
+    local size comes from SLURM_TASKS_PER_NODE and SLURM_NODEID, which every job step
+    has (it had read only SLURM_NTASKS_PER_NODE, set only with --ntasks-per-node, so a
+    multi-node srun job looked like one node: its ranks then rendezvoused on loopback)."""
+    from mcrdl.launch import detect
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    info = detect()
+    assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == expected
+
+
+@pytest.mark.parametrize("spec, node, tasks", [
+    ("4(x2),3", 0, 4), ("4(x2),3", 1, 4), ("4(x2),3", 2, 3), ("4(x2),3", 3, None),
+    ("2,1,2(x3)", 4, 2), ("16", 0, 16), (" 8(x2) ", 1, 8),
+    ("", 0, None), (None, 0, None), ("4(x2)", None, None), ("4(x2)", -1, None),
+    ("4x2", 0, None), ("4(x2),", 0, None),
+])
+def test_slurm_tasks_on_node(spec, node, tasks):
+    from mcrdl.launch import slurm_tasks_on_node
+    assert slurm_tasks_on_node(spec, node) == tasks
+
+
+# Rank 1 claims another node (its node id patched) when the argument says so; every rank
+# then checks the bootstrap's decision, the store's address and a Gloo all_reduce.
+TWO_NODES = textwrap.dedent("""
+    import os, sys, torch
+    import mcrdl, mcrdl.bootstrap
+    split = sys.argv[1] == "split"
+    if split and os.environ["PMI_RANK"] == "1":
+        mcrdl.bootstrap.node_id = lambda: "another-node/0"
+    mcrdl.init(["mpi", "gloo"])
+    boot = mcrdl.api.current_runtime().bootstrap
+    assert boot.single_node() is (not split), boot.single_node()
+    t = torch.full((4,), float(mcrdl.get_rank() + 1))
+    mcrdl.all_reduce("gloo", t)
+    assert torch.equal(t, torch.full((4,), 3.0)), t
+    print(f"rank {mcrdl.get_rank()} single_node={boot.single_node()} gloo ok", flush=True)
+    mcrdl.finalize()
+""")
+
+
+@pytest.mark.parametrize("layout", ["one", "split"])
+def test_one_node_or_several(tmp_path, layout):
+    """The ranks decide "one node" from their node ids, not the launcher's local size:
+    on one node the store and Gloo use loopback; with a rank on another (simulated)
+    node, this host's address and Gloo's default device, and Gloo still works."""
+    script = tmp_path / "two_nodes.py"
+    script.write_text(TWO_NODES)
+    env = dict(clean_env(), PYTHONPATH=pythonpath(ROOT))
+    out = run_launcher([mpiexec_or_skip(), "-n", "2", sys.executable, str(script), layout],
+                       env=env, timeout=120)
+    for rank in (0, 1):
+        assert f"rank {rank} single_node={layout == 'one'} gloo ok" in out, out
