@@ -285,13 +285,16 @@ class Bootstrap:
         return dist.PrefixStore("mcrdl", store)
 
     def close(self) -> None:
-        """Collective: rank 0 hosts the store, so it leaves only after every rank is done."""
+        """Collective: rank 0 hosts the store, so it leaves only after every rank is done.
+        Bounded like every wait here: a rank that does not finalize within the timeout
+        makes the others raise CommTimeoutError (the world's communicator is then left
+        to MPI_Finalize, its barrier still posted for the late rank to complete)."""
         world = self._comms.pop(0, None)
         for comm in self._comms.values():
             comm.Free()
         self._comms.clear()
         if world is not None:
-            world.Barrier()
+            self._wait([world.Ibarrier()], "finalize", self.world)
             world.Free()
         elif self._store is not None and self.size > 1:
             self.all_gather_object(None)
