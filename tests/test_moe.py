@@ -128,6 +128,8 @@ def test_errors_name_the_constraint():
         TEDLayout(3, 1, 1).check(cfg, MoEConfig())
     with pytest.raises(ValueError, match="= 4 ranks, but the world has 2"):
         TEDLayout(2, 1, 2).check(world_size=2)
+    with pytest.raises(ValueError, match="--moe-every=3 with --n-layer=2: no block has experts"):
+        TEDLayout(1, 2, 2).check(cfg, MoEConfig(experts=2, moe_every=3))
     with pytest.raises(ValueError, match="capacity 0.5 < 1 token"):
         parse_args(["--experts", "8", "--router-group-tokens", "4", "--capacity-factor", "1"])
     with pytest.raises(ValueError, match="--cac needs --activation-checkpointing"):

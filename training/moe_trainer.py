@@ -143,7 +143,7 @@ class MoETrainer:
             self.groups.world.all_reduce(sums)
         n = self.world_size * len(micro)  # every tensor rank holds the same copy
         self.last = {"lm": float(sums[0]) / n, "aux": float(sums[1]) / n,
-                     "dropped": 1.0 - float(sums[2]) / float(sums[3])}
+                     "dropped": 1.0 - float(sums[2]) / float(sums[3]) if sums[3] else 0.0}
         return self.last["lm"], True
 
     def eval_loss(self, step: int) -> float:
@@ -231,6 +231,12 @@ class MoETrainer:
                         f"checkpoint {path} was written with {key}={manifest.get(key)}, this "
                         f"run has {key}={value}; resume with the same model, MoE options and "
                         "layout (consolidate it to change the layout)")
+            # The optimizer's state differs by dtype (fp32 masters beside 16-bit weights)
+            saved = (manifest.get("train_config") or {}).get("dtype")
+            if saved != self.cfg.dtype:
+                raise ckpt.CheckpointError(
+                    f"checkpoint {path} was written with --dtype {saved}, this run has --dtype "
+                    f"{self.cfg.dtype}; resume with --dtype {saved}")
             state = ckpt.load_shard(path, manifest, self.world_rank)
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
             error = e

@@ -105,6 +105,11 @@ class TEDLayout:
                              "experts; pick --G-expert dividing --experts")
         if model is not None:
             check_tensor_split(model.n_head, model.n_embd, self.g_tensor)
+        if model is not None and moe is not None and \
+                not any(moe.is_moe(j) for j in range(model.n_layer)):
+            raise ValueError(f"--moe-every={moe.moe_every} with --n-layer={model.n_layer}: no "
+                             "block has experts (block j has them when (j + 1) % moe_every "
+                             "== 0); set --moe-every <= --n-layer")
 
     def describe(self) -> str:
         return (f"G_tensor={self.g_tensor} x G_expert={self.g_expert} x G_data_exp="

@@ -176,6 +176,13 @@ def resume_check(data, rank):
     both = [loss for _, loss in first.losses + second.losses]
     assert both == straight, (both, straight)
     parallel_loss = second.trainer.eval_loss(6)  # collective
+    # Another --dtype keeps another optimizer state: refused on every rank, by name
+    from training.checkpoint import CheckpointError
+    try:
+        run(tiny(**kw, dtype="bf16", checkpoint_dir=ck, resume="latest"), dataset=data)
+        raise AssertionError("resuming an fp32 checkpoint with --dtype bf16 did not raise")
+    except CheckpointError as e:
+        assert "written with --dtype fp32, this run has --dtype bf16" in str(e), e
     if rank == 0:
         from training.checkpoint import consolidate
         from training.models.gpt import GPTConfig
