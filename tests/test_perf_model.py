@@ -174,13 +174,25 @@ def test_data_parallel_reduces_every_parameter_once():
             sum(p.numel() for p in GPT(cfg).parameters())
 
 
+#: The tensor names of the LayerNorm statistics' collectives end with these.
+LN_STATS = (" mean", " variance", " mean grad", " variance grad")
+
+
 def test_layer_norm_statistics_and_logits():
     step = TrainingStep(MINI, batch=8)
     grid = Grid4D(2, 2, 1, 1)
     t = 8 * MINI.block_size
-    stats = [e for e in collectives(step, grid) if "statistics" in e.tensor]
-    assert {(e.op, e.axis, e.elements) for e in stats} == {("all_reduce", "y", 2 * t)}
-    assert sum(e.count for e in stats) == 2 * (2 * MINI.n_layer + 1)
+    # float32 whatever the model's dtype: the mean, then the variance, and their gradients
+    for dtype_bytes in (4, 2):
+        stats = [e for e in collectives(replace(step, dtype_bytes=dtype_bytes), grid)
+                 if e.tensor.endswith(LN_STATS)]
+        assert {(e.op, e.axis, e.elements, e.dtype_bytes) for e in stats} == \
+            {("all_reduce", "y", t, 4)}
+        assert [(e.tensor, e.phase, e.count) for e in stats] == [
+            (f"{ln} {stat}", phase, MINI.n_layer if ln != "ln_f" else 1)
+            for ln in ("ln_1", "ln_2", "ln_f")
+            for stat, phase in (("mean", "forward"), ("variance", "forward"),
+                                ("variance grad", "backward"), ("mean grad", "backward"))]
     logits = [e for e in collectives(step, grid) if e.tensor == "logits"]
     assert [(e.op, e.axis, e.elements, e.count) for e in logits] == \
         [("all_gather", "x", t * MINI.vocab_size, 1)]
@@ -196,19 +208,23 @@ def test_micro_batches_repeat_per_pass_collectives_only():
         f = four[key]
         if e.phase in ("forward", "backward"):
             assert f.count == 4 * e.count
-            per_token = key[0].endswith(("output", "input grad", "statistics",
-                                         "statistics grad")) or key[0] == "logits"
+            per_token = key[0].endswith(("output", "input grad", *LN_STATS)) \
+                or key[0] == "logits"
             assert f.elements * 4 == e.elements if per_token else f.elements == e.elements
         else:
             assert (f.count, f.elements) == (e.count, e.elements)
 
 
-def test_dtype_bytes_scale_everything_but_the_step_scalars():
-    grid = Grid4D(2, 1, 2, 2)
-    c32 = call_counts(TrainingStep(MINI, 8), grid)
-    c16 = call_counts(TrainingStep(MINI, 8, dtype_bytes=2), grid)
-    for key, (calls, nbytes) in c32.items():
-        assert c16[key] == (calls, nbytes if key[1] == "world" else nbytes // 2)
+def test_dtype_bytes_scale_everything_but_the_scalars_and_statistics():
+    grid = Grid4D(2, 2, 2, 2)
+    c32 = collectives(TrainingStep(MINI, 8), grid)
+    c16 = collectives(TrainingStep(MINI, 8, dtype_bytes=2), grid)
+    assert [(e.tensor, e.op, e.axis, e.elements, e.count) for e in c32] == \
+        [(e.tensor, e.op, e.axis, e.elements, e.count) for e in c16]
+    for e32, e16 in zip(c32, c16, strict=True):
+        fixed = e32.axis == "world" or e32.tensor.endswith(LN_STATS)
+        assert e16.dtype_bytes == (4 if fixed else 2) and e32.dtype_bytes == 4, e32
+    assert any(e.tensor.endswith(LN_STATS) for e in c32)  # G_y = 2: the statistics exist
 
 
 # -- feasibility ------------------------------------------------------------------------

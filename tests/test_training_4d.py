@@ -42,6 +42,20 @@ def test_4d_grids_in_one_launch():
     assert "4d tuning OK" in out and "group-summed optimum of the synthetic" in out, out
 
 
+def test_4d_layers_in_one_launch():
+    """2 ranks: ParallelLayerNorm over G_y = 2 on tokens of large mean against float64
+    (bf16 gave NaN), the Z gather schedule after a failed forward and with two models,
+    splits the grid does not divide refused by name, a grid unlike the config's refused
+    (tests/training/check_4d_layers.py)."""
+    out = run_launcher([mpiexec_or_skip(), "-n", "2", sys.executable,
+                        os.path.join(HERE, "check_4d_layers.py")], env=_env(), timeout=300)
+    assert "4d layers OK" in out, out
+    for dtype in ("float32", "bfloat16"):
+        assert f"4d layernorm {dtype} G_y=2" in out, out
+    for level in ("none", "all"):
+        assert f"4d gathers --overlap {level} G_z=2" in out, out
+
+
 # --- single process ----------------------------------------------------------------------
 
 def test_split_round_trip():

@@ -18,6 +18,7 @@ not the tensor passed in: a blocking call inside a CAC segment's recomputation
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -175,23 +176,34 @@ class GatherSchedule:
         self.active = False
         self.cursor = 0
         self.pending: dict[int, Pending] = {}
+        self._owner: weakref.ref | None = None  # the model whose order is recorded
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, owner: object = None) -> None:
+        """A forward pass of `owner` (the model) begins: a model other than the one
+        recorded records its own order (two models may share the comms)."""
+        if owner is not None and (self._owner is None or self._owner() is not owner):
+            self._owner = weakref.ref(owner)
+            self.order, self.recorded = [], False
         self.cursor = 0
         self.pending.clear()
         self.active = True
 
-    def end_forward(self) -> None:
+    def end_forward(self, completed: bool = True) -> None:
+        """The forward pass ended; `completed` False when it raised: then a first pass
+        records nothing (its order stopped at the failure), and the next one records."""
         self.active = False
-        if self.order:
+        if completed and self.order:
             self.recorded = True
+        elif not self.recorded:
+            self.order.clear()
         for p in self.pending.values():  # not consumed (a forward that stopped early)
             p.wait()
         self.pending.clear()
 
     def weight(self, layer) -> torch.Tensor:
-        """`layer`'s gathered weight: the prefetched one, else gathered now."""
-        if not self.active:
+        """`layer`'s gathered weight: the prefetched one, else gathered now. Without
+        prefetch nothing depends on the order, so nothing is recorded or checked."""
+        if not self.active or not self.prefetch:
             return layer.gather_weight().wait()
         i = self.cursor
         self.cursor += 1

@@ -61,6 +61,22 @@ class Split:
     def split_axes(self) -> set[str]:
         return {a for a in (self.rows, self.cols) if a} | ({"z"} if self.z else set())
 
+    def check(self, sizes: dict[str, int], name: str = "parameter") -> None:
+        """ValueError naming `name` unless the degrees `sizes` divide this split evenly
+        (a remainder would be dropped from every piece, and assembled as garbage)."""
+        block = 1
+        for what, dim, axis in zip(("rows", "columns"), self.shape, (self.rows, self.cols),
+                                   strict=False):  # a 1-D split has rows only
+            g = sizes[axis] if axis else 1
+            if dim % g:
+                raise ValueError(f"{name}: its {dim} {what} (shape {tuple(self.shape)}) are "
+                                 f"not divisible by G_{axis}={g}")
+            block *= dim // g
+        if self.z and block % sizes["z"]:
+            raise ValueError(f"{name}: its block of {block} elements (shape "
+                             f"{tuple(self.shape)} split over X and Y) is not divisible by "
+                             f"G_z={sizes['z']}")
+
     def block_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         r = self.shape[0] // (sizes[self.rows] if self.rows else 1)
         if len(self.shape) == 1:
@@ -70,6 +86,7 @@ class Split:
     def local(self, full: torch.Tensor, coords: dict[str, int],
               sizes: dict[str, int]) -> torch.Tensor:
         """This rank's piece of the serial tensor `full` (a new contiguous tensor)."""
+        self.check(sizes)
         t = full if self.perm is None else full[list(self.perm)]
         bs = self.block_shape(sizes)
         if self.rows:
@@ -88,6 +105,7 @@ class Split:
                  sizes: dict[str, int]) -> torch.Tensor:
         """The serial tensor from `pieces` keyed by (x, y, z) coordinates (ranks that
         hold the same piece may be missing but one of them must be there)."""
+        self.check(sizes)
         bs = self.block_shape(sizes)
         ref = next(iter(pieces.values()))
         full = torch.empty(self.shape, dtype=ref.dtype)
@@ -121,9 +139,12 @@ class Split:
         return full
 
 
-def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms) -> nn.Parameter:
+def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms,
+                    name: str = "parameter") -> nn.Parameter:
     """A parameter holding this rank's piece of `full`, tagged with its split and its
-    logical (serial) shape: weight decay and checkpoints go by those, not by the piece."""
+    logical (serial) shape: weight decay and checkpoints go by those, not by the piece.
+    ValueError naming `name` where the grid does not divide it (Split.check)."""
+    split.check(comms.sizes(), name)
     p = nn.Parameter(split.local(full, comms.coords(), comms.sizes()))
     p.split = split
     p.logical_shape = tuple(split.shape)
@@ -212,7 +233,7 @@ class ShardedWeight(nn.Module):
     def _init_shard(self, full: torch.Tensor, split: Split, comms: TensorComms,
                     name: str) -> None:
         self.comms, self.name = comms, name
-        self.weight = shard_parameter(full, split, comms)
+        self.weight = shard_parameter(full, split, comms, f"{name}.weight")
         self._pending_grads: list[Pending] = []
 
 
@@ -290,7 +311,7 @@ class ParallelLinear(ShardedWeight):
             self.bias = None
         else:
             self.bias = shard_parameter(bias, Split(tuple(bias.shape), out_axis, None, False,
-                                                    row_perm), comms)
+                                                    row_perm), comms, f"{name}.bias")
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         out = _LinearFn.apply(inp, self.weight, self, False)
@@ -351,20 +372,23 @@ class _SumOverAxis(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, comm, tag):
         ctx.comm, ctx.tag = comm, tag
-        return comm.all_reduce(t.contiguous().clone(), tag=f"{tag} statistics").wait()
+        return comm.all_reduce(t.contiguous().clone(), tag=tag).wait()
 
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        ctx.comm.all_reduce(g, tag=f"{ctx.tag} statistics grad")
+        ctx.comm.all_reduce(g, tag=f"{ctx.tag} grad")
         return g, None, None
 
 
 class ParallelLayerNorm(nn.Module):
-    """LayerNorm over a hidden dimension split over Y: the per-token (sum x, sum x^2) of
-    the local columns all_reduced over Y (one call of 2 values per token) give the mean
-    and variance; their gradients are all_reduced the same way in the backward. With
-    G_y = 1, torch's layer_norm."""
+    """LayerNorm over a hidden dimension split over Y, in two float32 passes as torch's
+    layer_norm computes it: the per-token sum of the local columns all_reduced over Y
+    gives the mean, then the sum of squared deviations from it the variance (two calls
+    of one float32 per token; their gradients likewise in the backward). One pass,
+    E[x^2] - mean^2, cancels when a token's mean is large against its spread: in bf16 it
+    gave negative variances and NaN at a mean of 4 and a spread of 0.2. The output is
+    rounded to the input's dtype once. With G_y = 1, torch's layer_norm."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comms: TensorComms,
                  eps: float = 1e-5, name: str = "ln"):
@@ -373,20 +397,24 @@ class ParallelLayerNorm(nn.Module):
         self.dim = weight.shape[0]
         if self.dim % comms.y.size:
             raise ValueError(f"{name}: width {self.dim} is not divisible by G_y={comms.y.size}")
-        self.weight = shard_parameter(weight, Split(tuple(weight.shape), "y"), comms)
+        self.weight = shard_parameter(weight, Split(tuple(weight.shape), "y"), comms,
+                                      f"{name}.weight")
         self.bias = (None if bias is None
-                     else shard_parameter(bias, Split(tuple(bias.shape), "y"), comms))
+                     else shard_parameter(bias, Split(tuple(bias.shape), "y"), comms,
+                                          f"{name}.bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.comms.y
         if y.size == 1:
             return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.eps)
-        stats = _SumOverAxis.apply(torch.stack([x.sum(-1), (x * x).sum(-1)]), y, self.name)
-        mean = stats[0] / self.dim
-        var = stats[1] / self.dim - mean * mean
-        out = (x - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)
-        out = out * self.weight
-        return out if self.bias is None else out + self.bias
+        xf = x.float()
+        mean = _SumOverAxis.apply(xf.sum(-1), y, f"{self.name} mean") / self.dim
+        d = xf - mean.unsqueeze(-1)
+        var = _SumOverAxis.apply((d * d).sum(-1), y, f"{self.name} variance") / self.dim
+        out = d * torch.rsqrt(var + self.eps).unsqueeze(-1) * self.weight.float()
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype)
 
 
 class _GatherLastDim(torch.autograd.Function):

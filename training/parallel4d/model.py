@@ -147,13 +147,15 @@ class GPT4D(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         gathers = self.comms.gathers
-        gathers.begin_forward()
+        gathers.begin_forward(self)
+        completed = False
         try:
             x = idx
             for unit in self.units.values():
                 x = unit(x)
+            completed = True
         finally:
-            gathers.end_forward()
+            gathers.end_forward(completed)
         return x
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -90,10 +90,18 @@ class Trainer4D:
                                     block_size=cfg.block_size)
         g = Grid4D(cfg.G_x, cfg.G_y, cfg.G_z, cfg.G_data)
         check_grid(TrainingStep(self.model_cfg, cfg.global_batch_size), g, self.world_size)
+        sizes = {Axis.X: g.x, Axis.Y: g.y, Axis.Z: g.z, Axis.DATA: g.data}
         if grid is None:
-            sizes = {Axis.X: g.x, Axis.Y: g.y, Axis.Z: g.z, Axis.DATA: g.data}
             order = [a for a in cfg.axis_order() if a in sizes]
             grid = ProcessGrid(sizes, order=order)
+        else:  # the config's degrees are what is checked, checkpointed and consolidated
+            given = {a: grid.sizes.get(a, 1) for a in sizes}
+            if given != sizes or set(grid.sizes) - set(sizes):
+                shown = ", ".join(f"{a}={n}" for a, n in grid.sizes.items())
+                raise GridError(
+                    f"the grid given ({shown}) differs from the config's G_x={g.x}, G_y={g.y}, "
+                    f"G_z={g.z}, G_data={g.data}; pass a grid of the config's degrees (axes x, "
+                    "y, z, data) or set --G-x/--G-y/--G-z/--G-data to the grid's")
         self.grid = grid
         overlap = Overlap.from_level(cfg.overlap)
         self.comms = build_comms(self.grid, backends, overlap,

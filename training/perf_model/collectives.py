@@ -41,8 +41,10 @@ Beyond the paper's equations (the rest of the GPT):
   reduce_scatter over z; per step the shard's all_reduce over data. The lookup's backward
   does not read the weight, so there is no second gather even with keep_weights=False.
 - LayerNorm (``ln_1``, ``ln_2`` per block, ``ln_f``): the hidden dimension is split over
-  Y, so per micro-batch one all_reduce over y of the per-token (sum x, sum x^2) in the
-  forward and one of the per-token sums of the backward (2 t elements each).
+  Y, so per micro-batch two all_reduces over y in the forward, the per-token sum (the
+  mean) and then the sum of squared deviations (the variance), and the two of their
+  gradients in the backward: t float32 elements each, whatever the model's dtype (the
+  statistics are computed in float32).
 - Logits: ``lm_head``'s output [t, V/G_x] is all-gathered over x (t V elements) before
   the cross-entropy, once per micro-batch; its backward slices locally (no collective).
 - Replicated parameters (every bias and LayerNorm weight and bias): their local slices
@@ -140,8 +142,10 @@ def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
         return [_times(e, L) for e in entries]
 
     def layer_norm(name: str) -> list[Collective]:
-        return [Collective(ALL_REDUCE, "y", 2 * t, b, mb, "forward", f"{name} statistics"),
-                Collective(ALL_REDUCE, "y", 2 * t, b, mb, "backward", f"{name} statistics grad")]
+        return [Collective(ALL_REDUCE, "y", t, 4, mb, "forward", f"{name} {stat}")
+                for stat in ("mean", "variance")] + \
+               [Collective(ALL_REDUCE, "y", t, 4, mb, "backward", f"{name} {stat} grad")
+                for stat in ("variance", "mean")]
 
     def passes(entries: list[Collective]) -> list[Collective]:
         """A layer's forward and backward entries (its gradient reduction is fused)."""

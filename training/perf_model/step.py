@@ -74,7 +74,7 @@ class Grid4D:
 class TrainingStep:
     """One optimizer step: ``batch`` sequences of ``model.block_size`` tokens in
     ``micro_batches`` forward/backward passes, every tensor (parameters, gradients,
-    activations, LayerNorm statistics) ``dtype_bytes`` wide. ``keep_weights``: the
+    activations) ``dtype_bytes`` wide, the LayerNorm statistics float32. ``keep_weights``: the
     Z-gathered weight of a Linear layer stays from its forward to its backward; False
     gathers it again in the backward (less memory, one more all_gather).
     ``bucket_bytes``: the step's gradient all_reduces are fused into buckets of this
