@@ -106,6 +106,9 @@ def test_auto_routes_by_table(tmp_path):
         t.add("all_gather", 3, "gloo", n, 1e-6)
         t.add("reduce_scatter", 3, "mpi", n, 9.0)
         t.add("reduce_scatter", 3, "pccl", n, 1e-6)
+        for op in ("all_to_all_single", "all_to_all"):  # gloo up to ~16 KiB, mpi above
+            t.add(op, 3, "gloo", n, 1e-6 * (1 + n / 8192))
+            t.add(op, 3, "mpi", n, 2e-6 * (1 + n / 65536))
     path = tmp_path / "crafted.json"
     t.save(path)
     out = run_launcher([mpiexec_or_skip(), "-n", "3", sys.executable,

@@ -2,7 +2,9 @@
 concrete backend and hands it to that backend's layers.
 
 With a tuning table, a call goes to the backend the table predicts fastest for
-(operation, group size, bytes) among the initialized ones; calls the table cannot place
+(operation, group size, bytes) among the initialized ones; an exchange whose bytes
+differ by rank (uneven all_to_all) goes by group size alone, as the table's choice for
+its largest messages, so that every rank picks the same backend; calls the table cannot place
 (no data, malformed arguments) take the fixed rule, whose backend then validates them.
 The fixed rule, without a table: tensors on a GPU to "nccl" (or "rccl") when
 initialized, other tensors to "mpi" when initialized, else "gloo", else the first
@@ -16,7 +18,7 @@ import os
 import warnings
 from collections.abc import Callable
 
-from ..ops import OPS, Kind, OpSpec
+from ..ops import OPS, Agreement, Kind, OpSpec
 
 log = logging.getLogger("mcrdl")
 
@@ -24,6 +26,22 @@ log = logging.getLogger("mcrdl")
 CPU_PREFERENCE = ("mpi", "gloo")
 GPU_PREFERENCE = ("nccl", "rccl")
 _ROUTES_MAX = 4096  # distinct (group size, bytes) per op kept before starting over
+#: The bytes an exchange whose size differs by rank is routed as: the table's choice for
+#: its largest messages (see _uneven).
+UNEVEN_BYTES = 1 << 50
+
+
+def _uneven(spec: OpSpec) -> Callable[[tuple], bool]:
+    """Whether a call of `spec` may count different bytes on different ranks: an
+    exchange with per-rank splits (all_to_all_single given split sizes), a list per
+    destination (all_to_all) or counts (all_to_allv). Every rank must route such a call
+    to the same backend, or the ranks never meet, so it routes by group size alone."""
+    if spec.agreement is not Agreement.EXCHANGE:
+        return lambda args: False
+    splits = [spec.index[p.name] for p in spec.params if p.kind is Kind.SPLITS]
+    if not splits:
+        return lambda args: True
+    return lambda args: any(args[i] is not None for i in splits)
 
 
 def load_table(path: str | None):
@@ -98,13 +116,14 @@ class ByTable(_Router):
         op, table, chains, names = spec.name, self._table, self._chains, self._names
         fallback = getattr(self._fixed, op)
         nbytes_of, at_group, world_size = spec.nbytes_of, len(spec.params), self._world_size
+        uneven = _uneven(spec)
         routes: dict = {}  # (group size, bytes) -> the chosen backend's callable
 
         def call(*args):
             try:
                 group = args[at_group]
                 gsize = world_size if group is None else group.size
-                key = (gsize, nbytes_of(args, gsize))
+                key = (gsize, UNEVEN_BYTES if uneven(args) else nbytes_of(args, gsize))
             except (AttributeError, TypeError, IndexError):  # let a backend say what is wrong
                 return fallback(*args)
             fn = routes.get(key)

@@ -1,8 +1,11 @@
 """Run on every rank (mpiexec -n 3): "auto" follows a crafted tuning table.
 
 The table says: mpi wins all_reduce up to 1 KiB and gloo above; gloo wins all_gather
-everywhere at 3 ranks; pccl wins reduce_scatter. Async works report the backend that
-ran them."""
+everywhere at 3 ranks; pccl wins reduce_scatter; gloo wins the all_to_alls up to about
+16 KiB and mpi above. Async works report the backend that ran them. An uneven exchange
+(each rank its own bytes) goes where the table puts the largest messages on every rank:
+routed by each rank's own bytes, rank 0 (4 B a peer) would pick gloo and rank 2 (16 KiB
+a peer) mpi, and the call would never meet."""
 
 import sys
 
@@ -32,6 +35,26 @@ assert torch.all(piece == n), piece
 w = mcrdl.bcast("auto", small, async_op=True)  # no data for bcast: the fixed rule ("mpi")
 w.wait()
 assert w.backend == "mpi", w.backend
+rank = mcrdl.get_rank()
+out = torch.empty(4 * n)  # an even exchange (64 B a rank) goes by its bytes
+w = mcrdl.all_to_all_single("auto", out, torch.full((4 * n,), float(rank)), async_op=True)
+w.wait()
+assert w.backend == "gloo", w.backend
+assert torch.equal(out, torch.arange(n).repeat_interleave(4).float()), out
+per = [1, 1024, 4096][:n]  # rank r sends per[r] floats to each rank
+expected = torch.cat([torch.full((k,), float(r)) for r, k in enumerate(per)])
+out = torch.empty(sum(per))
+w = mcrdl.all_to_all_single("auto", out, torch.full((per[rank] * n,), float(rank)),
+                            output_split_sizes=per, input_split_sizes=[per[rank]] * n,
+                            async_op=True)
+w.wait()
+assert w.backend == "mpi", w.backend
+assert torch.equal(out, expected), out
+outs = [torch.empty(k) for k in per]
+w = mcrdl.all_to_all("auto", outs, [torch.full((per[rank],), float(rank))] * n, async_op=True)
+w.wait()
+assert w.backend == "mpi", w.backend
+assert torch.equal(torch.cat(outs), expected)
 try:  # bad arguments still raise the right error through "auto"
     mcrdl.all_reduce("auto", torch.ones(4, 2).t())
     raise AssertionError("no error")
