@@ -306,6 +306,26 @@ def test_debug_mode_and_timeout_reach_torch_programs():
         assert f"rank {r}: next op refused: BackendUnavailableError" in out, out
 
 
+def test_timeouts_of_a_call_and_of_a_group():
+    """barrier(timeout=) is honoured both ways; a timed-out op of a group with its own
+    timeout breaks that group (its next call is refused), not the world
+    (tests/torch_backend/failures.py group-timeouts)."""
+    limit = 2
+    out = launch("mpiexec", 2, os.path.join(HERE, "failures.py"), "group-timeouts", limit,
+                 timeout=180)
+    for r in range(2):
+        assert f"rank {r}: group timeouts OK" in out, out
+    m = re.search(r"rank 0: barrier\(timeout=60 s\) waited ([\d.]+) s", out)
+    assert m and float(m.group(1)) > limit, out  # past the group's timeout
+    for what, error in (("sub-group all_reduce", "CommTimeoutError"),
+                        ("sub-group retry", "BackendUnavailableError"),
+                        (r"barrier\(timeout=1 s\)", "CommTimeoutError"),
+                        ("world after it", "BackendUnavailableError")):
+        assert re.search(rf"rank 0: {what}: {error} after", out), (what, out)
+    assert "an earlier allreduce of this group timed out" in out, out
+    assert "an earlier barrier of this group timed out" in out, out
+
+
 def test_dead_rank_ends_the_job():
     """Rank 1 is SIGKILLed with mpiexec's own cleanup off: the survivors raise or are
     ended by the MPI runtime; the job exits non-zero and leaves nothing behind."""

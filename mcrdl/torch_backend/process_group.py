@@ -259,13 +259,16 @@ class McrdlWork(dist.Work):
     # Slots: a work is made per async call, and attributes of a Python subclass of a
     # pybind class are cheaper in slots; __dict__ stays for what torch may set.
     __slots__ = ("_works", "_outputs", "_timeout", "_finish", "_what", "_lock", "_done",
-                 "_error", "_future", "_unsettled", "_left", "_watched", "__dict__")
+                 "_error", "_future", "_unsettled", "_left", "_watched", "_pg", "__dict__")
 
     @classmethod
     def of(cls, works: tuple, outputs: list, timeout: float | None,
-           finish: Callable[[], None] | None, what: str) -> McrdlWork:
+           finish: Callable[[], None] | None, what: str,
+           pg: ProcessGroupMCRDL | None = None) -> McrdlWork:
+        """`pg`: the group the works are ops of, which a timeout of theirs breaks."""
         # No __init__ of its own: pybind's constructor alone is the cheaper call.
         work = cls()
+        work._pg = pg
         work._works = works
         work._outputs = outputs
         work._timeout = timeout
@@ -310,17 +313,27 @@ class McrdlWork(dist.Work):
             if seconds is None:  # mcrdl's timeout bounds the waits, hence this one
                 lock.acquire()
             elif not lock.acquire(timeout=seconds):
-                raise CommTimeoutError(
+                raise self._timed_out(CommTimeoutError(
                     f"torch.distributed {self._what} on mcrdl did not complete within "
-                    f"wait(timeout={seconds}) s; it is still pending")
+                    f"wait(timeout={seconds}) s; it is still pending"))
             try:
                 if not self._done:
                     self._settle(seconds)
+            except CommTimeoutError as exc:
+                raise self._timed_out(exc) from None
             finally:
                 lock.release()
         if self._error is not None:
             raise self._error
         return True
+
+    def _timed_out(self, exc: CommTimeoutError) -> CommTimeoutError:
+        """`exc`, having broken the group: the op stays in flight on every rank that
+        posted it, so the group's later ops would no longer match across ranks (as Gloo
+        closes its pairs and NCCL aborts its communicator after a timeout)."""
+        if self._pg is not None:
+            self._pg._break(self._what, exc)
+        return exc
 
     def is_completed(self) -> bool:
         if self._done:
@@ -395,6 +408,8 @@ class McrdlWork(dist.Work):
         try:
             for w in self._works:
                 w.time_out(-1.0 if self._timeout is None else self._timeout)
+        except CommTimeoutError as exc:
+            self._settle_future(self._timed_out(exc))
         except BaseException as exc:  # noqa: BLE001 - handed to the future's waiters
             self._settle_future(exc)
 
@@ -415,6 +430,18 @@ class McrdlWork(dist.Work):
 
     def is_success(self) -> bool:
         return self._done and self._error is None
+
+
+class _Refusing(dict):
+    """The routes of a group an op's timeout broke: every lookup (each call's first
+    step) raises the error that says so, at no cost to the calls of healthy groups."""
+
+    def __init__(self, routes: dict[str, str], why: str):
+        super().__init__(routes)
+        self.why = why
+
+    def __getitem__(self, family: str):
+        raise BackendUnavailableError(f"torch.distributed {family} on mcrdl: {self.why}")
 
 
 class ProcessGroupMCRDL(dist.ProcessGroup):
@@ -468,17 +495,29 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         """c10d operation family -> mcrdl backend, as this group routes now."""
         return dict(self._routes)
 
+    def _break(self, what: str, exc: CommTimeoutError) -> None:
+        """An op of this group timed out: the group refuses every later op."""
+        if not isinstance(self._routes, _Refusing):
+            self._routes = _Refusing(self._routes, (
+                f"an earlier {what} of this group timed out ({exc}). A timed-out op stays "
+                "in flight, so the group's later ops would no longer match across ranks; "
+                "it refuses them. Destroy the group (torch.distributed.destroy_process_group) "
+                "and make another, or end the job"))
+
     # -- issuing -------------------------------------------------------------------
-    def _post(self, family: str, op: Callable, args: tuple, outputs: list, async_op: bool):
-        """One mcrdl call: a McrdlWork when `async_op`, else None once complete (a group
-        with a timeout of its own waits on a work with it)."""
+    def _post(self, family: str, op: Callable, args: tuple, outputs: list, async_op: bool,
+              timeout: float | None = None):
+        """One mcrdl call: a McrdlWork when `async_op`, else None once complete (a call
+        with a timeout of its own, `timeout`, else the group's, waits on a work with it)."""
         backend = self._routes[family]
+        if timeout is None:
+            timeout = self._timeout
         try:
-            if not async_op and self._timeout is None:
+            if not async_op and timeout is None:
                 op(backend, *args, self._group, False)
                 return None
             work = McrdlWork.of((op(backend, *args, self._group, True),), outputs,
-                                self._timeout, None, family)
+                                timeout, None, family, self)
         except MCRDLError as exc:
             raise _c10d_error(exc, family, backend) from None
         if async_op:
@@ -498,7 +537,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             works = tuple(op(backend, *args, self._group, True) for args in calls)
         except MCRDLError as exc:
             raise _c10d_error(exc, family, backend) from None
-        work = McrdlWork.of(works, outputs, self._timeout, finish, family)
+        work = McrdlWork.of(works, outputs, self._timeout, finish, family, self)
         if async_op:
             return work
         work.wait()
@@ -524,10 +563,10 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
                     self._all_reduce(backend, tensors[0], op, self._group, False)
                     return None
                 McrdlWork.of((self._all_reduce(backend, tensors[0], op, self._group, True),),
-                             tensors, self._timeout, None, ALLREDUCE).wait()
+                             tensors, self._timeout, None, ALLREDUCE, self).wait()
                 return None
             return McrdlWork.of((self._all_reduce(backend, tensors[0], op, self._group, True),),
-                                tensors, self._timeout, None, ALLREDUCE)
+                                tensors, self._timeout, None, ALLREDUCE, self)
         except MCRDLError as exc:
             raise _c10d_error(exc, ALLREDUCE, backend) from None
 
@@ -682,9 +721,12 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             "the sender's rank); pass src to torch.distributed.recv / irecv")
 
     def barrier(self, opts=None):
+        """torch.distributed.barrier(timeout=...) waits that long (longer or shorter than
+        the group's or mcrdl's timeout), as on Gloo."""
         if opts is None:
             opts = dist.BarrierOptions()
-        return self._post(BARRIER, self._api.barrier, (), [], opts.asyncOp)
+        return self._post(BARRIER, self._api.barrier, (), [], opts.asyncOp,
+                          _seconds(opts.timeout))
 
     # -- groups and lifetime ---------------------------------------------------------
     def new_group(self, ranks, timeout=None, pg_options=None, group_name=None,
