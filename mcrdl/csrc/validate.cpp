@@ -394,7 +394,10 @@ void validate_p2p(const char* op, const at::Tensor& t, int64_t peer, int64_t tag
     fail(op, std::string("'") + arg + "' is this process's own rank " + std::to_string(rank) +
                  "; a point-to-point message to self is not supported, copy locally instead");
   if (tag < 0 || tag > 32767)
-    fail(op, "'tag' is " + std::to_string(tag) + "; expected an integer in [0, 32767]");
+    fail(op, "'tag' is " + std::to_string(tag) +
+                 "; expected an integer in [0, 32767] (the MPI standard's guaranteed tag "
+                 "range, on every backend): fold larger tags into it, keeping the tags of "
+                 "concurrent messages between two ranks distinct");
 }
 
 }  // namespace mcrdl
