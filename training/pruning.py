@@ -94,63 +94,81 @@ def kept_count(n: int, sparsity: float) -> int:
     return n - math.floor(Fraction(repr(float(sparsity))) * n)
 
 
-def select(values: Sequence[torch.Tensor], index: Sequence[torch.Tensor],
+def select(values: Sequence[torch.Tensor], index: Sequence[torch.Tensor] | None,
            numels: Sequence[int], sparsity: float, scope: str, group=None) -> list[torch.Tensor]:
-    """The new index of each tensor: the entries of `index` (int32, sorted) kept at
-    `sparsity`, by the magnitude of `values` (the tensors' values at their index), in
-    `scope` (module doc). `numels` are the tensors' sizes; `group` is the pipeline group
-    over which a global scope extends (None: this stage is the whole model). Collective
-    over `group` for the global scope."""
+    """The new index of each tensor: the entries of `index` (int32, sorted; None: every
+    entry of each tensor) kept at `sparsity`, by the magnitude of `values` (the tensors'
+    values at their index, any float dtype), in `scope` (module doc). `numels` are the
+    tensors' sizes; `group` is the pipeline group over which a global scope extends
+    (None: this stage is the whole model). Collective over `group` for the global scope.
+
+    Memory: one float32 magnitude per candidate (kept per tensor, never concatenated)
+    and temporaries of one tensor at a time, so that the first round, run before SAMO's
+    compressed optimizer exists, stays far below the dense optimizer it replaces."""
     if scope not in SCOPES:
         raise ValueError(f"prune scope {scope!r}: expected one of {', '.join(SCOPES)}")
     check_sparsity(sparsity, "sparsity")
-    mags = [v.detach().float().abs() for v in values]
-    for m, i in zip(mags, index, strict=True):
-        if m.shape != i.shape:
-            raise ValueError(f"select: {m.numel()} values for an index of {i.numel()}")
+    if index is not None:
+        for v, i in zip(values, index, strict=True):
+            if v.numel() != i.numel():
+                raise ValueError(f"select: {v.numel()} values for an index of {i.numel()}")
+
+    def positions(k: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+        """Tensor k's index, or its entries where `kept`."""
+        if index is not None:
+            return index[k].clone() if kept is None else index[k][kept]
+        n = values[k].numel()
+        if kept is None:
+            return torch.arange(n, dtype=torch.int32, device=values[k].device)
+        return kept.nonzero().flatten().to(torch.int32)
+
+    def magnitude(v: torch.Tensor) -> torch.Tensor:  # a new float32 tensor
+        return v.detach().reshape(-1).float().abs()
+
     if scope == "layer":
-        return [_top_entries(m, i, kept_count(n, sparsity))
-                for m, i, n in zip(mags, index, numels, strict=True)]
-    flat = torch.cat(mags) if mags else torch.zeros(0)
-    if not bool(torch.isfinite(flat).all()):
+        out = []
+        for k, n in enumerate(numels):
+            keep = kept_count(n, sparsity)
+            if values[k].numel() <= keep:
+                out.append(positions(k))
+                continue
+            order = torch.sort(magnitude(values[k]), descending=True, stable=True).indices
+            kept = torch.zeros(values[k].numel(), dtype=torch.bool, device=values[k].device)
+            kept[order[:keep]] = True
+            out.append(positions(k, kept))
+        return out
+    # float32 bit patterns of the magnitudes: monotone for non-negative floats
+    bits = [magnitude(v).view(torch.int32) for v in values]
+    if not all(bool((b < _FLOAT32_INF_BITS).all()) for b in bits):
         raise ValueError("cannot prune: the weights hold non-finite values (NaN or inf); "
                          "the run diverged before the pruning round")
-    total, candidates = _sum_over(group, [sum(numels), flat.numel()])
+    total, candidates = _sum_over(group, [sum(numels), sum(b.numel() for b in bits)])
     keep = kept_count(total, sparsity)
     if candidates <= keep:
-        return [i.clone() for i in index]
-    bits = flat.view(torch.int32)
+        return [positions(k) for k in range(len(values))]
     lo, hi = 0, _FLOAT32_INF_BITS + 1   # count(bits >= lo) >= keep > count(bits >= hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if _sum_over(group, [int((bits >= mid).sum())])[0] >= keep:
+        if _sum_over(group, [sum(int((b >= mid).sum()) for b in bits)])[0] >= keep:
             lo = mid
         else:
             hi = mid
-    above = bits > lo
-    ties = bits == lo
     n_stages, stage = (1, 0) if group is None else (group.size, group.rank)
     counts = [0] * (n_stages + 1)
-    counts[0] = int(above.sum())
-    counts[1 + stage] = int(ties.sum())
+    counts[0] = sum(int((b > lo).sum()) for b in bits)
+    counts[1 + stage] = sum(int((b == lo).sum()) for b in bits)
     counts = _sum_over(group, counts)
     quota = keep - counts[0] - sum(counts[1:1 + stage])
-    quota = max(0, min(quota, counts[1 + stage]))
-    kept = above
-    kept[ties.nonzero().flatten()[:quota]] = True
-    out, off = [], 0
-    for i in index:
-        out.append(i[kept[off:off + i.numel()]])
-        off += i.numel()
+    quota = max(0, min(quota, counts[1 + stage]))  # this stage's ties, in model order
+    out = []
+    for k, b in enumerate(bits):
+        kept = b > lo
+        ties = (b == lo).nonzero().flatten()[:quota]
+        kept[ties] = True
+        quota -= ties.numel()
+        bits[k] = None  # one tensor's magnitudes less from here on
+        out.append(positions(k, kept))
     return out
-
-
-def _top_entries(mags: torch.Tensor, index: torch.Tensor, keep: int) -> torch.Tensor:
-    """The `keep` entries of `index` of largest magnitude, ties to the lower position."""
-    if index.numel() <= keep:
-        return index.clone()
-    order = torch.sort(mags, descending=True, stable=True).indices[:keep]
-    return index[order].sort().values
 
 
 def _sum_over(group, values: list[int]) -> list[int]:
@@ -253,12 +271,12 @@ class Pruning:
         self.scope, self.schedule, self.group = scope, schedule, pipe_group
         self.done: list[PruneRound] = []
         self.target: Prunable | None = None
-        self._index = full_index(p for _, p in named)
-        if schedule and schedule[0].step == 0:
-            values = [p.detach().reshape(-1).float() for _, p in named]
-            self._index = select(values, self._index, self.numels, schedule[0].sparsity,
-                                 scope, pipe_group)
+        if schedule and schedule[0].step == 0:  # from every entry: no full index made
+            self._index = select([p.detach() for _, p in named], None, self.numels,
+                                 schedule[0].sparsity, scope, pipe_group)
             self.done.append(schedule[0])
+        else:
+            self._index = full_index(p for _, p in named)
 
     @classmethod
     def from_config(cls, cfg, model_stage: torch.nn.Module, pipe_group) -> Pruning:
