@@ -177,21 +177,25 @@ class Bootstrap:
         self._seqs[g.id] = seq
         return seq
 
-    def _timed_out(self, op: str, g: Group) -> CommTimeoutError:
+    def _timed_out(self, op: str, g: Group, seconds: float | None = None) -> CommTimeoutError:
+        what = ("" if op == "finalize"
+                else f", object collective number {self._seqs.get(g.id, 0)}")
         return CommTimeoutError(
-            f"{op} (group {g.describe()}, object collective number {self._seqs.get(g.id, 0)}) "
-            f"did not complete within {self.timeout} s; a rank of the group may never have "
-            f"called it, may be stuck, or may have died{self._session}")
+            f"{op} (group {g.describe()}{what}) did not complete within "
+            f"{self.timeout if seconds is None else seconds} s; a rank of the group may never "
+            f"have called it, may be stuck, or may have died{self._session}")
 
-    def _wait(self, requests: list, op: str, g: Group) -> None:
+    def _wait(self, requests: list, op: str, g: Group, seconds: float | None = None) -> None:
         """Poll MPI requests until done (sleeping back-off), CommTimeoutError past the
-        timeout. Object collectives are set-up traffic: latency does not matter here."""
+        timeout (`seconds`, else the bootstrap's). Object collectives are set-up traffic:
+        latency does not matter here."""
         MPI = mpi_module()
-        deadline = time.monotonic() + self.timeout
+        seconds = self.timeout if seconds is None else seconds
+        deadline = time.monotonic() + seconds
         delay = 1e-6
         while not MPI.Request.Testall(requests):
             if time.monotonic() > deadline:
-                raise self._timed_out(op, g)
+                raise self._timed_out(op, g, seconds)
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
 
@@ -284,17 +288,19 @@ class Bootstrap:
                 return dist.PrefixStore(f"mcrdl-{restart}-{session}", store)
         return dist.PrefixStore("mcrdl", store)
 
-    def close(self) -> None:
+    def close(self, grace: float = 0.0) -> None:
         """Collective: rank 0 hosts the store, so it leaves only after every rank is done.
-        Bounded like every wait here: a rank that does not finalize within the timeout
-        makes the others raise CommTimeoutError (the world's communicator is then left
-        to MPI_Finalize, its barrier still posted for the late rank to complete)."""
+        Bounded like every wait here, by the timeout plus `grace` (the time the other
+        ranks may spend before they get here: draining their backends' ops in flight,
+        up to the timeout a backend): a rank that does not finalize by then makes the
+        others raise CommTimeoutError (the world's communicator is then left to
+        MPI_Finalize, its barrier still posted for the late rank to complete)."""
         world = self._comms.pop(0, None)
         for comm in self._comms.values():
             comm.Free()
         self._comms.clear()
         if world is not None:
-            self._wait([world.Ibarrier()], "finalize", self.world)
+            self._wait([world.Ibarrier()], "finalize", self.world, self.timeout + grace)
             world.Free()
         elif self._store is not None and self.size > 1:
             self.all_gather_object(None)

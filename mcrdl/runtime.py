@@ -155,13 +155,16 @@ class Runtime:
     def finalize(self) -> None:
         """Post what the extensions hold, tear every backend down, close the bootstrap."""
         stack.retire(self)
+        # each backend drains its ops in flight for up to the timeout: a rank may reach
+        # the bootstrap's closing barrier that much later than another
+        grace = len(self.bases) * self.timeout
         for b in reversed(list(self.bases.values())):
             b.finalize()
         self.dispatch.clear()
         _C.front_invalidate()
         self.bases.clear()
         self.backends.clear()
-        self.bootstrap.close()
+        self.bootstrap.close(grace)
 
 
 def check_timeout(timeout: object, where: str) -> float:

@@ -141,13 +141,14 @@ def _alive(pid: int) -> bool:
 
 
 def test_finalize_waits_for_a_late_rank_at_most_the_timeout():
-    """Rank 1 reaches finalize 8 s late, past the 2 s timeout: rank 0's finalize raises
-    CommTimeoutError naming finalize within timeout + 5 s (it waited without end on the
-    bootstrap's closing barrier), and rank 1's still completes."""
-    limit, delay = 2.0, 8.0
+    """Rank 1 reaches finalize 7 s late, past the 2 s timeout and the 2 s the one
+    backend (mpi) may take draining its ops: rank 0's finalize raises CommTimeoutError
+    naming finalize within 4 + 5 s (it waited without end on the bootstrap's closing
+    barrier), and rank 1's still completes."""
+    limit, delay = 2.0, 7.0
     out = launch(2, "slow_finalize.py", limit, delay, timeout=120)
     m = re.search(r"rank 0: CommTimeoutError after ([\d.]+) s: (.*)", out)
     assert m, out
-    assert limit <= float(m.group(1)) < limit + 5, out
-    assert "finalize" in m.group(2) and "world" in m.group(2), out
+    assert 2 * limit <= float(m.group(1)) < 2 * limit + 5, out
+    assert "finalize (group world) did not complete within 4.0 s" in m.group(2), out
     assert re.search(r"rank 1: finalized after [\d.]+ s", out), out

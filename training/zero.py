@@ -133,10 +133,22 @@ class ZeroAdamW:
 
     # --- the step -----------------------------------------------------------------------
     def _flat_grad(self, s: ParamSet) -> torch.Tensor:
+        """The set's gradients in one flat tensor, each parameter's freed as it is copied
+        in (a concatenation would hold every gradient twice at its peak)."""
         with self.timers("optimizer"):
-            grads = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(
-                     p.numel(), dtype=p.dtype, device=p.device) for p in s.params]
-            flat = torch.cat(grads) if grads else torch.zeros(0)
+            if not s.params:
+                flat = torch.zeros(0)
+            else:
+                first = s.params[0]
+                flat = torch.empty(sum(p.numel() for p in s.params), dtype=first.dtype,
+                                   device=first.device)
+                for p, off in zip(s.params, s.offsets, strict=True):
+                    piece = flat[off:off + p.numel()]
+                    if p.grad is None:
+                        piece.zero_()
+                    else:
+                        piece.copy_(p.grad.reshape(-1))
+                        p.grad = None
         if s.comm.active:
             with self.timers("collective"):
                 s.comm.all_reduce(flat, mcrdl.ReduceOp.AVG if s.grad_op == "avg"
