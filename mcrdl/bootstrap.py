@@ -10,6 +10,7 @@ an object collective makes the others raise CommTimeoutError.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import pickle
@@ -64,6 +65,7 @@ def mpi_module():
         default = mpich_selection_default(detect().local_size, node_cores_for_ranks())
         if default is not None:
             os.environ.setdefault(MPICH_POSIX_COLL_CVAR, default)
+        atexit.register(_abort_if_mpi_busy)  # runs before mpi4py's MPI_Finalize
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
@@ -78,6 +80,29 @@ def mpi_module():
             "before mpi4py.MPI or leave rc.thread_level at 'multiple'"
         )
     return MPI
+
+
+def _abort_if_mpi_busy(grace: float = 1.0) -> None:
+    """At exit, before MPI is finalized: an MPI call still running on one of mcrdl's
+    issue threads after `grace` seconds is a blocking collective that a rank never
+    joined (an async call of the blocking variant; its wait raised CommTimeoutError).
+    It cannot be interrupted, and MPI_Finalize under it crashes the process (MPICH's
+    progress engine is torn down beneath the call), so end the job with MPI_Abort."""
+    from . import _C
+
+    deadline = time.monotonic() + grace
+    while _C.issuer_tasks_running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    running = _C.issuer_tasks_running()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if not running or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    sys.stderr.write(
+        f"mcrdl: {running} MPI call(s) still running at exit on an issue thread: a blocking "
+        "collective that a rank never joined (its wait raised CommTimeoutError). MPI cannot "
+        "be finalized under it; ending the job with MPI_Abort\n")
+    sys.stderr.flush()
+    mpi.COMM_WORLD.Abort(1)
 
 
 class Bootstrap:

@@ -17,6 +17,16 @@
 
 namespace mcrdl {
 
+// Tasks running on issue threads now, over the process: a blocking MPI collective that a
+// rank never joins keeps its thread inside MPI for good (its Work's wait raised
+// CommTimeoutError), and MPI may not be finalized under it (MPICH then crashes in its
+// progress engine). The Python side reads it at exit (mcrdl.bootstrap) and ends the job
+// with MPI_Abort instead.
+inline std::atomic<int>& issuer_tasks_running() {
+  static std::atomic<int> n{0};
+  return n;
+}
+
 // A communicator's post lock: held only to post an op or to start a blocking call (never
 // while waiting for other ranks), so it is almost never contended. An atomic flag, taken
 // and released inline: a std::mutex costs calls into libc's pthread_mutex_trylock and
@@ -106,7 +116,9 @@ class Issuer : public std::enable_shared_from_this<Issuer> {
         task = std::move(q_.front());
         q_.pop_front();
       }
+      issuer_tasks_running().fetch_add(1, std::memory_order_relaxed);
       task();  // never throws: a task keeps its MPI error code for its Work
+      issuer_tasks_running().fetch_sub(1, std::memory_order_release);
       task = nullptr;
       pending_.fetch_sub(1, std::memory_order_acq_rel);
     }

@@ -1103,6 +1103,10 @@ std::string mpi_library_version() {
 
 void bind_mpi(py::module_& m) {
   using py::arg;
+  m.def("issuer_tasks_running",
+        [] { return issuer_tasks_running().load(std::memory_order_acquire); },
+        "Ops running on issue threads now (blocking MPI calls of async or queued calls): "
+        "nonzero at exit means one never completed.");
   m.def("timeout_message", &timeout_message, arg("op"), arg("backend"), arg("group"), arg("seq"),
         arg("timeout"),
         "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
