@@ -208,6 +208,34 @@ def test_batches_shard_the_global_batch():
         Batches(corpus, 16, 8, 2, dp_rank=0, dp_size=3)
 
 
+def test_saving_a_step_again_keeps_the_old_checkpoint_until_the_new_one_is_whole(tmp_path):
+    """A run resumed from an earlier step saves a step that already has a checkpoint:
+    the save goes to a staging directory, so a crash before its manifest leaves the old
+    checkpoint whole and named by ``latest``; the published one replaces it and the
+    crashed save's leftovers go."""
+    from training import checkpoint as ckpt
+    root = tmp_path / "ck"
+    final = ckpt.step_dir(root, 4)
+
+    def save(token: str, value: float, publish: bool):
+        staging = ckpt.staging_dir(final, token)
+        staging.mkdir(parents=True)
+        shard = ckpt.save_shard(staging, 0, {"w": torch.full((3,), value)})
+        if publish:
+            ckpt.write_manifest(staging, {"format": ckpt.FORMAT, "step": 4, "shards": [shard]},
+                                publish_as=final)
+
+    save("a", 1.0, publish=True)
+    save("b", 2.0, publish=False)  # crashed before its manifest
+    assert ckpt.latest_checkpoint(root) == final
+    manifest = ckpt.read_manifest(final)
+    assert torch.equal(ckpt.load_shard(final, manifest, 0)["w"], torch.full((3,), 1.0))
+    save("c", 3.0, publish=True)
+    manifest = ckpt.read_manifest(final)
+    assert torch.equal(ckpt.load_shard(final, manifest, 0)["w"], torch.full((3,), 3.0))
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004"]
+
+
 def test_token_memmap(tmp_path):
     import numpy as np
 

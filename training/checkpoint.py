@@ -8,10 +8,13 @@ Layout of ``<checkpoint-dir>``::
                                   model config, and each shard's size and sha256
     latest                        name of the newest complete checkpoint
 
-Every file is written to a temporary name, flushed to disk and renamed, so a crash
-leaves either the old file or the new one. A checkpoint without a manifest was not
-completely written and is never loaded; older checkpoints are never touched, so
-nothing already saved is lost. Loading verifies each shard's size and sha256 and all
+A save writes into a staging directory beside the step's (``.step_000010.saving-<id>``,
+each file to a temporary name, flushed and renamed), the manifest last; only then does
+the staging directory become ``step_000010`` and ``latest`` name it. A crash leaves the
+checkpoints before it as they were: a checkpoint without a manifest was not completely
+written and is never loaded, and a save of a step that already has one (a run resumed
+from an earlier step) moves the old one aside and removes it only once the new one is
+in place, so nothing already saved is lost. Loading verifies each shard's size and sha256 and all
 ranks agree before any state changes: a truncated or corrupt shard raises
 ``CheckpointError`` on every rank, naming the file and the intact checkpoints to use.
 
@@ -35,6 +38,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -146,9 +150,47 @@ def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
                 "--offload-optimizer and --samo (--G-data may change)")
 
 
-def write_manifest(directory: Path, manifest: dict) -> None:
+def staging_dir(final: Path, token: str) -> Path:
+    """Where a save of the step directory `final` writes its files (`token`: the save's,
+    the same on every rank), published by write_manifest."""
+    return final.with_name(f".{final.name}.saving-{token}")
+
+
+def write_manifest(directory: Path, manifest: dict, publish_as: Path | None = None) -> None:
+    """The manifest, a checkpoint's last file; then ``latest`` names the checkpoint. With
+    `publish_as` (the step directory), `directory` is the save's staging directory, which
+    becomes it: a checkpoint already there (the same step saved again, by a run resumed
+    from an earlier step) is moved aside first and removed only after, so a crash at any
+    point leaves a complete checkpoint of that step (between the two renames, under the
+    hidden name ``.step_N.old-<id>``)."""
     _fsync_write(directory / "manifest.json", json.dumps(manifest, indent=1).encode())
-    _fsync_write(directory.parent / "latest", (directory.name + "\n").encode())
+    final = directory
+    if publish_as is not None:
+        final, old = publish_as, None
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{directory.name.rsplit('-', 1)[-1]}")
+            os.rename(final, old)
+        os.rename(directory, final)
+        _fsync_dir(final.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in final.parent.glob(f".{final.name}.saving-*"):  # saves that crashed
+            shutil.rmtree(stale, ignore_errors=True)
+    _fsync_write(final.parent / "latest", (final.name + "\n").encode())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames in directory `path` durable (where the OS allows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:

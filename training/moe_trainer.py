@@ -26,7 +26,7 @@ from .moe import MOE_BASES, moe_loss
 from .parallel4d.layers import Split
 from .ted import TEDGPT, TEDGroups, count_parameters
 from .timers import PhaseTimers
-from .trainer import pick_device, raise_together
+from .trainer import pick_device, raise_together, staged_save
 from .zero import ParamSet, ZeroAdamW
 
 ENGINE = "ted"
@@ -186,17 +186,16 @@ class MoETrainer:
 
     def save_checkpoint(self) -> Path:
         """Collective: every rank writes its file, world rank 0 the manifest (last)."""
-        directory = ckpt.step_dir(self.cfg.checkpoint_dir, self.step)
+        final, directory = staged_save(self.cfg.checkpoint_dir, self.step)
         entry, error = None, None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
             name = f"rank_{self.world_rank:05d}.pt"
             nbytes, sha = ckpt.atomic_save(self._rank_state(), directory / name)
             # "stage" keys the file for checkpoint.load_shard: here the world rank
             entry = {"stage": self.world_rank, "file": name, "bytes": nbytes, "sha256": sha}
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {directory}")
+        raise_together(error, f"cannot save checkpoint {final}")
         entries = mcrdl.all_gather_object(entry)
         if self.world_rank == 0:
             try:
@@ -207,11 +206,11 @@ class MoETrainer:
                              "G_data": self.layout.g_data},
                     "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict(),
                     "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
-                    "shards": entries})
+                    "shards": entries}, publish_as=final)
             except OSError as e:
                 error = e
-        raise_together(error, f"cannot save checkpoint {directory}")
-        return directory
+        raise_together(error, f"cannot save checkpoint {final}")
+        return final
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank; returns its step.

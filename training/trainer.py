@@ -5,6 +5,7 @@ step, and sharded checkpoints saved and loaded collectively."""
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from pathlib import Path
 
 import torch
@@ -53,6 +54,21 @@ def init_comm(cfg: TrainConfig, device: torch.device) -> str:
     if device.type == "cuda" and "nccl" in have:
         return "nccl"
     return "mpi" if "mpi" in have else "gloo"
+
+
+def staged_save(root: str, step: int, group: mcrdl.Group | None = None) -> tuple[Path, Path]:
+    """Collective over `group` (None: the world): the step directory of a checkpoint of
+    `step` and the fresh staging directory its files go to (named by the group's rank 0,
+    created here on every rank); ``checkpoint.write_manifest(staging, manifest,
+    publish_as=step_dir)`` then publishes it."""
+    token = mcrdl.broadcast_object(uuid.uuid4().hex[:12], group=group)
+    final = ckpt.step_dir(root, step)
+    staging = ckpt.staging_dir(final, token)
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # the shard's own write reports it, together (raise_together)
+    return final, staging
 
 
 def raise_together(error: Exception | None, context: str,
@@ -186,10 +202,9 @@ class Trainer:
         """Collective: the first data-parallel replica of each stage writes its shard,
         world rank 0 the manifest; returns the step directory once the manifest is on
         disk. A failed write raises CheckpointError on every rank."""
-        directory = ckpt.step_dir(self.cfg.checkpoint_dir, self.step)
+        final, directory = staged_save(self.cfg.checkpoint_dir, self.step, self.world_group)
         shard, error = None, None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
             if self.data_rank == 0:
                 state = {"model": {k: v.detach().clone()
                                    for k, v in self.model_stage.state_dict().items()},
@@ -200,7 +215,7 @@ class Trainer:
                 shard = ckpt.save_shard(directory, self.stage_index, state)
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {directory}", self.world_group)
+        raise_together(error, f"cannot save checkpoint {final}", self.world_group)
         shards = [s for s in mcrdl.all_gather_object(shard, group=self.world_group)
                   if s is not None]
         if self.world_rank == 0:
@@ -208,12 +223,13 @@ class Trainer:
                 ckpt.write_manifest(directory, ckpt.build_manifest(
                     step=self.step, grid=self.cfg.degree_options(), partition=self.partition,
                     model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
-                    train_config=dataclasses.asdict(self.cfg), shards=shards))
+                    train_config=dataclasses.asdict(self.cfg), shards=shards),
+                    publish_as=final)
             except OSError as e:
                 error = e
         # after the manifest
-        raise_together(error, f"cannot save checkpoint {directory}", self.world_group)
-        return directory
+        raise_together(error, f"cannot save checkpoint {final}", self.world_group)
+        return final
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank and return its step;

@@ -32,7 +32,7 @@ from ..optim import DataParallelAdamW, OffloadedAdamW
 from ..perf_model.step import Grid4D, TrainingStep, check_grid
 from ..timers import PhaseTimers
 from ..topology import Axis, GridError, ProcessGrid
-from ..trainer import init_comm, pick_device, raise_together
+from ..trainer import init_comm, pick_device, raise_together, staged_save
 from .comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
 from .model import GPT4D
 
@@ -202,10 +202,9 @@ class Trainer4D:
         """Collective over the run's ranks: each rank of data replica 0 writes its shard
         (its pieces with their splits and coordinates, and its optimizer state), the
         run's rank 0 the manifest (with the 4D grid); returns the step directory."""
-        directory = ckpt.step_dir(self.cfg.checkpoint_dir, self.step)
+        final, directory = staged_save(self.cfg.checkpoint_dir, self.step, self.world)
         c, shard, error = self.comms, None, None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
             if c.data.rank == 0:
                 state = {"model": self.model.local_pieces(), "coords": c.coords(),
                          "splits": {n: asdict(s) for n, s in self.model.splits().items()},
@@ -213,18 +212,19 @@ class Trainer4D:
                 shard = ckpt.save_shard(directory, self.tensor_rank, state, prefix="tensor")
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {directory}", self.world)
+        raise_together(error, f"cannot save checkpoint {final}", self.world)
         shards = [s for s in mcrdl.all_gather_object(shard, group=self.world) if s is not None]
         if self.world_rank == 0:
             try:
                 ckpt.write_manifest(directory, ckpt.build_manifest(
                     step=self.step, grid=self.cfg.degree_options(), partition=[],
                     model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
-                    train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d"))
+                    train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d"),
+                    publish_as=final)
             except OSError as e:
                 error = e
-        raise_together(error, f"cannot save checkpoint {directory}", self.world)
-        return directory
+        raise_together(error, f"cannot save checkpoint {final}", self.world)
+        return final
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) written on the same tensor grid
