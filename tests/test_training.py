@@ -259,6 +259,22 @@ def test_cli_config_and_errors(tmp_path):
     f.write_text(json.dumps({"stepz": 1}))
     with pytest.raises(ValueError, match="unknown option 'stepz'"):
         parse_args(["--config", str(f)])
+    # 0 had made every wait of the pipeline fail at once while the others hung
+    with pytest.raises(ValueError, match="--timeout is 0.0; expected >= 0.001"):
+        parse_args(["--timeout", "0"])
+    with pytest.raises(ValueError, match="--seed is -3; expected >= 0"):
+        parse_args(["--seed", "-3"])
+
+
+def test_resume_refuses_another_dtype(tmp_path):
+    """The optimizer's state differs by dtype under one class (OffloadedAdamW: bf16's fp32
+    masters, fp16's loss scale, which a bf16 checkpoint's disabled scaler reset to 1)."""
+    from training import checkpoint as ckpt
+    manifest = {"train_config": {"dtype": "bf16"}}
+    ckpt.check_dtype(manifest, tmp_path, "bf16")
+    with pytest.raises(ckpt.CheckpointError,
+                       match="written with --dtype bf16, this run has --dtype fp16"):
+        ckpt.check_dtype(manifest, tmp_path, "fp16")
 
 
 def test_offloaded_adamw_matches_torch():

@@ -150,6 +150,18 @@ def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
                 "--offload-optimizer and --samo (--G-data may change)")
 
 
+def check_dtype(manifest: dict, directory: Path, dtype: str) -> None:
+    """CheckpointError unless `manifest` was written by a run of ``--dtype`` `dtype`: the
+    optimizer's state differs by dtype (fp32 masters beside 16-bit weights, fp16's loss
+    scale), under the same optimizer class."""
+    saved = (manifest.get("train_config") or {}).get("dtype")
+    if saved != dtype:
+        raise CheckpointError(
+            f"checkpoint {directory} was written with --dtype {saved}, this run has --dtype "
+            f"{dtype}; resume with --dtype {saved}, or consolidate it (python -m "
+            "training.checkpoint consolidate) and start from its weights")
+
+
 def staging_dir(final: Path, token: str) -> Path:
     """Where a save of the step directory `final` writes its files (`token`: the save's,
     the same on every rank), published by write_manifest."""

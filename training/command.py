@@ -5,14 +5,19 @@ mcrdl, and turn the errors a user can fix into exit codes with one line on stder
 instead of a traceback from every rank):
 
 - 0: trained; 2: bad options or a layout the world cannot hold; 3: an unusable
-  checkpoint (``--resume``). Anything else is a bug and propagates with its traceback.
+  checkpoint (``--resume``). Anything else (a bug, a GPU out of memory on one rank)
+  propagates with its traceback; on a world of several ranks the failing rank then
+  exits at once (1) instead of finalizing mcrdl, which is collective: the others would
+  wait for it up to the timeout while the launcher could already end the job.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,6 +55,15 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
         elif not mcrdl.is_initialized() or mcrdl.get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except BaseException:
+        if mcrdl.is_initialized() and mcrdl.get_size() > 1:
+            # the others may be waiting for this rank: no collective finalize
+            print(f"rank {_rank()} failed:", file=sys.stderr)
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
     finally:
         if mcrdl.is_initialized():
             mcrdl.finalize()

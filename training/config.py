@@ -273,11 +273,11 @@ class RunOptions(Options):
     steps: int = option(20, "training steps", minimum=1)
     dtype: str = option("fp32", "training precision", choices=tuple(DTYPES))
     device: str = option("auto", "torch device ('auto': this rank's GPU if any, else cpu)")
-    seed: int = option(1234, "seed of the weights and of the batches")
+    seed: int = option(1234, "seed of the weights and of the batches", minimum=0)
     backends: str | None = option(None, "mcrdl backends to initialize, comma-separated "
                                   "(default mpi or gloo, plus nccl on GPUs)")
     timeout: float | None = option(None, "seconds before a missing message or rank is an "
-                                   "error (default mcrdl's)")
+                                   "error (default mcrdl's)", minimum=0.001)
     metrics: str | None = option(None, "JSON-lines metrics file (default "
                                  "<out-dir>/metrics.jsonl)")
     out_dir: str = option("runs/gpt", "directory of the metrics and the loss plot")

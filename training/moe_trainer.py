@@ -230,12 +230,7 @@ class MoETrainer:
                         f"checkpoint {path} was written with {key}={manifest.get(key)}, this "
                         f"run has {key}={value}; resume with the same model, MoE options and "
                         "layout (consolidate it to change the layout)")
-            # The optimizer's state differs by dtype (fp32 masters beside 16-bit weights)
-            saved = (manifest.get("train_config") or {}).get("dtype")
-            if saved != self.cfg.dtype:
-                raise ckpt.CheckpointError(
-                    f"checkpoint {path} was written with --dtype {saved}, this run has --dtype "
-                    f"{self.cfg.dtype}; resume with --dtype {saved}")
+            ckpt.check_dtype(manifest, path, self.cfg.dtype)
             state = ckpt.load_shard(path, manifest, self.world_rank)
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
             error = e

@@ -243,6 +243,7 @@ class Trainer:
             ckpt.check_resumable(manifest, path, n_stages=self.n_stages,
                                  partition=self.partition, model=self.model_cfg.as_dict(),
                                  optimizer=type(self.optimizer).__name__)
+            ckpt.check_dtype(manifest, path, self.cfg.dtype)
             shard = ckpt.load_shard(path, manifest, self.stage_index)
             check_shard(shard, self.pruning, path, manifest["step"])
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:

@@ -247,6 +247,7 @@ class Trainer4D:
                         f"{key}={wanted}; resume with the same model, --G-x/--G-y/--G-z and "
                         "--offload-optimizer (--G-data may change), or consolidate it "
                         "(python -m training.checkpoint consolidate) into a serial state_dict")
+            ckpt.check_dtype(manifest, path, self.cfg.dtype)
             shard = ckpt.load_shard(path, manifest, self.tensor_rank)
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
             error = e
