@@ -119,6 +119,46 @@ def test_summary_and_trace_of_records(tmp_path, capsys):
     assert mcrdl.log_summary(quiet=True) == []
 
 
+def test_arrivals_index_collectives_only_and_level_is_checked():
+    """Collectives are matched across ranks by their issue index on (level, backend,
+    group): point-to-point calls, as many on a rank as it sends or receives, must not
+    shift it (a root that sent twice had its all_reduces compared with the others'
+    earlier ones). A level other than call/wire is an error, not an empty table."""
+    log = comm_logger.logger()
+    log.reset()
+    for op in ("send", "send", "all_reduce", "recv", "all_reduce"):
+        log.finish(log.start("call", op, "mpi", None, 3, 64, 1000, False), 2000)
+    assert [i for i, _, _ in log.arrivals[("call", "mpi", 0, "all_reduce", 3)]] == [1, 2]
+    log.reset()
+    with pytest.raises(mcrdl.InvalidArgumentError, match="'level' is 'calls'"):
+        mcrdl.log_summary(level="calls")
+    with pytest.raises(mcrdl.InvalidArgumentError, match="'level'"):
+        mcrdl.export_log("x.json", level="Call")
+
+
+def test_extension_blocks_of_two_threads_leave_their_own_settings():
+    """A thread leaving its extensions() block removes its own settings, not those of a
+    block another thread entered after it."""
+    import threading
+
+    from mcrdl.extensions import current
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with mcrdl.extensions(logging=True):
+            entered.set()
+            leave.wait(10)
+
+    with mcrdl.extensions(fusion=True):
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert entered.wait(10)
+    assert current().logging is not None, current()  # the other block's, still in force
+    leave.set()
+    thread.join(10)
+    assert current().fusion is None and current().logging is None, current()
+
+
 def test_logging_counts_stragglers_exports_on_three_ranks(tmp_path):
     out = launch(3, os.path.join(TESTS, "fusion", "logger_ranks.py"), tmp_path)
     assert "logger OK" in out, out

@@ -94,7 +94,12 @@ def test_compression_config_checks_its_fields():
                          ({"mode": "accuracy", "tolerance": 1e-3, "rate": 8}, "'rate' is set"),
                          ({"mode": "precision", "precision": 2.5}, "precision"),
                          ({"mode": "precision", "precision": 65}, "64 bit planes"),
-                         ({"mode": "rate", "rate": 8, "ops": {"reduce"}}, "ops")):
+                         ({"mode": "rate", "rate": 8, "ops": {"reduce"}}, "ops"),
+                         # a compressed send alone delivered its size message as data
+                         ({"mode": "rate", "rate": 8, "ops": {"send", "bcast"}},
+                          "'send' without 'recv'"),
+                         ({"mode": "rate", "rate": 8, "ops": {"recv"}},
+                          "'recv' without 'send'")):
         with pytest.raises(mcrdl.InvalidArgumentError, match=re.escape(word)):
             mcrdl.CompressionConfig(**kwargs)
     with pytest.raises(mcrdl.InvalidArgumentError, match="say which zfp mode"):

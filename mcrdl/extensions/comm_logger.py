@@ -109,6 +109,9 @@ class CommLogger:
             #: size bucket)]: collectives are matched across ranks by their issue index
             self.arrivals: dict[tuple, list[tuple[int, int, int]]] = {}
             self.seqs: dict[tuple, int] = {}
+            #: collectives issued per (level, backend, group id): the arrivals' index,
+            #: which p2p calls (as many on a rank as it sends or receives) must not shift
+            self.coll_seqs: dict[tuple, int] = {}
             self.pending: list[Record] = []
 
     def attach(self, runtime) -> None:
@@ -136,8 +139,10 @@ class CommLogger:
             row.count += 1
             row.bytes += nbytes
             if not OPS[op].p2p:
+                cseq = self.coll_seqs.get(lane, 0) + 1
+                self.coll_seqs[lane] = cseq
                 self.arrivals.setdefault((level, backend, gid, op, gsize), []).append(
-                    (seq, t0, key[3]))
+                    (cseq, t0, key[3]))
             if async_op:
                 if len(self.pending) >= 1024:
                     self.pending = [r for r in self.pending if not r.t1]
@@ -333,6 +338,9 @@ def summary(*, gather: bool = False, level: str | None = "call", file=None,
     pool all ranks (count and bytes summed) and add the straggler view. ``level``:
     "call" (what the program called), "wire" (what went to the backends), None (both).
     """
+    if level not in (None, "call", "wire"):
+        raise InvalidArgumentError(f"log_summary: 'level' is {level!r}; expected 'call', "
+                                   "'wire' or None (both)")
     views = _views(gather)
     rows = _rows_from(views, level)
     _arrival_skew(views, rows)

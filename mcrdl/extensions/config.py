@@ -103,6 +103,12 @@ class CompressionConfig:
             raise InvalidArgumentError(
                 f"{where}: 'precision' is {self.precision}; zfp keeps at most 64 bit planes")
         object.__setattr__(self, "ops", _ops(where, self.ops, COMPRESSIBLE_OPS))
+        if ("send" in self.ops) != ("recv" in self.ops):
+            have, lacks = ("send", "recv") if "send" in self.ops else ("recv", "send")
+            raise InvalidArgumentError(
+                f"{where}: 'ops' has {have!r} without {lacks!r}: a compressed send is two "
+                "messages (size, payload) that only a compressed recv reads; list both or "
+                "neither")
 
     def zfp_args(self) -> dict:
         """Keyword arguments of zfpy.compress_numpy for this mode."""

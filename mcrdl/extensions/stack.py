@@ -110,7 +110,8 @@ def extensions(*, fusion: bool | dict | FusionConfig | None = None,
         yield config
     finally:
         with _lock:
-            _stack.pop()
+            # this block's own entry: blocks of other threads may have begun after it
+            del _stack[max(i for i, c in enumerate(_stack) if c is config)]
             _apply()
 
 
