@@ -89,13 +89,18 @@ class Event:
 
 class PipelineEngine:
     """Runs the microbatches of one step through `model_stage`, stage `stage_index` of
-    `n_stages`; `group` is the pipeline's group, in which a stage's rank is its index."""
+    `n_stages`; `group` is the pipeline's group, in which a stage's rank is its index.
+    `backward_group` (the same ranks on communicators of their own; default `group`)
+    carries the gradients: NCCL has no tags and runs a pair's sends and receives of one
+    communicator in issue order on one stream, so a receive posted ahead for the next
+    activation would hold up a gradient sent back (a deadlock at two stages)."""
 
     def __init__(self, model_stage: GPTStage, *, stage_index: int, n_stages: int, group,
                  p2p_backend: str, micro_batch: int, pipeline_limit: int | None = None,
                  timers: PhaseTimers | None = None, timeout: float | None = None,
-                 compute_delay: float = 0.0, record: bool = False):
+                 compute_delay: float = 0.0, record: bool = False, backward_group=None):
         self.model_stage, self.group = model_stage, group
+        self.groups = {FWD: group, BWD: group if backward_group is None else backward_group}
         self.stage_index, self.n_stages = stage_index, n_stages
         self.backend = p2p_backend
         self.first, self.last = stage_index == 0, stage_index == n_stages - 1
@@ -121,15 +126,15 @@ class PipelineEngine:
         peer = self.stage_index - 1 if direction == FWD else self.stage_index + 1
         with self.timers("p2p"):
             w = mcrdl.recv(self.backend, buf, src=peer, tag=2 * mb + direction,
-                           group=self.group, async_op=True)
+                           group=self.groups[direction], async_op=True)
         queue.append((mb, buf, w))
 
     def _send(self, t: torch.Tensor, mb: int, direction: int) -> None:
         peer = self.stage_index + 1 if direction == FWD else self.stage_index - 1
         t = t.detach().contiguous()
         with self.timers("p2p"):
-            w = mcrdl.send(self.backend, t, dst=peer, tag=2 * mb + direction, group=self.group,
-                           async_op=True)
+            w = mcrdl.send(self.backend, t, dst=peer, tag=2 * mb + direction,
+                           group=self.groups[direction], async_op=True)
         self._sends.append((w, t))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()

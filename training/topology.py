@@ -52,6 +52,11 @@ class GridError(ValueError):
     """A process grid that does not fit the world."""
 
 
+#: Axes whose lines get a second group each (ProcessGrid.twin_group): the pipeline's,
+#: whose forward and backward messages go on groups of their own (training/pipeline.py).
+TWINNED = (Axis.PIPE,)
+
+
 def to_axis(name: Axis | str) -> Axis:
     """`name` as an Axis; GridError naming the known axes for anything else."""
     try:
@@ -106,6 +111,7 @@ class ProcessGrid:
         self._cache = group_cache
         self._made_groups = False
         self._planes: dict[tuple[Axis, ...], mcrdl.Group | None] = {}
+        self._twins: dict[Axis, mcrdl.Group | None] = {}
 
     # --- coordinates -------------------------------------------------------------------
     def coords_of(self, rank: int) -> dict[Axis, int]:
@@ -183,7 +189,24 @@ class ProcessGrid:
                         self._cache[ranks] = g
                 if ln == mine:
                     self._groups[axis] = g
+            if axis in TWINNED:  # never cached: communicators of their own
+                for ln in lines:
+                    g = mcrdl.new_group([world_ranks[r] for r in ln])
+                    if ln == mine:
+                        self._twins[axis] = g
         self._made_groups = True
+
+    def twin_group(self, axis: Axis | str) -> mcrdl.Group | None:
+        """The second group of this rank's line along `axis` (an axis of TWINNED): the
+        same ranks on communicators of their own, made with the others by make_groups;
+        None when the axis has degree 1."""
+        axis = self._axis(axis)
+        if axis not in TWINNED:
+            raise GridError(f"process grid: axis '{axis}' has no twin groups; only "
+                            f"{_names(TWINNED)}")
+        self._check_member()
+        self.make_groups()
+        return self._twins.get(axis)
 
     def plane_group(self, axes: Sequence[Axis | str]) -> mcrdl.Group | None:
         """This rank's group of the ranks that differ from it only along `axes` (a

@@ -153,7 +153,8 @@ class Trainer:
                                      micro_batch=cfg.micro_batch_size,
                                      pipeline_limit=cfg.pipeline_limit, timers=self.timers,
                                      timeout=cfg.timeout, compute_delay=stage_delay,
-                                     record=record)
+                                     record=record,
+                                     backward_group=self.grid.twin_group(Axis.PIPE))
         self.step = 0  # steps completed
 
     def describe(self) -> str:
