@@ -246,6 +246,42 @@ def test_token_memmap(tmp_path):
     assert torch.equal(y, x + 1) and int(x.max()) < 5000
 
 
+def test_logged_lr_is_the_applied_one_after_fp16_skips(tmp_path):
+    """fp16 steps that overflow apply no update and the schedule follows applied updates:
+    the metrics' lr is the one the optimizer used (it had been the step's, ahead of it
+    after each skip). The first 3 steps overflow (a gradient set to inf)."""
+    from ._launch import RESULT_MARK, fresh_probe
+    script = f"""
+import json, sys
+sys.path.insert(0, {ROOT!r})
+import mcrdl
+from training.config import TrainConfig
+from training.trainer import Trainer
+mcrdl.init(["gloo"])
+cfg = TrainConfig(model="tiny", steps=6, dtype="fp16", micro_batch_size=2, global_batch_size=4,
+                  warmup_steps=5, lr=1e-3, plot=False, progress=False, quiet=True,
+                  out_dir={str(tmp_path)!r})
+tr = Trainer(cfg)
+opt = tr.optimizer
+gather = opt._gather_grads
+def overflow():
+    gather()
+    if tr.step < 3:
+        opt.flat_grad[0] = float("inf")
+opt._gather_grads = overflow
+rows = []
+for _ in range(6):
+    used = cfg.optim().lr_at(opt.step_count)
+    loss, applied = tr.train_step()
+    rows.append((applied, tr.metrics_record(loss, 1.0, 1, applied)["lr"], used))
+mcrdl.finalize()
+print({RESULT_MARK!r} + json.dumps(rows))
+"""
+    rows = fresh_probe(script)
+    assert [a for a, _, _ in rows] == [False] * 3 + [True] * 3, rows
+    assert all(lr == used for applied, lr, used in rows if applied), rows
+
+
 def test_cli_config_and_errors(tmp_path):
     from training.train_gpt import parse_args
     f = tmp_path / "c.json"

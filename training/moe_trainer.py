@@ -162,7 +162,7 @@ class MoETrainer:
                        applied: bool) -> dict:
         return {"step": self.step, "loss": loss, "aux_loss": self.last["aux"],
                 "dropped_fraction": self.last["dropped"],
-                "lr": self.cfg.optim().lr_at(self.step - 1),
+                "lr": self.cfg.optim().lr_at(max(self.optimizer.step_count - 1, 0)),
                 "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                 "tokens_per_s": tokens / step_time}
 

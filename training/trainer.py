@@ -191,7 +191,9 @@ class Trainer:
                        applied: bool) -> dict:
         """The metrics file's record of the step just taken (`step_time` in seconds,
         `tokens` per step)."""
-        record = {"step": self.step, "loss": loss, "lr": self.cfg.optim().lr_at(self.step - 1),
+        # the learning rate of the last update applied (an fp16 step skipped applies none)
+        lr = self.cfg.optim().lr_at(max(self.optimizer.step_count - 1, 0))
+        record = {"step": self.step, "loss": loss, "lr": lr,
                   "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                   "tokens_per_s": tokens / step_time}
         if self.optimizer.scaler.enabled:

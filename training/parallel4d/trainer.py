@@ -182,7 +182,9 @@ class Trainer4D:
 
     def metrics_record(self, loss: float, step_time: float, tokens: int,
                        applied: bool) -> dict:
-        return {"step": self.step, "loss": loss, "lr": self.cfg.optim().lr_at(self.step - 1),
+        # the learning rate of the last update applied (an fp16 step skipped applies none)
+        lr = self.cfg.optim().lr_at(max(self.optimizer.step_count - 1, 0))
+        return {"step": self.step, "loss": loss, "lr": lr,
                 "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                 "tokens_per_s": tokens / step_time}
 
