@@ -145,8 +145,9 @@ def _post_bcast(inner, chunk, group, gsize, grank, async_op):
     root = chunk.param
     if len(chunk) == 1:
         return inner.bcast(chunk.calls[0].args[0], root, group, async_op), None
-    if grank == root:
-        return inner.bcast(chunk.pack(), root, group, async_op), None
+    if grank == root:  # copied back too: a layer below (compression) may change the bits
+        buf = chunk.pack()
+        return inner.bcast(buf, root, group, async_op), lambda: chunk.unpack(buf)
     first = chunk.calls[0].args[0]
     buf = torch.empty(chunk.nbytes // first.element_size(), dtype=first.dtype)
     work = inner.bcast(buf, root, group, async_op)

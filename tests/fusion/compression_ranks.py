@@ -191,6 +191,16 @@ with mcrdl.extensions(fusion=True, compression=MODES["accuracy"]):
         exact = 0.1 * (k + 1) * sum(range(1, size + 1))
         if float((t - exact).abs().max()) > size * 1e-3:
             failures.append(f"fused + compressed all_reduce {k}: wrong result")
+    # fused bcasts (lossy rate): the root too ends with the decompressed bits
+    gen = torch.Generator().manual_seed(5)
+    bs = [torch.randn(64 + k, generator=gen) for k in range(4)]
+    with mcrdl.extensions(compression=MODES["rate"]):
+        works = [mcrdl.bcast("mpi", t, src=1, async_op=True) for t in bs]
+        for w in works:
+            w.wait()
+    views = mcrdl.all_gather_object([t.numpy().tobytes() for t in bs])
+    if any(v != views[0] for v in views):
+        failures.append("fused + compressed bcast: the root's bits differ from the others'")
 
 views = mcrdl.all_gather_object((ratios, failures))
 if rank == 0:
