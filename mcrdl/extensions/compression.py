@@ -403,13 +403,17 @@ class Compressed(OrderedLayer):
         return None
 
     def recv(self, tensor, src, tag, group, async_op):
+        key = (0 if group is None else group.id, src, tag)
+        queue = self._p2p.get(key)
         if not _eligible(tensor):
-            return self.inner.recv(tensor, src, tag, group, async_op)
+            if queue is None:
+                return self.inner.recv(tensor, src, tag, group, async_op)
+            # behind the compressed recvs queued on this (group, src, tag): posted now, it
+            # could match the size message a queued one is about to receive
+            return queue.run_task(lambda: self.inner.recv(tensor, src, tag, group, True),
+                                  self.name, async_op)
         self._check("recv", (tensor, src, tag), group)
         where = self._where("recv", group)
-        gid = 0 if group is None else group.id
-        key = (gid, src, tag)
-        queue = self._p2p.get(key)
         if queue is None:
             with self._queues_lock:
                 queue = self._p2p.setdefault(key, IssueQueue(

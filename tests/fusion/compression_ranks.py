@@ -202,6 +202,23 @@ with mcrdl.extensions(fusion=True, compression=MODES["accuracy"]):
     if any(v != views[0] for v in views):
         failures.append("fused + compressed bcast: the root's bits differ from the others'")
 
+# a compressed recv, then an uncompressed one from the same source and tag: the second
+# may not overtake the first (it had received the first one's size message)
+with mcrdl.extensions(compression=MODES["accuracy"]):
+    if rank == 0:
+        mcrdl.send("mpi", torch.full((64,), 1.5), dst=1, tag=5)
+        mcrdl.send("mpi", torch.full((3,), 7, dtype=torch.int64), dst=1, tag=5)
+    elif rank == 1:
+        fl, it = torch.zeros(64), torch.zeros(3, dtype=torch.int64)
+        w = mcrdl.recv("mpi", fl, src=0, tag=5, async_op=True)
+        try:
+            mcrdl.recv("mpi", it, src=0, tag=5)
+            w.wait()
+            if not (torch.all(fl == 1.5) and torch.all(it == 7)):
+                failures.append(f"recv order: got {fl[:2].tolist()} and {it.tolist()}")
+        except mcrdl.MCRDLError as e:
+            failures.append(f"recv order: {type(e).__name__}: {e}")
+
 views = mcrdl.all_gather_object((ratios, failures))
 if rank == 0:
     print(f"# compressed bytes on the wire / uncompressed bytes, {size} ranks, every "
