@@ -217,8 +217,24 @@ class TensorOptions(Options):
             out[axis] = backend
         return out
 
+    #: Options that only one engine reads: given to the other they would be ignored.
+    ENGINE_ONLY = {"4d": ("overlap", "tune_matmul", "axis_backends", "regather_weights",
+                          "init_from"),
+                   "pipeline": ("layers_per_stage", "pipeline_limit", "p2p_backend")}
+
     def check(self) -> None:
         self.backend_of_axis()
+        engine = "4d" if self.uses_4d() else "pipeline"
+        other = "pipeline" if engine == "4d" else "4d"
+        defaults = {f.name: f.default for f in fields(self)}
+        given = [flag(n) for n in self.ENGINE_ONLY[other]
+                 if n in defaults and getattr(self, n) != defaults[n]]
+        if given:
+            it = "it" if len(given) == 1 else "them"
+            raise ValueError(f"{', '.join(given)}: only the {other} engine reads {it}, and "
+                             f"this run uses the {engine} engine (G_x={self.G_x}, G_y="
+                             f"{self.G_y}, G_z={self.G_z}, --engine {self.engine}); drop {it} "
+                             f"or choose --engine {other}")
         tensor = {f"--G-{a}": n for a, n in self.tensor_degrees().items() if n > 1}
         if tensor and self.engine == "pipeline":
             raise ValueError(f"--engine pipeline has no tensor parallelism; drop "
