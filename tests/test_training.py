@@ -234,6 +234,12 @@ def test_saving_a_step_again_keeps_the_old_checkpoint_until_the_new_one_is_whole
     manifest = ckpt.read_manifest(final)
     assert torch.equal(ckpt.load_shard(final, manifest, 0)["w"], torch.full((3,), 3.0))
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000004"]
+    # the checkpoint directory given where a step is wanted: said so, not "incomplete"
+    with pytest.raises(ckpt.CheckpointError, match="is a checkpoint directory, not one"):
+        ckpt.read_manifest(root)
+    # consolidate -o x.json would write the config over the state_dict
+    assert ckpt.main(["consolidate", str(root), "-o", str(tmp_path / "x.json")]) != 0
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_token_memmap(tmp_path):

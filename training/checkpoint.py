@@ -211,6 +211,12 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint {directory} does not exist{_alternatives(directory)}")
     if not mpath.exists():
+        inside = latest_checkpoint(directory)
+        if inside is not None:  # the checkpoint directory itself, not one of its steps
+            raise CheckpointError(
+                f"{directory} is a checkpoint directory, not one checkpoint: pass one of its "
+                f"step directories (its latest: {inside}), or --resume latest with "
+                f"--checkpoint-dir {directory}")
         raise CheckpointError(f"checkpoint {directory} has no manifest.json: it was not "
                               f"completely written{_alternatives(directory)}")
     try:
@@ -333,8 +339,11 @@ def main(argv=None) -> int:
         path = Path(args.checkpoint)
         if not (path / "manifest.json").exists() and latest_checkpoint(path):
             path = latest_checkpoint(path)
-        state, cfg = consolidate(path)
         out = Path(args.out)
+        if out.suffix == ".json":  # the config goes to OUT with the suffix .json
+            raise CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
+                                  "the same file; name the state_dict .pt")
+        state, cfg = consolidate(path)
         atomic_save(state, out)
         _fsync_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
         n = sum(t.numel() for t in state.values())
