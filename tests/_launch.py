@@ -89,14 +89,29 @@ def run_launcher(cmd: list[str], env: dict | None = None, timeout: float = 300,
 RESULT_MARK = "@@RESULT@@"
 
 
+#: What launchers (mpiexec, srun, torchrun) set: by prefix, and by name.
+LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MV2_", "SLURM_",
+                     "TORCHELASTIC_")
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT")
+
+
+def is_launcher_variable(name: str) -> bool:
+    return name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES
+
+
+def without_launcher(monkeypatch) -> None:
+    """This process's environment as a plain `python` start has it (for detect())."""
+    for name in list(os.environ):
+        if is_launcher_variable(name):
+            monkeypatch.delenv(name)
+
+
 def clean_env() -> dict:
     """The environment of a plain `python` start: no launcher variables."""
-    drop = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "MV2_", "SLURM_", "PYTEST_",
-            "TORCHELASTIC_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "MCRDL_DEBUG"):
-        env.pop(k, None)
+    env = {k: v for k, v in os.environ.items()
+           if not is_launcher_variable(k) and not k.startswith("PYTEST_")}
+    env.pop("MCRDL_DEBUG", None)
     env.update(MCRDL_TIMEOUT="60", OMP_NUM_THREADS="1")
     return env
 

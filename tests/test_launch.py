@@ -9,13 +9,9 @@ import textwrap
 
 import pytest
 
-from ._launch import clean_env, mpiexec_or_skip, pythonpath, run_launcher
+from ._launch import clean_env, mpiexec_or_skip, pythonpath, run_launcher, without_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-#: Launcher variables, cleared before each case sets its own.
-LAUNCHER_PREFIXES = ("PMI", "OMPI_", "SLURM_", "MV2_", "MPI_LOCAL", "TORCHELASTIC", "HYDRA_")
-LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -56,9 +52,7 @@ def test_detect(monkeypatch, env, expected):
     has (it had read only SLURM_NTASKS_PER_NODE, set only with --ntasks-per-node, so a
     multi-node srun job looked like one node: its ranks then rendezvoused on loopback)."""
     from mcrdl.launch import detect
-    for name in list(os.environ):
-        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
-            monkeypatch.delenv(name)
+    without_launcher(monkeypatch)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     info = detect()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher
+from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher, without_launcher
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,10 +139,7 @@ def test_auto_device_is_the_launchers_local_gpu(monkeypatch, launcher, local):
     every rank of an Open MPI or srun job landed on cuda:0)."""
     from training.config import TrainConfig
     from training.trainer import pick_device
-    for name in list(os.environ):
-        if name.startswith(("PMI", "OMPI_", "SLURM_", "MV2_", "MPI_LOCAL", "TORCHELASTIC")) \
-                or name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            monkeypatch.delenv(name)
+    without_launcher(monkeypatch)
     for name, value in launcher.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

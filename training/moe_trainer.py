@@ -23,6 +23,7 @@ from .config import DTYPES
 from .data import Batches, load_dataset
 from .models.gpt import CONFIGS, GPTConfig
 from .moe import MOE_BASES, moe_loss
+from .optim import applied_lr
 from .parallel4d.layers import Split
 from .ted import TEDGPT, TEDGroups, count_parameters
 from .timers import PhaseTimers
@@ -162,7 +163,7 @@ class MoETrainer:
                        applied: bool) -> dict:
         return {"step": self.step, "loss": loss, "aux_loss": self.last["aux"],
                 "dropped_fraction": self.last["dropped"],
-                "lr": self.cfg.optim().lr_at(max(self.optimizer.step_count - 1, 0)),
+                "lr": applied_lr(self.optimizer),
                 "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                 "tokens_per_s": tokens / step_time}
 

@@ -105,6 +105,13 @@ class LossScaler:
         self.scale, self.good_steps, self.skipped = sd["scale"], sd["good_steps"], sd["skipped"]
 
 
+def applied_lr(optimizer) -> float:
+    """The learning rate of `optimizer`'s last applied update: its schedule follows the
+    updates it applied (an fp16 step that overflowed applies none), not the steps taken.
+    What a step's metrics report."""
+    return optimizer.cfg.lr_at(max(optimizer.step_count - 1, 0))
+
+
 class _GradientComm:
     """What every optimizer here shares: the data-parallel all-reduce and the global norm."""
 

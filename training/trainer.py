@@ -16,7 +16,7 @@ from . import checkpoint as ckpt
 from .config import DTYPES, TrainConfig
 from .data import Batches, load_dataset
 from .models.gpt import GPTStage, get_config
-from .optim import DataParallelAdamW, OffloadedAdamW
+from .optim import DataParallelAdamW, OffloadedAdamW, applied_lr
 from .pipeline import PipelineEngine, partition
 from .pruning import DenseMasking, Pruning, check_shard
 from .samo import SamoAdamW
@@ -191,9 +191,7 @@ class Trainer:
                        applied: bool) -> dict:
         """The metrics file's record of the step just taken (`step_time` in seconds,
         `tokens` per step)."""
-        # the learning rate of the last update applied (an fp16 step skipped applies none)
-        lr = self.cfg.optim().lr_at(max(self.optimizer.step_count - 1, 0))
-        record = {"step": self.step, "loss": loss, "lr": lr,
+        record = {"step": self.step, "loss": loss, "lr": applied_lr(self.optimizer),
                   "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                   "tokens_per_s": tokens / step_time}
         if self.optimizer.scaler.enabled:

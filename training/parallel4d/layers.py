@@ -83,10 +83,11 @@ class Split:
             return (r,)
         return (r, self.shape[1] // (sizes[self.cols] if self.cols else 1))
 
-    def local(self, full: torch.Tensor, coords: dict[str, int],
-              sizes: dict[str, int]) -> torch.Tensor:
-        """This rank's piece of the serial tensor `full` (a new contiguous tensor)."""
-        self.check(sizes)
+    def local(self, full: torch.Tensor, coords: dict[str, int], sizes: dict[str, int],
+              name: str = "parameter") -> torch.Tensor:
+        """This rank's piece of the serial tensor `full` (a new contiguous tensor);
+        ValueError naming `name` where the grid does not divide it (check)."""
+        self.check(sizes, name)
         t = full if self.perm is None else full[list(self.perm)]
         bs = self.block_shape(sizes)
         if self.rows:
@@ -144,8 +145,7 @@ def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms,
     """A parameter holding this rank's piece of `full`, tagged with its split and its
     logical (serial) shape: weight decay and checkpoints go by those, not by the piece.
     ValueError naming `name` where the grid does not divide it (Split.check)."""
-    split.check(comms.sizes(), name)
-    p = nn.Parameter(split.local(full, comms.coords(), comms.sizes()))
+    p = nn.Parameter(split.local(full, comms.coords(), comms.sizes(), name))
     p.split = split
     p.logical_shape = tuple(split.shape)
     return p

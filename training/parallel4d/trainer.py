@@ -28,7 +28,7 @@ from .. import checkpoint as ckpt
 from ..config import DTYPES, TrainConfig
 from ..data import Batches, load_dataset
 from ..models.gpt import get_config
-from ..optim import DataParallelAdamW, OffloadedAdamW
+from ..optim import DataParallelAdamW, OffloadedAdamW, applied_lr
 from ..perf_model.step import Grid4D, TrainingStep, check_grid
 from ..timers import PhaseTimers
 from ..topology import Axis, GridError, ProcessGrid
@@ -182,9 +182,7 @@ class Trainer4D:
 
     def metrics_record(self, loss: float, step_time: float, tokens: int,
                        applied: bool) -> dict:
-        # the learning rate of the last update applied (an fp16 step skipped applies none)
-        lr = self.cfg.optim().lr_at(max(self.optimizer.step_count - 1, 0))
-        return {"step": self.step, "loss": loss, "lr": lr,
+        return {"step": self.step, "loss": loss, "lr": applied_lr(self.optimizer),
                 "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                 "tokens_per_s": tokens / step_time}
 
