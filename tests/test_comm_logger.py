@@ -182,3 +182,34 @@ def test_listing4_trace_shows_two_backends_overlapping(tmp_path):
         assert {"mpi", "gloo"} <= {name.split()[0] for name in lanes[pid].values()}
         assert overlapping(doc, pid, "mpi", "gloo"), f"rank {pid}: no mpi/gloo overlap"
     print(out)
+
+
+def test_long_runs_keep_a_bounded_log(monkeypatch):
+    """Past MAX_SAMPLES a row keeps a uniform sample of its latencies (count, min, max
+    exact) and a collective row every stride-th arrival by issue index: two ranks that
+    made the same calls keep the same ones, so the skew still matches them."""
+    monkeypatch.setattr(comm_logger, "MAX_SAMPLES", 64)
+    views = []
+    for rank in (0, 1):
+        log = comm_logger.logger()
+        log.reset()
+        log.rank = rank
+        for i in range(1000):
+            t0 = 10_000 * i + 7 * rank  # rank 1 issues 7 ns later, every call
+            log.finish(log.start("call", "all_reduce", "mpi", None, 2, 64, t0, False),
+                       t0 + 1000 + i)  # latencies 1000 .. 1999 ns
+        row = log.rows[("call", "all_reduce", "mpi", 64, 2)]
+        kept = log.arrivals[("call", "mpi", 0, "all_reduce", 2)]
+        assert len(row.lat_ns) == 64 and row.completed == 1000
+        assert 1000 <= min(row.lat_ns) and max(row.lat_ns) <= 1999
+        assert 32 <= len(kept) <= 64 and all(s % 16 == 0 for s, _, _ in kept)
+        views.append(log.local_view())
+    log.reset()
+    rows = comm_logger._rows_from(views, "call")
+    comm_logger._arrival_skew(views, rows)
+    (r,) = rows
+    assert (r["count"], r["completed"]) == (2000, 2000)
+    assert (r["lat_min_us"], r["lat_max_us"]) == (1.0, 1.999)
+    assert 1.3 < r["lat_median_us"] < 1.7  # the sample's median, true median 1.4995
+    assert r["arrival_skew_median_us"] == pytest.approx(0.007)
+    assert r["last_arrival_rank"] == 1

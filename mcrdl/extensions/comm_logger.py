@@ -24,6 +24,11 @@ buffers, compressed size exchanges and payloads).
   one backend that overlap in time go to sub-lanes (``mpi``, ``mpi #2``, ...), so that
   events of one lane never overlap.
 
+A long run's log stays bounded: per row at most :data:`MAX_SAMPLES` latencies (then a
+uniform sample, from which the medians are estimated; count, bytes, min and max stay
+exact) and per collective row as many arrivals (then every 2nd, 4th, ... call by issue
+index, the same calls on every rank).
+
 Timestamps are this host's clock (time.time_ns at the first call, advanced by
 perf_counter_ns), so ranks on one node share a time base; across nodes their skew adds
 to the arrival skew.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import csv
 import json
+import random
 import statistics
 import sys
 import threading
@@ -77,13 +83,25 @@ class Record:
         self.async_op = async_op
 
 
+#: Latencies kept per row, and collective arrivals kept per (level, backend, group, op,
+#: group size): a long run's log must not grow without bound (a Python int per call is
+#: about 36 bytes, an arrival about 100). Past the cap the latencies are a uniform
+#: sample (reservoir sampling; count, min and max stay exact) and the arrivals keep the
+#: calls whose issue index is a multiple of a stride that doubles at each overflow: the
+#: index is the same on every rank, so every rank keeps the same calls and the skew
+#: still matches them across ranks.
+MAX_SAMPLES = 1 << 16
+
+
 class _Row:
-    __slots__ = ("count", "bytes", "lat_ns")
+    __slots__ = ("count", "bytes", "lat_ns", "completed", "lat_min", "lat_max")
 
     def __init__(self):
         self.count = 0
         self.bytes = 0
-        self.lat_ns: list[int] = []
+        self.lat_ns: list[int] = []  # every latency, or a uniform sample of MAX_SAMPLES
+        self.completed = 0
+        self.lat_min = self.lat_max = 0
 
 
 class CommLogger:
@@ -108,6 +126,8 @@ class CommLogger:
             #: (level, backend, group id, op, group size) -> [(issue index, issue time,
             #: size bucket)]: collectives are matched across ranks by their issue index
             self.arrivals: dict[tuple, list[tuple[int, int, int]]] = {}
+            self.strides: dict[tuple, int] = {}  # arrivals kept: index % stride == 0
+            self.sampler = random.Random(0)
             self.seqs: dict[tuple, int] = {}
             #: collectives issued per (level, backend, group id): the arrivals' index,
             #: which p2p calls (as many on a rank as it sends or receives) must not shift
@@ -141,8 +161,7 @@ class CommLogger:
             if not OPS[op].p2p:
                 cseq = self.coll_seqs.get(lane, 0) + 1
                 self.coll_seqs[lane] = cseq
-                self.arrivals.setdefault((level, backend, gid, op, gsize), []).append(
-                    (cseq, t0, key[3]))
+                self._arrive((level, backend, gid, op, gsize), cseq, t0, key[3])
             if async_op:
                 if len(self.pending) >= 1024:
                     self.pending = [r for r in self.pending if not r.t1]
@@ -155,13 +174,36 @@ class CommLogger:
             if rec.t1:
                 return
             rec.t1 = t1
-            self.rows[(rec.level, rec.op, rec.backend, bucket_of(rec.nbytes),
-                       rec.gsize)].lat_ns.append(t1 - rec.t0)
+            row = self.rows[(rec.level, rec.op, rec.backend, bucket_of(rec.nbytes), rec.gsize)]
+            lat = t1 - rec.t0
+            row.completed += 1
+            if row.completed == 1 or lat < row.lat_min:
+                row.lat_min = lat
+            if row.completed == 1 or lat > row.lat_max:
+                row.lat_max = lat
+            if len(row.lat_ns) < MAX_SAMPLES:
+                row.lat_ns.append(lat)
+            else:  # reservoir sampling: each latency so far is kept with equal chance
+                j = self.sampler.randrange(row.completed)
+                if j < MAX_SAMPLES:
+                    row.lat_ns[j] = lat
             if self.trace:
                 if len(self.events) < self.max_events:
                     self.events.append(rec)
                 else:
                     self.dropped += 1
+
+    def _arrive(self, key: tuple, cseq: int, t0: int, bucket: int) -> None:
+        """Keep collective `cseq`'s issue time (with the lock held; see MAX_SAMPLES)."""
+        stride = self.strides.get(key, 1)
+        if cseq % stride:
+            return
+        kept = self.arrivals.setdefault(key, [])
+        kept.append((cseq, t0, bucket))
+        if len(kept) > MAX_SAMPLES:
+            stride *= 2
+            self.strides[key] = stride
+            kept[:] = [a for a in kept if a[0] % stride == 0]
 
     def finish_pending(self, backends: set | None = None) -> None:
         """Close the records of async calls that completed without being observed
@@ -180,16 +222,18 @@ class CommLogger:
         with self._lock:
             self.pending.extend(keep)
 
-    def to_us(self, t_ns: int) -> float:
-        """A perf_counter_ns time as microseconds of this host's clock."""
-        return (self.epoch_ns + (t_ns - self.perf0_ns)) / 1000.0
+    def host_ns(self, t_ns: int) -> int:
+        """A perf_counter_ns time as nanoseconds of this host's clock (an int: as a float
+        in microseconds since 1970 it would keep only a quarter microsecond)."""
+        return self.epoch_ns + (t_ns - self.perf0_ns)
 
     # -- summaries -------------------------------------------------------------------
     def local_view(self) -> dict:
         """This rank's statistics, in a form other ranks can merge (pickled by gather)."""
         with self._lock:
-            rows = {k: (r.count, r.bytes, list(r.lat_ns)) for k, r in self.rows.items()}
-            arrivals = {k: [(s, self.to_us(t), b) for s, t, b in v]
+            rows = {k: (r.count, r.bytes, list(r.lat_ns), r.completed, r.lat_min, r.lat_max)
+                    for k, r in self.rows.items()}
+            arrivals = {k: [(s, self.host_ns(t), b) for s, t, b in v]
                         for k, v in self.arrivals.items()}
         return {"rank": self.rank, "rows": rows, "arrivals": arrivals}
 
@@ -245,25 +289,28 @@ def _rows_from(views: list[dict], level: str | None) -> list[dict]:
     merged: dict[tuple, list] = {}
     per_rank: dict[tuple, dict[int, list[int]]] = {}
     for view in views:
-        for key, (count, nbytes, lats) in view["rows"].items():
+        for key, (count, nbytes, lats, completed, lo, hi) in view["rows"].items():
             if level is not None and key[0] != level:
                 continue
-            m = merged.setdefault(key, [0, 0, []])
+            m = merged.setdefault(key, [0, 0, [], 0, None, None])
             m[0] += count
             m[1] += nbytes
             m[2].extend(lats)
+            if completed:
+                m[3] += completed
+                m[4] = lo if m[4] is None else min(m[4], lo)
+                m[5] = hi if m[5] is None else max(m[5], hi)
             per_rank.setdefault(key, {})[view["rank"]] = lats
     rows = []
     for key in sorted(merged, key=lambda k: (k[0], k[1], k[2], k[4], k[3])):
         lvl, op, backend, bucket, gsize = key
-        count, nbytes, lats = merged[key]
+        count, nbytes, lats, completed, lo, hi = merged[key]
         row = {"level": lvl, "op": op, "backend": backend, "bucket_bytes": bucket,
                "bucket": format_bytes(bucket), "group_size": gsize, "count": count,
-               "bytes": nbytes, "completed": len(lats)}
+               "bytes": nbytes, "completed": completed}
         if lats:
             med = statistics.median(lats) / 1000.0
-            row.update(lat_min_us=min(lats) / 1000.0, lat_median_us=med,
-                       lat_max_us=max(lats) / 1000.0)
+            row.update(lat_min_us=lo / 1000.0, lat_median_us=med, lat_max_us=hi / 1000.0)
             algbw = (nbytes / count) / (med * 1e-6) / 1e9 if med > 0 else 0.0
             row.update(algbw_GBps=algbw, busbw_GBps=algbw * OPS[op].bus_factor(gsize))
         else:
@@ -301,7 +348,7 @@ def _arrival_skew(views: list[dict], rows: list[dict]) -> None:
                 continue
             last = max(times, key=times.get)
             skews.setdefault((level, op, backend, buckets[(key, seq)], gsize), []).append(
-                (max(times.values()) - min(times.values()), last))
+                ((max(times.values()) - min(times.values())) / 1000.0, last))
     for row in rows:
         s = skews.get((row["level"], row["op"], row["backend"], row["bucket_bytes"],
                        row["group_size"]))
@@ -423,7 +470,7 @@ def _trace_events(log: CommLogger) -> list[dict]:
         ends[i] = r.t1
         lane = base if i == 0 else f"{base} #{i + 1}"
         out.append({"name": r.op, "cat": f"mcrdl.{r.level}", "ph": "X",
-                    "ts": log.to_us(r.t0), "dur": (r.t1 - r.t0) / 1000.0,
+                    "ts": log.host_ns(r.t0), "dur": (r.t1 - r.t0) / 1000.0,
                     "lane": lane,
                     "args": {"backend": r.backend, "bytes": r.nbytes, "group": r.gid,
                              "group_size": r.gsize, "seq": r.seq, "async": r.async_op,
@@ -447,7 +494,7 @@ def export_trace(path: str, *, gather: bool = False) -> str | None:
     else:
         views = [mine]
     events = []
-    origin = min((e["ts"] for v in views for e in v["events"]), default=0.0)
+    origin = min((e["ts"] for v in views for e in v["events"]), default=0)  # ns
     for v in views:
         pid = v["rank"]
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
@@ -462,7 +509,7 @@ def export_trace(path: str, *, gather: bool = False) -> str | None:
                 events.append({"name": "thread_name", "ph": "M", "pid": pid,
                                "tid": tids[lane], "args": {"name": lane}})
             e["pid"], e["tid"] = pid, tids[lane]
-            e["ts"] = round(e["ts"] - origin, 3)
+            e["ts"] = round((e["ts"] - origin) / 1000.0, 3)
             e["dur"] = round(e["dur"], 3)
             events.append(e)
     out = str(path).format(rank=log.rank)
