@@ -22,8 +22,22 @@ from .ops import ALIASES, OPS, REQUIRED, Kind, OpSpec, ReduceOp, to_reduce_op
 from .runtime import Runtime, check_timeout, unavailable
 
 log = logging.getLogger("mcrdl")
+
+
+def _log_level(value: str) -> None:
+    """MCRDL_LOG_LEVEL: a level name (debug, info, ...) or number; a bad value warns and
+    is ignored (it must not make ``import mcrdl`` fail)."""
+    try:
+        log.setLevel(int(value) if value.strip().isdigit() else value.strip().upper())
+    except (ValueError, TypeError):
+        import warnings
+
+        warnings.warn(f"mcrdl: MCRDL_LOG_LEVEL={value!r} is not a logging level (debug, info, "
+                      "warning, error, critical or a number); ignored", stacklevel=3)
+
+
 if os.environ.get("MCRDL_LOG_LEVEL"):
-    log.setLevel(os.environ["MCRDL_LOG_LEVEL"].upper())
+    _log_level(os.environ["MCRDL_LOG_LEVEL"])
 
 DEFAULT_TIMEOUT = 300.0
 
@@ -63,6 +77,15 @@ def _names(backends: object, where: str) -> list:
 
 # -- lifecycle -------------------------------------------------------------------------
 
+def _env_timeout(value: object) -> object:
+    """$MCRDL_TIMEOUT as a number (check_timeout then says what is wrong with it)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"MCRDL_TIMEOUT={value!r}: expected seconds > 0, e.g. "
+                                   "MCRDL_TIMEOUT=300") from None
+
+
 def init(backends: str | Sequence[str] | None = None, *, timeout: float | None = None,
          tuning_table: str | None = None) -> None:
     """Initialize mcrdl and the given backends (collective over the world).
@@ -75,8 +98,11 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
     global _runtime, _dispatch, _sessions
     if timeout is None:  # a later init keeps the timeout in force
         timeout = (_runtime.timeout if _runtime is not None
-                   else float(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT)))
+                   else _env_timeout(os.environ.get("MCRDL_TIMEOUT", DEFAULT_TIMEOUT)))
     timeout = check_timeout(timeout, "init")
+    if tuning_table is None:  # a later init keeps the table in force
+        tuning_table = (_runtime.tuning_table if _runtime is not None and _runtime.backends
+                        else None) or os.environ.get("MCRDL_TUNING_TABLE")
     launch = _launch()
     avail = registry.availability(launch)
     names = None if backends is None else _names(backends, "init")
@@ -95,7 +121,7 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
         _sessions += 1
         _dispatch = _runtime.dispatch
     _runtime.set_timeout(timeout)
-    _runtime.add_backends(names, tuning_table or os.environ.get("MCRDL_TUNING_TABLE"))
+    _runtime.add_backends(names, tuning_table)
     log.info("mcrdl: initialized %s on rank %d of %d", list(_runtime.backends),
              _runtime.world.rank, _runtime.world.size)
 

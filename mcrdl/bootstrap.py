@@ -17,6 +17,7 @@ import pickle
 import socket
 import sys
 import time
+import weakref
 
 import numpy as np
 
@@ -65,7 +66,7 @@ def mpi_module():
         default = mpich_selection_default(detect().local_size, node_cores_for_ranks())
         if default is not None:
             os.environ.setdefault(MPICH_POSIX_COLL_CVAR, default)
-        atexit.register(_abort_if_mpi_busy)  # runs before mpi4py's MPI_Finalize
+        atexit.register(_before_mpi_finalize)  # runs before mpi4py's MPI_Finalize
     from mpi4py import MPI
 
     if not MPI.Is_initialized():
@@ -80,6 +81,27 @@ def mpi_module():
             "before mpi4py.MPI or leave rc.thread_level at 'multiple'"
         )
     return MPI
+
+
+#: The lanes whose threads make MPI calls (the mpi backends'), stopped at exit.
+_MPI_LANES: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_mpi_lane(lane) -> None:
+    """Have `lane` (an ``_C.Lane`` whose thread calls MPI) stopped at exit, before MPI
+    is finalized, should the program end without ``mcrdl.finalize()``."""
+    _MPI_LANES.add(lane)
+
+
+def _before_mpi_finalize() -> None:
+    """At exit, before mpi4py finalizes MPI: end the job if an MPI call cannot end
+    (_abort_if_mpi_busy), else stop the lanes still polling MPI. A program that ends
+    without mcrdl.finalize() (an uncaught CommTimeoutError, sys.exit) with an op in
+    flight left its lane thread testing requests under and after MPI_Finalize, which
+    crashed the process (SIGSEGV in the progress engine)."""
+    _abort_if_mpi_busy()
+    for lane in list(_MPI_LANES):
+        lane.shutdown("the process is exiting without mcrdl.finalize()", 0.0)
 
 
 def _abort_if_mpi_busy(grace: float = 1.0) -> None:

@@ -92,6 +92,8 @@ class Runtime:
         if any(v != list(names) for v in views):
             raise DesyncError("init: ranks asked for different backends:\n" + "\n".join(
                 f"  rank {r}: {v}" for r, v in enumerate(views)))
+        # before any backend is made: a refused table leaves the runtime as it was
+        table = self._agreed_table(auto.load_table(tuning_table), tuning_table)
         for name in names:
             if name in self.backends:
                 continue
@@ -106,10 +108,33 @@ class Runtime:
             self.backends[name] = backend
             self.bases[name] = base
         self.tuning_table = tuning_table
-        self.auto_table = auto.load_table(tuning_table)
+        self.auto_table = table
         for backend in self.backends.values():
             backend.use_tuning_table(self.auto_table)
         self.install()
+
+    def _agreed_table(self, table, path: str | None):
+        """The table "auto" routes by, the same on every rank (collective): ranks that
+        route one call to different backends never meet. Where each rank found a shipped
+        table by itself (no path given anywhere) and they differ (per-host tables on a
+        multi-node job), rank 0's is used everywhere; tables given by path must agree."""
+        digest = None if table is None else table.digest()
+        views = self.bootstrap.all_gather_object((path, digest))
+        if all(d == digest for _, d in views):
+            return table
+        if all(p is None for p, _ in views):
+            doc = self.bootstrap.broadcast_object(None if table is None else table.to_dict())
+            if doc is None:
+                return None
+            from .tuning.table import TuningTable
+
+            return TuningTable.from_dict(doc, source="rank 0's shipped tuning table")
+        differ = [r for r, (_, d) in enumerate(views) if d != views[0][1]]
+        raise DesyncError(
+            f"init: ranks {differ} would route \"auto\" by another tuning table than rank 0 "
+            f"(rank 0: {views[0][0] or 'the shipped table'}, rank {differ[0]}: "
+            f"{views[differ[0]][0] or 'the shipped table'}, with other contents); give every "
+            "rank the same file (init's tuning_table or MCRDL_TUNING_TABLE)")
 
     def install(self) -> None:
         """(Re)build the dispatch table: the configured extensions over each base, and
@@ -117,7 +142,8 @@ class Runtime:
         front holds it, and caches each entry's methods until this runs again (as the
         extensions bind the methods below them here)."""
         tops = stack.build(self)
-        router = auto.build(tops, self.auto_table, self.world.size)
+        devices = {n: type(b).capabilities.devices for n, b in self.backends.items()}
+        router = auto.build(tops, self.auto_table, self.world.size, devices, debug_enabled())
         if router is not None:
             tops["auto"] = router
         self.dispatch.clear()

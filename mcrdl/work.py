@@ -19,6 +19,7 @@ exist, and no other:
 from __future__ import annotations
 
 import abc
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +49,8 @@ class Work(abc.ABC):
 
 
 class ChainedWork(Work):
-    """Steps that complete in order, then ``finish`` run once (under no_grad).
+    """Steps that complete in order, then ``finish`` run once (under no_grad, or under
+    inference mode when the chain was made in it: finish may write inference tensors).
 
     A step is anything with ``wait(timeout)`` and ``is_completed()``. ``wait(timeout)``
     bounds the whole chain by `timeout` (None: each step's own default). A failure under
@@ -56,7 +58,7 @@ class ChainedWork(Work):
     timeout leaves the chain pending, to be waited again.
     """
 
-    __slots__ = ("_steps", "_finish", "_done", "_error", "_lock", "backend")
+    __slots__ = ("_steps", "_finish", "_done", "_error", "_lock", "_inference", "backend")
 
     def __init__(self, steps: Sequence, finish: Callable[[], None] | None = None,
                  backend: str = ""):
@@ -65,6 +67,7 @@ class ChainedWork(Work):
         self._done = False
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._inference = finish is not None and torch.is_inference_mode_enabled()
         self.backend = backend
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -81,7 +84,7 @@ class ChainedWork(Work):
                     step.wait(None if deadline is None
                               else max(deadline - time.monotonic(), 0.0))
                 if self._finish is not None:
-                    with torch.no_grad():
+                    with torch.inference_mode() if self._inference else torch.no_grad():
                         self._finish()
             except BaseException as exc:
                 if timeout is None:  # not just the caller's own short timeout
@@ -91,13 +94,19 @@ class ChainedWork(Work):
             self._done = True
         return True
 
+    @property
+    def pending(self) -> bool:
+        """Neither finished nor failed (its finish step has not run)."""
+        return not self._done and self._error is None
+
     def is_completed(self) -> bool:
-        if self._done:
+        """True once complete or failed (then wait() raises the error), as a C++ Work."""
+        if self._done or self._error is not None:
             return True
-        if self._error is not None:
-            raise self._error
         if all(step.is_completed() for step in self._steps):
-            return self.wait()
+            with contextlib.suppress(Exception):  # kept in _error: wait() raises it
+                self.wait()
+            return True
         return False
 
 

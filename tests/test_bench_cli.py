@@ -48,7 +48,7 @@ def run_command(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found on PATH")
 def test_two_ranks_json_rows_are_sane(tmp_path):
     out = tmp_path / "bench.json"
-    ops, backends = ["all_reduce", "all_gather"], ["mpi", "gloo"]
+    ops, backends = ["all_reduce", "all_gather"], ["mpi", "gloo", "auto"]
     options = "--max-bytes 4K --iters 3 --warmup 1".split()
     command = [MPIEXEC, "-n", "2", sys.executable, "-m", "mcrdl.tools.bench", *options]
     command += ["--op", *ops, "--backend", *backends, "--json", str(out)]

@@ -19,7 +19,7 @@ from ._launch import fresh_probe
 # Run in a fresh interpreter. Each probe records ["ok", result (repr unless plain)] or
 # [exception class name, message, names of the class's MRO].
 _SCRIPT = textwrap.dedent(r'''
-    import json, sys
+    import json, os, sys
     import torch
     import mcrdl
 
@@ -62,6 +62,9 @@ _SCRIPT = textwrap.dedent(r'''
 
     # A bool is not a number of seconds (and must not become a 1 s timeout).
     probe("init timeout=True", lambda: mcrdl.init(["gloo"], timeout=True))
+    os.environ["MCRDL_TIMEOUT"] = "abc"
+    probe("init MCRDL_TIMEOUT=abc", lambda: mcrdl.init(["gloo"]))
+    del os.environ["MCRDL_TIMEOUT"]
     if mcrdl.is_initialized():
         mcrdl.finalize()
 
@@ -262,8 +265,28 @@ def test_usable_after_bad_new_group(fresh):
 
 
 def test_init_timeout_bool(fresh):
-    """timeout=True is not a number of seconds (bool is rejected for ranks and tags too)."""
+    """timeout=True is not a number of seconds (bool is rejected for ranks and tags too);
+    nor is MCRDL_TIMEOUT=abc (a bare ValueError before)."""
     _raised(fresh, "init timeout=True", mcrdl.InvalidArgumentError, "'timeout'", "True")
+    _raised(fresh, "init MCRDL_TIMEOUT=abc", mcrdl.InvalidArgumentError, "MCRDL_TIMEOUT='abc'")
+
+
+def test_log_level_takes_names_and_numbers_and_ignores_bad_values():
+    """MCRDL_LOG_LEVEL=10 made `import mcrdl` fail (ValueError: Unknown level)."""
+    import logging
+
+    log = logging.getLogger("mcrdl")
+    before = log.level
+    try:
+        mcrdl.api._log_level("10")
+        assert log.level == 10
+        mcrdl.api._log_level("warning")
+        assert log.level == logging.WARNING
+        with pytest.warns(UserWarning, match="MCRDL_LOG_LEVEL='loud'"):
+            mcrdl.api._log_level("loud")
+        assert log.level == logging.WARNING
+    finally:
+        log.setLevel(before)
 
 
 def test_stale_group_rejected(fresh):

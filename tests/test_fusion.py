@@ -135,12 +135,25 @@ class GpuOnly(mcrdl.Backend):
         got.append(tensor.device.type)
         raise mcrdl.BackendUnavailableError(f"gpuonly: got a tensor on {tensor.device}")
 
+class Some(mcrdl.Backend):
+    """A CPU backend with all_reduce only."""
+    capabilities = mcrdl.Capabilities(ops=frozenset({"all_reduce"}))
+
+    def all_reduce(self, tensor, op, group, async_op):
+        raise AssertionError("not called")
+
 mcrdl.register_backend("gpuonly", GpuOnly)
-mcrdl.init(["gloo", "gpuonly"])
+mcrdl.register_backend("some", Some)
+mcrdl.init(["gloo", "gpuonly", "some"])
 res = {}
 with mcrdl.extensions(fusion=True):
     d = mcrdl.api.current_runtime().dispatch
     res["fused"] = {name: isinstance(d[name], Fused) for name in ("gloo", "gpuonly")}
+    try:  # an op the backend lacks fails at the call, not at a later flush
+        mcrdl.bcast("some", torch.ones(4), src=0, async_op=True)
+        res["lacking"] = None
+    except mcrdl.UnsupportedOperationError as exc:
+        res["lacking"] = str(exc)
     try:
         mcrdl.all_reduce("gpuonly", torch.ones(4), async_op=True).wait()
         res["error"] = None
@@ -154,9 +167,12 @@ print("@@RESULT@@" + json.dumps(res))
 
 def test_fusion_wraps_only_backends_that_take_cpu_tensors():
     """Fusion buffers CPU tensors only: a GPU-only backend gets no fusion layer, so a CPU
-    call on it fails at the backend's own check (not in a fusion round's agreement)."""
+    call on it fails at the backend's own check (not in a fusion round's agreement). An
+    operation the backend lacks is not buffered either: it fails at the call (buffered,
+    it failed the whole round at the flush and left the backend unusable)."""
     from ._launch import fresh_probe
 
     res = fresh_probe(_GPU_ONLY)
     assert res["fused"] == {"gloo": True, "gpuonly": False}, res
     assert res["reached"] == ["cpu"] and "gpuonly: got a tensor on cpu" in res["error"], res
+    assert "bcast" in res["lacking"] and "'some'" in res["lacking"], res

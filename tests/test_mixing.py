@@ -152,3 +152,13 @@ def test_finalize_waits_for_a_late_rank_at_most_the_timeout():
     assert 2 * limit <= float(m.group(1)) < 2 * limit + 5, out
     assert "finalize (group world) did not complete within 4.0 s" in m.group(2), out
     assert re.search(r"rank 1: finalized after [\d.]+ s", out), out
+
+
+def test_lane_edges_p2p_past_a_collective_inference_mode_and_exit():
+    """2 ranks, small collectives on the blocking variant: a send is not held behind an
+    async blocking collective; async finish steps keep the caller's inference mode;
+    timeouts too large for the clock; an exit without finalize with an op in flight
+    ends cleanly (tests/mixing/lane_edges.py says how each is checked)."""
+    out = launch(2, "lane_edges.py", env={"MCRDL_MPI_BLOCKING": "always"}, timeout=120)
+    assert out.count("lane edges OK") == 2, out
+    assert "Segmentation" not in out and "signal" not in out.lower(), out

@@ -22,8 +22,9 @@ def test_run_resume_and_plot(tmp_path):
     out = tmp_path / "table.json"
     # --min-bytes 4: 4 B and 16 B both round to one float per rank at 3 ranks (regression:
     # a duplicate point once desynchronized the ranks)
-    common = ["run", "--op", "all_reduce", "all_gather", "barrier", "--min-bytes", "4",
-              "--max-bytes", "1K",
+    # pccl first: it has no barrier, and the suite lines the ranks up on another backend
+    common = ["run", "--backend", "pccl", "mpi", "gloo", "--op", "all_reduce", "all_gather",
+              "barrier", "--min-bytes", "4", "--max-bytes", "1K",
               "--factor", "4", "--group-sizes", "2", "3", "--iters", "2", "--warmup", "1",
               "--confirm", "0", "--output", str(out)]
     tune(common)
@@ -45,8 +46,12 @@ def test_run_resume_and_plot(tmp_path):
     # resume: drop one group size, the rerun measures only what is missing
     del data["ops"]["all_reduce"]["3"]
     out.write_text(json.dumps(data))
-    tune([*common, "--resume"])
+    # measured with another dtype: refused, not mixed into the table
+    msg = tune([*common, "--resume", "--dtype", "float64"], expect_rc=2)
+    assert "dtype: table measured with float32, this run float64" in msg, msg
+    tune([*common, "--resume", "--system", "CLUSTER-A"])
     again = json.loads(out.read_text())
+    assert again["provenance"]["system"] == "CLUSTER-A"
     assert set(again["ops"]["all_reduce"]) == {"2", "3"}
     assert again["ops"]["all_gather"] == data["ops"]["all_gather"]  # kept, not re-measured
     # confirmation pass: a forged isolated gloo win is re-measured, the median replaces it.
@@ -163,3 +168,17 @@ def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
     for op in BLOCKING_OPS:
         assert again.blocking_steps(op, 2, "mpi"), op
         assert all(t < 1.0 for t in again.times(op, 2, "mpi").values()), op
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--iters", "0"], "--iters: expected an integer >= 1"),
+    (["--warmup", "-1"], "--warmup: expected an integer >= 0"),
+    (["--overlap", "1"], "--overlap: expected 0 (off) or K >= 2"),
+    (["--confirm", "-2"], "--confirm: expected an integer >= 0"),
+])
+def test_run_options_are_checked(args, message, capsys):
+    from mcrdl.tools.tune import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--output", "x.json", *args])
+    assert message in capsys.readouterr().err

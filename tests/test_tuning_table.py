@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -185,7 +186,18 @@ def _rename_group(new_key):
     return mutate
 
 
+def _rename_op(new_name):
+    def mutate(d):
+        d["ops"][new_name] = d["ops"].pop("all_reduce")
+    return mutate
+
+
 BAD_DOCS = [
+    # rows under a name no lookup uses would load and be ignored
+    ("alias op", _rename_op("broadcast"), '$.ops["broadcast"]', 'own name "bcast"'),
+    ("unknown op", _rename_op("allreduce"), '$.ops["allreduce"]', "an mcrdl operation ("),
+    ("bad mode", _rename_op("all_reduce@overlap1"), '$.ops["all_reduce@overlap1"]',
+     '"all_reduce@overlap<K>" with K >= 2'),
     ("schema", _set(["schema"], "other-table"), "$.schema", '"mcrdl-tuning-table"'),
     ("version 4", _set(["version"], 4), "$.version",
      "expected 1, 2 or 3 (the table was written by a newer mcrdl: upgrade mcrdl"),
@@ -938,6 +950,11 @@ def test_table_steps_override_the_shipped_ones_per_op():
     assert mpi.blocking_steps("bcast", 2, "auto", table) == mpi.shipped_blocking()["bcast"][2]
     assert mpi.blocking_steps("all_reduce", 2, "never", table) == [(-1, False)]
     assert t.blocking_table("cray-mpich") == {}
+    # steps of an op without a blocking MPI variant (hand-made): refused at init, not ignored
+    t.set_blocking_steps("all_to_all", 2, "mpi", [(-1, True)])
+    backend = types.SimpleNamespace(blocking_source="mpi")  # what the check reads
+    with pytest.raises(TuningTableError, match=r"steps for \['all_to_all'\].*remove them"):
+        mpi.MPIBackend.use_tuning_table(backend, t)
 
 
 def test_readme_example_steps_are_the_derived_ones():
@@ -970,3 +987,58 @@ def test_suspicious_points_include_isolated_variant_flips():
         t3.add_variant("all_gather", 2, "mpi", n, "nonblocking", 3e-6)
         t3.add_variant("all_gather", 2, "mpi", n, "allreduce", 4e-6 if n == 512 else 1e-6)
     assert suspicious_points(t3, ["mpi"], 1.25) == [("all_gather", 2, 512)]
+
+
+def test_table_routes_each_payload_among_the_backends_of_its_device():
+    """With a table over a CPU and a GPU backend, a CPU tensor goes to the fastest CPU
+    backend and a GPU one to the fastest GPU backend, whatever the table says of the
+    other device's (a 1 MiB CPU tensor went to nccl, which refuses it)."""
+    import torch
+
+    from mcrdl.extensions import auto
+    from mcrdl.ops import OPS, ReduceOp
+
+    class Chain:  # stands in for a backend's layers: each op returns the backend's name
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, op):
+            if op in OPS:
+                return lambda *args: self.name
+            raise AttributeError(op)
+
+    class OnGpu:  # a payload on a GPU, as far as routing looks (is_cuda and size)
+        is_cuda = True
+
+        def __init__(self, n):
+            self.n = n
+
+        def numel(self):
+            return self.n
+
+        def element_size(self):
+            return 4
+
+    t = TuningTable()
+    for n, t_mpi, t_nccl in ((8, 3e-6, 2e-5), (1 << 20, 4e-4, 6e-5)):
+        t.add("all_reduce", 2, "mpi", n, t_mpi)
+        t.add("all_reduce", 2, "nccl", n, t_nccl)
+    chains = {"mpi": Chain("mpi"), "nccl": Chain("nccl")}
+    router = auto.build(chains, t, 2, {"mpi": frozenset({"cpu"}), "nccl": frozenset({"cuda"})})
+    for n in (2, 1 << 18):  # 8 B and 1 MiB
+        assert router.all_reduce(torch.zeros(n), ReduceOp.SUM, None, False) == "mpi"
+        assert router.all_reduce(OnGpu(n), ReduceOp.SUM, None, False) == "nccl"
+    # one device's backends only: the table as before
+    cpu_only = auto.build({"mpi": Chain("mpi"), "gloo": Chain("gloo")}, t, 2, {})
+    assert cpu_only.all_reduce(torch.zeros(2), ReduceOp.SUM, None, False) == "mpi"
+    # debug mode: by group size alone, so that ranks disagreeing on a call's size still
+    # meet on one backend, whose check then raises DesyncError (not a timeout on each)
+    t2 = TuningTable()
+    for n, t_mpi, t_gloo in ((8, 1e-6, 2e-6), (1 << 20, 4e-4, 1e-4)):
+        t2.add("all_reduce", 2, "mpi", n, t_mpi)
+        t2.add("all_reduce", 2, "gloo", n, t_gloo)
+    chains = {"mpi": Chain("mpi"), "gloo": Chain("gloo")}
+    normal, debug = auto.build(chains, t2, 2, {}), auto.build(chains, t2, 2, {}, debug=True)
+    sizes = (torch.zeros(2), torch.zeros(1 << 18))
+    assert [normal.all_reduce(x, ReduceOp.SUM, None, False) for x in sizes] == ["mpi", "gloo"]
+    assert {debug.all_reduce(x, ReduceOp.SUM, None, False) for x in sizes} == {"gloo"}

@@ -18,6 +18,7 @@ on uint8 0/1. Subclasses say how to build a process group and which devices they
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import threading
@@ -146,7 +147,11 @@ class LibraryWait:
             done = self._start_waiter().done.is_set()
         else:
             done = all(w.is_completed() for w in self._works)
-        return done and self.wait()
+        if not done:
+            return False
+        with contextlib.suppress(MCRDLError):  # failed: True, and wait() raises the error
+            self.wait()
+        return True
 
     def settled(self) -> bool:
         """Whether it is known complete (completing it then), without starting a waiter

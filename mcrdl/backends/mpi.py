@@ -23,7 +23,12 @@ from functools import cache
 from importlib import resources
 
 from .. import _C
-from ..bootstrap import MPICH_POSIX_COLL_CVAR, mpi_module, mpich_posix_coll_json
+from ..bootstrap import (
+    MPICH_POSIX_COLL_CVAR,
+    mpi_module,
+    mpich_posix_coll_json,
+    track_mpi_lane,
+)
 from ..errors import DesyncError
 from ..groups import Group, bad_group_error
 from ..launch import (
@@ -34,7 +39,13 @@ from ..launch import (
     oversubscribed,
 )
 from ..ops import OPS
-from ..tuning.schema import VARIANT_CODES, check_steps, op_variants, step_variant
+from ..tuning.schema import (
+    VARIANT_CODES,
+    TuningTableError,
+    check_steps,
+    op_variants,
+    step_variant,
+)
 from .base import Backend, Capabilities, InitContext
 
 log = logging.getLogger("mcrdl")
@@ -177,6 +188,7 @@ class MPILaneBackend(Backend):
         _C.set_idle_sleep(idle_sleep(local, cores))
         _C.set_hold_gil(1 if hold_gil_mode() == "auto" else 0)
         self._lane = _C.Lane(self.name)
+        track_mpi_lane(self._lane)
         self._comms: dict[int, object] = {}
         self._blocking_table: dict = {}  # op -> group size -> steps, from the tuning table
         # this node's ranks outnumber its cores (as this rank sees it); made exact and the
@@ -203,6 +215,12 @@ class MPILaneBackend(Backend):
         the ranks compare their choice (mode and steps) and raise DesyncError when it
         differs."""
         steps = {} if table is None else table.blocking_table(self.blocking_source)
+        odd = sorted(op for op in steps if op not in BLOCKING_OPS)
+        if odd:  # a hand-made table: these steps would never be read
+            raise TuningTableError(
+                f"tuning table: blocking steps for {odd} on backend {self.blocking_source!r}, "
+                f"which have no blocking MPI variant (those that have: {list(BLOCKING_OPS)}); "
+                "remove them from the table")
         mine = (self._blocking_mode(), steps)
         gathered = self.ctx.bootstrap.all_gather_object((mine, (node_id(), affinity_bits())))
         self._settle_oversubscription([where for _, where in gathered])

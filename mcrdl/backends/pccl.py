@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -115,6 +116,8 @@ class PCCLBackend(MPILaneBackend):
         self._mpi_comms: list = []
         self.layouts: dict[int, Layout] = {}
         self._hier: dict[int, _Hier] = {}
+        self._chained: list[ChainedWork] = []  # see _chain
+        self._chained_lock = threading.Lock()
         self._make(ctx.world)
 
     # -- communicators ----------------------------------------------------------------
@@ -195,6 +198,8 @@ class PCCLBackend(MPILaneBackend):
             h.queue.drain(timeout)
             h.queue.complete_all(max(deadline - time.monotonic(), 0.0))
         super().synchronize(max(deadline - time.monotonic(), 0.0))
+        for w in self._take_chained():  # their C++ steps are done: this runs each finish
+            w.wait(max(deadline - time.monotonic(), 0.0))
 
     def finalize(self) -> None:
         try:
@@ -202,7 +207,10 @@ class PCCLBackend(MPILaneBackend):
                 h.queue.close(self.ctx.timeout)
         finally:
             self._hier.clear()
-            super().finalize()
+            super().finalize()  # drains the lane: completed ops deliver their results
+            for w in self._take_chained():
+                with contextlib.suppress(Exception):  # an abandoned op: nothing to deliver
+                    w.is_completed()
         for c in self._mpi_comms:
             c.Free()
         self._mpi_comms.clear()
@@ -286,10 +294,27 @@ class PCCLBackend(MPILaneBackend):
                 f"{op}: backend 'pccl' runs its phases over MPI point-to-point and handles CPU "
                 f"tensors only here (got a tensor on {t.device}); use 'nccl' for GPU tensors")
 
+    def _chain(self, steps: list, finish) -> ChainedWork:
+        """The Work of an async op whose `finish` (a copy into the caller's tensor, AVG's
+        division, a cast back) runs in Python once its C++ steps completed: kept until it
+        ran, so that synchronize delivers the result as for the other backends."""
+        work = ChainedWork(steps, finish, self.name)
+        if finish is not None:
+            with self._chained_lock:
+                if len(self._chained) >= 256:
+                    self._chained = [w for w in self._chained if w.pending]
+                self._chained.append(work)
+        return work
+
+    def _take_chained(self) -> list[ChainedWork]:
+        with self._chained_lock:
+            chained, self._chained = self._chained, []
+        return chained
+
     def _run(self, post, finish, async_op):
         w = post(async_op)
         if async_op:
-            return ChainedWork([w], finish, self.name)
+            return self._chain([w], finish)
         if finish is not None:
             with torch.no_grad():
                 finish()
@@ -377,7 +402,7 @@ class PCCLBackend(MPILaneBackend):
         # both posted now: C++ starts an op of a communicator when the one before is done
         first = c.reduce_scatter(piece, buf, int(code), *algos, True)
         second = c.all_gather(_words(buf), _words(piece), *algos, True)
-        return ChainedWork([first, second], finish, self.name)
+        return self._chain([first, second], finish)
 
 
 def _then(*steps):

@@ -216,7 +216,7 @@ template <typename Done, typename Steps>
 bool poll_until(Done&& done, Steps&& steps, double timeout_s) {
   if (done()) return true;
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
+                                           std::chrono::duration<double>(bounded_wait(timeout_s)));
   Backoff backoff(false);
   uint32_t iter = 0;
   uint64_t seen = steps();
@@ -311,7 +311,7 @@ void Lane::shutdown(const std::string& why, double drain_s) {
     if (healthy() && drain_s > 0) {
       auto empty = [this] { return inflight_.empty(); };
       const double quiet = std::min(drain_s, kDrainQuietS);
-      drained = drained_.wait_for(g, std::chrono::duration<double>(quiet), empty);
+      drained = drained_.wait_for(g, std::chrono::duration<double>(bounded_wait(quiet)), empty);
       if (!drained && drain_s > quiet) {
         auto [ops, n] = unfinished(inflight_);
         std::fprintf(stderr,
@@ -320,7 +320,7 @@ void Lane::shutdown(const std::string& why, double drain_s) {
                      why.c_str(), drain_s - quiet, n, n == 1 ? "" : "s", name_.c_str(),
                      ops.c_str());
         std::fflush(stderr);
-        drained = drained_.wait_for(g, std::chrono::duration<double>(drain_s - quiet), empty);
+        drained = drained_.wait_for(g, std::chrono::duration<double>(bounded_wait(drain_s - quiet)), empty);
       }
     }
     stop_ = true;

@@ -19,6 +19,12 @@
 
 namespace mcrdl {
 
+// A wait of `s` seconds as the clocks can take it: at most a billion seconds (31 years,
+// "forever"), as are inf and NaN; converted to the clock's int64 nanoseconds, 1e10 s
+// overflowed into a deadline in the past, and the op timed out at once.
+constexpr double kMaxWaitS = 1e9;
+inline double bounded_wait(double s) { return s < kMaxWaitS ? s : kMaxWaitS; }
+
 class Lane;
 
 // How many times a waiter polls before it starts yielding the CPU between polls.

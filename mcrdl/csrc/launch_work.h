@@ -3,6 +3,7 @@
 // fails the lane, which keeps the op's buffers alive). Shared by MpiComm and PcclComm.
 #pragma once
 
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "lane.h"
@@ -12,6 +13,14 @@ namespace mcrdl {
 inline pybind11::object launch_work(const std::shared_ptr<Lane>& lane,
                                     const std::shared_ptr<Work>& w, bool async_op) {
   if (async_op) {
+    // The op's finish step (a cast back, AVG's division, copies into list outputs) runs
+    // on whichever thread sees it complete, often the lane's: under the caller's
+    // InferenceMode, or writing into an inference tensor raises there.
+    if (w->finish && c10::InferenceMode::is_enabled())
+      w->finish = [f = std::move(w->finish)] {
+        c10::InferenceMode guard;
+        f();
+      };
     lane->track(w);
     return pybind11::cast(w);
   }

@@ -182,6 +182,9 @@ PYBIND11_MODULE(_C, m) {
                                           "Handle of an async operation (API.md 'Work').")
       .def("wait",
            [](Work& w, std::optional<double> timeout) {
+             if (timeout && !(*timeout >= 0))
+               throw_invalid("Work.wait: 'timeout' is " + std::to_string(*timeout) +
+                             "; expected seconds >= 0, or None for the init timeout");
              py::gil_scoped_release nogil;
              w.wait(timeout ? *timeout : -1.0);
              return true;

@@ -63,8 +63,8 @@ C10_ALWAYS_INLINE ReducePlan reduce_plan(at::ScalarType t, int code) {
   switch (code) {
     case SUM: case AVG: op = MPI_SUM; break;
     case PRODUCT: op = MPI_PROD; break;
-    case MIN: op = MPI_MIN; break;
-    case MAX: op = MPI_MAX; break;
+    case MIN: op = minmax_op(false, type); break;
+    case MAX: op = minmax_op(true, type); break;
     case BAND: op = MPI_BAND; break;
     case BOR: op = MPI_BOR; break;
     case BXOR: op = MPI_BXOR; break;
@@ -757,11 +757,11 @@ class MpiComm {
     const MPI_Datatype dt = move_type(t.scalar_type());
     const int pr = static_cast<int>(peer), tg = static_cast<int>(tag);
     if (sending)
-      return post(op, "MPI_Isend", s, async_op, {},
-                  [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
-                    return MPIC(MPI_Isend)(t.data_ptr(), n, dt, pr, tg, c, r);
-                  });
-    return post(op, "MPI_Irecv", s, async_op, {}, [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
+      return post_p2p(op, "MPI_Isend", s, async_op,
+                      [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
+                        return MPIC(MPI_Isend)(t.data_ptr(), n, dt, pr, tg, c, r);
+                      });
+    return post_p2p(op, "MPI_Irecv", s, async_op, [t, n, dt, pr, tg, c = comm_](MPI_Request* r) {
       return MPIC(MPI_Irecv)(t.data_ptr(), n, dt, pr, tg, c, r);
     });
   }
@@ -827,8 +827,27 @@ class MpiComm {
   py::object post(const char* op, const char* mpi_name, std::shared_ptr<InFlight> s,
                   bool async_op, std::function<void()> finish, PostFn&& post_fn,
                   Keep&& keep = [] { return std::vector<at::Tensor>{}; }) {
+    return post_in(false, op, mpi_name, std::move(s), async_op, std::move(finish),
+                   std::forward<PostFn>(post_fn), std::forward<Keep>(keep));
+  }
+
+  // post() of a send or receive: always from this thread, never queued behind the issue
+  // thread's collectives. Only collectives must reach MPI in issue order; a send held
+  // behind a blocking collective that waits for the peer of that very send (w =
+  // all_reduce(async_op=True); send(x, 1); w.wait() against recv(x, 0); all_reduce())
+  // deadlocked. Sends and receives all posted from callers keep MPI's order among them.
+  template <typename PostFn>
+  py::object post_p2p(const char* op, const char* mpi_name, std::shared_ptr<InFlight> s,
+                      bool async_op, PostFn&& post_fn) {
+    return post_in(true, op, mpi_name, std::move(s), async_op, {},
+                   std::forward<PostFn>(post_fn), [] { return std::vector<at::Tensor>{}; });
+  }
+
+  template <typename PostFn, typename Keep>
+  py::object post_in(bool p2p, const char* op, const char* mpi_name, std::shared_ptr<InFlight> s,
+                     bool async_op, std::function<void()> finish, PostFn&& post_fn, Keep&& keep) {
     auto g = lock_post();
-    if (!async_op && issuer_->idle()) {
+    if (!async_op && (p2p || issuer_->idle())) {
       const uint64_t seq = next_seq(op);
       const double timeout_s = timeout_s_;  // as make_work: read under the post lock
       check_mpi(post_fn(s->req()), mpi_name);
@@ -853,7 +872,7 @@ class MpiComm {
     w->finish = std::move(finish);
     append(s->keep, keep());
     auto test = testall(s, w->op());
-    if (issuer_->idle()) {
+    if (p2p || issuer_->idle()) {
       check_mpi(post_fn(s->req()), mpi_name);
       g.unlock();
       w->test = std::move(test);
@@ -919,10 +938,15 @@ class MpiComm {
       // it to flush a round).
       const bool hold = may_hold_gil();
       {
+        // ended however the call leaves (an exception too): else the issuer never idles
+        // again and every later op of this communicator queues behind nothing
+        struct EndDirect {
+          Issuer* issuer;
+          ~EndDirect() { issuer->end_direct(); }
+        } end{issuer_.get()};
         WatchGuard watch(slots_.get(), op, &backend_, &group_, seq, timeout_s_, hold);
         rc = gil_kept_if(hold, call);
       }
-      issuer_->end_direct();
       check_mpi(rc, mpi_name);
       if (finish) finish();
       return py::none();

@@ -5,7 +5,9 @@
 #include <mpi.h>
 
 #include <climits>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -31,6 +33,50 @@ inline mcount to_mcount(int64_t n, const char* op) {
                 std::string(op) + ": " + std::to_string(n) +
                     " elements exceed this MPI's int counts (MPI < 4.0 has no large-count calls)");
   return static_cast<mcount>(n);
+}
+
+// MIN and MAX of floating types (MPI_FLOAT, MPI_DOUBLE; halves are reduced in float32)
+// as user-defined commutative ops. MPI's built-in ones compare with <, so over a NaN, or
+// -0 and +0, the result depends on the operand order, and the ranks of one collective
+// combine in different orders: an all_reduce(MIN) with a NaN on rank 0 ended as 2.0 on
+// one rank and NaN on the other. These give the same whatever the order: a quiet NaN if
+// any operand is NaN (as torch.minimum), else the extreme, -0 below +0.
+template <typename T, bool kMax>
+inline T ordered_minmax(T a, T b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<T>::quiet_NaN();
+  if (a == b) return std::signbit(a) != kMax ? a : b;
+  return (a < b) != kMax ? a : b;
+}
+
+template <bool kMax, typename Len>
+void minmax_fn(void* in, void* inout, Len* len, MPI_Datatype* dt) {
+  auto run = [&](auto* a, const auto* b) {
+    using T = std::remove_pointer_t<decltype(a)>;
+    for (Len i = 0; i < *len; ++i) a[i] = ordered_minmax<T, kMax>(b[i], a[i]);
+  };
+  if (*dt == MPI_DOUBLE)
+    run(static_cast<double*>(inout), static_cast<const double*>(in));
+  else
+    run(static_cast<float*>(inout), static_cast<const float*>(in));
+}
+
+template <bool kMax>
+MPI_Op make_minmax_op() {
+  MPI_Op op = MPI_OP_NULL;
+#if MPI_VERSION >= 4
+  MPI_Op_create_c(&minmax_fn<kMax, MPI_Count>, 1, &op);
+#else
+  MPI_Op_create(&minmax_fn<kMax, int>, 1, &op);
+#endif
+  return op;
+}
+
+// MPI's op for MIN (`max` false) or MAX over `type`: the ordered ones above for MPI_FLOAT
+// and MPI_DOUBLE, MPI's own for integers. Made on first use (MPI is initialized by then).
+inline MPI_Op minmax_op(bool max, MPI_Datatype type) {
+  if (type != MPI_FLOAT && type != MPI_DOUBLE) return max ? MPI_MAX : MPI_MIN;
+  static const MPI_Op ops[2] = {make_minmax_op<false>(), make_minmax_op<true>()};
+  return ops[max];
 }
 
 inline void check_mpi(int rc, const char* what) {

@@ -58,12 +58,13 @@ Algo parse_algo(const std::string& a, const char* op, const char* arg) {
   throw_invalid(std::string(op) + ": '" + arg + "' must be 'ring', 'rd' or 'mpi', got '" + a + "'");
 }
 
-MPI_Op mpi_op(int code) {
+// MPI's op of `code` over elements of `type` (MPI_DATATYPE_NULL: only check the code).
+MPI_Op mpi_op(int code, MPI_Datatype type = MPI_DATATYPE_NULL) {
   switch (code) {
     case SUM: return MPI_SUM;
     case PRODUCT: return MPI_PROD;
-    case MIN: return MPI_MIN;
-    case MAX: return MPI_MAX;
+    case MIN: return type == MPI_DATATYPE_NULL ? MPI_MIN : minmax_op(false, type);
+    case MAX: return type == MPI_DATATYPE_NULL ? MPI_MAX : minmax_op(true, type);
     case BAND: return MPI_BAND;
     case BOR: return MPI_BOR;
     case BXOR: return MPI_BXOR;
@@ -108,8 +109,9 @@ void apply(T* __restrict__ a, const T* __restrict__ b, int64_t n, F f) {
   for (int64_t i = 0; i < n; ++i) a[i] = f(a[i], b[i]);
 }
 
-// a = a (op) b on CPU, elementwise, with ATen's semantics: integers wrap, MIN/MAX
-// propagate NaN.
+// a = a (op) b on CPU, elementwise, with ATen's semantics: integers wrap. MIN/MAX of
+// floats are mpi_util.h's ordered ones (as the phases the MPI library runs): NaN
+// propagates and the result never depends on the operand order, which differs by rank.
 template <typename T>
 void reduce_loop(T* a, const T* b, int64_t n, int code) {
   if constexpr (std::is_integral_v<T>) {
@@ -127,8 +129,8 @@ void reduce_loop(T* a, const T* b, int64_t n, int code) {
     switch (code) {
       case SUM: return apply(a, b, n, [](T x, T y) { return x + y; });
       case PRODUCT: return apply(a, b, n, [](T x, T y) { return x * y; });
-      case MIN: return apply(a, b, n, [](T x, T y) { return x != x ? x : (y != y || y < x) ? y : x; });
-      case MAX: return apply(a, b, n, [](T x, T y) { return x != x ? x : (y != y || x < y) ? y : x; });
+      case MIN: return apply(a, b, n, [](T x, T y) { return ordered_minmax<T, false>(x, y); });
+      case MAX: return apply(a, b, n, [](T x, T y) { return ordered_minmax<T, true>(x, y); });
     }
   }
   throw_invalid(std::string("pccl: reduce op ") + reduce_name(code) + " is not defined for this dtype");
@@ -137,7 +139,8 @@ void reduce_loop(T* a, const T* b, int64_t n, int code) {
 // acc[aoff:aoff+n] = acc[...] (op) x[xoff:xoff+n], on the tensors' device.
 void reduce_into(const Flat& acc, int64_t aoff, const Flat& x, int64_t xoff, int64_t n, int code) {
   if (n == 0) return;
-  if (acc.cpu && x.cpu && n <= kLoopMax) {
+  // MIN/MAX in these loops at any size: ATen's depend on the operand order over -0, +0
+  if (acc.cpu && x.cpu && (n <= kLoopMax || code == MIN || code == MAX)) {
     switch (acc.t.scalar_type()) {
       case at::kFloat: return reduce_loop((float*)acc.at(aoff), (const float*)x.at(xoff), n, code);
       case at::kDouble: return reduce_loop((double*)acc.at(aoff), (const double*)x.at(xoff), n, code);
@@ -386,7 +389,8 @@ void reduce_scatter_steps(Schedule& s, const Flat& acc, const Flat& tmp, const F
                        [=] {
                          return MPIC(MPI_Reduce_scatter_block)(
                              acc.base, out.base, to_mcount(n, "pccl reduce_scatter"),
-                             move_type(acc.t.scalar_type()), mpi_op(code), c.comm);
+                             move_type(acc.t.scalar_type()),
+                             mpi_op(code, move_type(acc.t.scalar_type())), c.comm);
                        },
                        "MPI_Reduce_scatter_block"});
     return;
@@ -396,7 +400,8 @@ void reduce_scatter_steps(Schedule& s, const Flat& acc, const Flat& tmp, const F
                          q.push_back(MPI_REQUEST_NULL);
                          check_mpi(MPIC(MPI_Ireduce_scatter_block)(
                                        acc.base, out.base, to_mcount(n, "pccl reduce_scatter"),
-                                       move_type(acc.t.scalar_type()), mpi_op(code), c.comm,
+                                       move_type(acc.t.scalar_type()),
+                             mpi_op(code, move_type(acc.t.scalar_type())), c.comm,
                                        &q.back()),
                                    "MPI_Ireduce_scatter_block");
                        },

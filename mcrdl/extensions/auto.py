@@ -2,9 +2,13 @@
 concrete backend and hands it to that backend's layers.
 
 With a tuning table, a call goes to the backend the table predicts fastest for
-(operation, group size, bytes) among the initialized ones; an exchange whose bytes
-differ by rank (uneven all_to_all) goes by group size alone, as the table's choice for
-its largest messages, so that every rank picks the same backend; calls the table cannot place
+(operation, group size, bytes) among the initialized ones that take the payload's device
+(a CPU tensor never goes to "nccl", a GPU tensor never to a CPU-only backend); an
+exchange whose bytes differ by rank (uneven all_to_all) goes by group size alone, as the
+table's choice for its largest messages, so that every rank picks the same backend;
+in debug mode (MCRDL_DEBUG=1) every call goes by group size alone, so that ranks that
+disagree on a call's size still meet on one backend, whose check reports it
+(DesyncError) instead of each rank timing out on another backend; calls the table cannot place
 (no data, malformed arguments) take the fixed rule, whose backend then validates them.
 The fixed rule, without a table: tensors on a GPU to "nccl" (or "rccl") when
 initialized, other tensors to "mpi" when initialized, else "gloo", else the first
@@ -68,9 +72,11 @@ def load_table(path: str | None):
     return table
 
 
-def build(chains: dict, table, world_size: int):
+def build(chains: dict, table, world_size: int, devices: dict | None = None,
+          debug: bool = False):
     """The object the front calls for "auto" over `chains` (backend name -> the top of
-    its layers); None when no backend is initialized."""
+    its layers); None when no backend is initialized. `devices`: backend name -> the
+    device types it takes (its Capabilities; default: CPU only); `debug`: debug mode."""
     def first(names):
         return next((chains[n] for n in names if n in chains), None)
 
@@ -81,7 +87,9 @@ def build(chains: dict, table, world_size: int):
         fixed = cpu or gpu or next(iter(chains.values()))
     else:
         return None
-    return fixed if table is None else ByTable(table, chains, fixed, world_size)
+    if table is None:
+        return fixed
+    return ByTable(table, chains, fixed, world_size, devices or {}, debug)
 
 
 class _Router:
@@ -106,29 +114,36 @@ class _Router:
 class ByTable(_Router):
     """"auto" with a tuning table; see the module docstring."""
 
-    def __init__(self, table, chains: dict, fixed, world_size: int):
+    def __init__(self, table, chains: dict, fixed, world_size: int, devices: dict,
+                 debug: bool = False):
         self._table, self._chains, self._fixed = table, chains, fixed
-        self._names = tuple(chains)
-        self._world_size = world_size
+        self._world_size, self._debug = world_size, debug
+        # the candidates for a payload on a GPU and for any other payload
+        takes = {n: devices.get(n, frozenset({"cpu"})) for n in chains}
+        self._names = {False: tuple(n for n in chains if "cpu" in takes[n]),
+                       True: tuple(n for n in chains if "cuda" in takes[n])}
+        self._mixed = self._names[False] != self._names[True]
         super().__init__(list(chains.values()))
 
     def route(self, spec: OpSpec) -> Callable:
         op, table, chains, names = spec.name, self._table, self._chains, self._names
         fallback = getattr(self._fixed, op)
         nbytes_of, at_group, world_size = spec.nbytes_of, len(spec.params), self._world_size
-        uneven = _uneven(spec)
-        routes: dict = {}  # (group size, bytes) -> the chosen backend's callable
+        uneven = (lambda args: True) if self._debug else _uneven(spec)
+        on_gpu = _on_gpu(spec) if self._mixed else None
+        routes: dict = {}  # (group size, bytes, payload on a GPU) -> the backend's callable
 
         def call(*args):
             try:
                 group = args[at_group]
                 gsize = world_size if group is None else group.size
-                key = (gsize, UNEVEN_BYTES if uneven(args) else nbytes_of(args, gsize))
+                key = (gsize, UNEVEN_BYTES if uneven(args) else nbytes_of(args, gsize),
+                       on_gpu(args) if on_gpu else False)
             except (AttributeError, TypeError, IndexError):  # let a backend say what is wrong
                 return fallback(*args)
             fn = routes.get(key)
             if fn is None:
-                name = table.lookup(op, gsize, key[1], names)
+                name = table.lookup(op, gsize, key[1], names[key[2]])
                 fn = getattr(chains[name], op) if name else fallback
                 if len(routes) >= _ROUTES_MAX:
                     routes.clear()
@@ -136,6 +151,16 @@ class ByTable(_Router):
             return fn(*args)
 
         return call
+
+
+def _on_gpu(spec: OpSpec) -> Callable[[tuple], bool]:
+    """Whether a call of `spec` has its payload (its first tensor) on a GPU."""
+    if spec.payload is None:
+        return lambda args: False
+    at = spec.index[spec.payload]
+    if spec.params[at].kind is Kind.TENSOR_LIST:
+        return lambda args: bool(args[at]) and getattr(args[at][0], "is_cuda", False)
+    return lambda args: getattr(args[at], "is_cuda", False)
 
 
 class ByDevice(_Router):
@@ -150,13 +175,9 @@ class ByDevice(_Router):
         on_cpu, on_gpu = getattr(self._cpu, spec.name), getattr(self._gpu, spec.name)
         if spec.payload is None:
             return on_cpu
-        at = spec.index[spec.payload]
-        is_list = spec.params[at].kind is Kind.TENSOR_LIST
+        gpu_payload = _on_gpu(spec)
 
         def call(*args):
-            t = args[at]
-            if is_list:
-                t = t[0] if t else None
-            return (on_gpu if getattr(t, "is_cuda", False) else on_cpu)(*args)
+            return (on_gpu if gpu_payload(args) else on_cpu)(*args)
 
         return call

@@ -49,6 +49,7 @@ from .. import _C
 from ..errors import DesyncError
 from ..ops import FUSABLE_OPS, OPS, OpSpec, ReduceOp
 from ..ordering import IssueQueue, Task
+from .base import layers
 from .config import FusionConfig
 from .ordered import OrderedLayer
 
@@ -307,12 +308,7 @@ class FusionBuffer(IssueQueue):
                 self._items.popleft()
         self.rounds += 1
         _tally(agreed, proposal)
-        try:
-            self._post(chunks, blocking=waiting)
-        except BaseException as exc:
-            for chunk in chunks:
-                chunk.fail(exc)
-            raise
+        self._post(chunks, blocking=waiting)
         self._notify_posted()
 
     def _agree(self, proposal: int) -> int:
@@ -327,9 +323,14 @@ class FusionBuffer(IssueQueue):
         about to wait anyway, which spares the hand-off to the backend's lane."""
         if len(self.batches) >= 64:
             self.batches = [b for b in self.batches if not b.done]
-        for chunk in chunks:
-            work, copy_back = _POST[chunk.kind](self.inner, chunk, self.group, self.gsize,
-                                                self.grank, not blocking)
+        for i, chunk in enumerate(chunks):
+            try:
+                work, copy_back = _POST[chunk.kind](self.inner, chunk, self.group, self.gsize,
+                                                    self.grank, not blocking)
+            except BaseException as exc:  # the chunks posted before keep their batches
+                for rest in chunks[i:]:
+                    rest.fail(exc)
+                raise
             batch = Batch(work, copy_back)
             if blocking:
                 batch.complete(None)
@@ -351,6 +352,14 @@ class FusionBuffer(IssueQueue):
         super().complete_all(max(deadline - time.monotonic(), 0.0))
 
 
+def _implements(top, op: str) -> bool:
+    """Whether the backend under `top` (and the layers below this one) has `op`."""
+    below = layers(top)
+    backend = below[-1].inner if below else top
+    supported = getattr(type(backend), "supported_ops", None)
+    return supported is None or op in supported()
+
+
 class Fused(OrderedLayer):
     """Wrapper backend doing tensor fusion; see the module docstring."""
 
@@ -360,6 +369,10 @@ class Fused(OrderedLayer):
         super().__init__(inner, rt)
 
     def wrap(self, spec: OpSpec, forward):
+        if not _implements(self.inner, spec.name):
+            # raises UnsupportedOperationError at the call: were it buffered, at a flush
+            # that failed the whole round; were it queued in order, only at its wait
+            return forward
         if spec.name not in self._config.ops:  # pass through, in order
             return self.passthrough(spec, forward)
         if spec.name == "all_reduce":  # world calls: one C++ call (_all_reduce the others)

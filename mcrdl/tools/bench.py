@@ -72,14 +72,14 @@ def element_count(op: str, nbytes: int, itemsize: int, nranks: int) -> int:
     return count
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
@@ -126,11 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="element type (default float32)",
     )
     parser.add_argument(
-        "--iters", type=_positive_int, default=20, help="timed iterations (default 20)"
+        "--iters", type=positive_int, default=20, help="timed iterations (default 20)"
     )
     parser.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=5,
         help="untimed iterations before timing (default 5)",
     )
@@ -251,7 +251,7 @@ def time_call(
 ) -> float:
     """Median over iterations of the per-iteration max over ranks (of `group`), in s."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    backend = _barrier_backend(backend)  # pccl has no barrier: line up on another one
+    backend = barrier_backend(backend)  # pccl has no barrier: line up on another one
     for _ in range(warmup):
         mcrdl.barrier(backend, group=group)
         call()
@@ -268,10 +268,13 @@ def time_call(
     return statistics.median(worst.tolist())
 
 
-def _barrier_backend(backend: str) -> str:
+def barrier_backend(backend: str) -> str:
     """`backend` when it has barrier (and all_reduce), else the first initialized one
     that has (the ranks line up before each timed call and agree on the slowest)."""
     from mcrdl.backends.registry import backend_class
+
+    if backend == "auto":  # routes both to a backend that has them
+        return backend
 
     def has(b: str) -> bool:
         ops = backend_class(b).supported_ops()

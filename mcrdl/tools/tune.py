@@ -27,11 +27,19 @@ from collections.abc import Sequence
 
 from mcrdl.tuning.sizes import add_size_sweep_args, check_size_sweep, size_range
 
-from .bench import DTYPES
+from .bench import DTYPES, non_negative_int, positive_int
 
 
 def _sizes(args) -> list[int]:
     return size_range(args.min_bytes, args.max_bytes, args.factor)
+
+
+def _overlap(text: str) -> int:
+    value = int(text)
+    if value == 1 or value < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected 0 (off) or K >= 2 ops in flight at once, got {text}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,12 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--group-sizes", type=int, nargs="+", default=None, metavar="S",
                    help="group sizes to measure (default 2, 4, ... and the world size)")
     r.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    r.add_argument("--iters", type=int, default=20,
+    r.add_argument("--iters", type=positive_int, default=20,
                    help="timed iterations up to 64 KiB, scaled down above (default 20)")
-    r.add_argument("--warmup", type=int, default=3, help="untimed iterations (default 3)")
-    r.add_argument("--overlap", type=int, default=0, metavar="K",
-                   help="also time K concurrent async ops per point (paper's overlapped mode)")
-    r.add_argument("--confirm", type=int, default=3, metavar="N",
+    r.add_argument("--warmup", type=non_negative_int, default=3,
+                   help="untimed iterations (default 3)")
+    r.add_argument("--overlap", type=_overlap, default=0, metavar="K",
+                   help="also time K >= 2 concurrent async ops per point (paper's overlapped "
+                        "mode; default 0: off)")
+    r.add_argument("--confirm", type=non_negative_int, default=3, metavar="N",
                    help="re-measure isolated or close winners N more times, keep the median "
                         "(default 3; 0 turns the confirmation pass off)")
     r.add_argument("--confirm-margin", type=float, default=1.25, metavar="R",
@@ -77,7 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     import mcrdl
-    from mcrdl.tuning.provenance import current_provenance
     from mcrdl.tuning.table import TuningTable
 
     from .tuning_suite import SuiteConfig, default_group_sizes, run_suite
@@ -92,19 +101,16 @@ def _run(args) -> int:
             print(f"mcrdl-tune: --group-sizes {bad} outside 1..{world}", file=sys.stderr)
         mcrdl.finalize()
         return 2
-    exists = os.path.exists(args.output)
-    if exists and not (args.resume or args.force):
+    command = "mcrdl-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    # Rank 0 decides and reads --output, and every rank takes its table: every rank must
+    # make the same skip decisions, and --output need not be on a shared file system.
+    error, doc = mcrdl.broadcast_object(_start(args, command) if rank == 0 else None)
+    if error:
         if rank == 0:
-            print(f"mcrdl-tune: {args.output} exists; pass --resume to continue it or --force "
-                  "to overwrite it", file=sys.stderr)
+            print(f"mcrdl-tune: {error}", file=sys.stderr)
         mcrdl.finalize()
         return 2
-    command = "mcrdl-tune " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    table = TuningTable(current_provenance(command))
-    if args.system:
-        table.provenance["system"] = args.system
-    if exists and args.resume:
-        table = TuningTable.load(args.output)  # every rank reads it: same skip decisions
+    table = TuningTable.from_dict(doc, source=args.output)
     cfg = SuiteConfig(ops=args.op, backends=backends, sizes=_sizes(args),
                       group_sizes=group_sizes, dtype=args.dtype, iters=args.iters,
                       warmup=args.warmup, overlap=args.overlap, confirm=args.confirm,
@@ -126,6 +132,39 @@ def _run(args) -> int:
               f"group sizes {group_sizes}, backends {backends})")
     mcrdl.finalize()
     return 0
+
+
+def _start(args, command: str) -> tuple[str | None, dict | None]:
+    """(why the run cannot start, None) or (None, the table to start from as a
+    document): a new one, or --output's to --resume."""
+    from mcrdl.tuning.provenance import current_provenance
+    from mcrdl.tuning.schema import TuningTableError
+    from mcrdl.tuning.table import TuningTable
+
+    current = current_provenance(command)
+    current["dtype"] = args.dtype
+    if args.system:
+        current["system"] = args.system
+    if not os.path.exists(args.output) or args.force:
+        return None, TuningTable(current).to_dict()
+    if not args.resume:
+        return (f"{args.output} exists; pass --resume to continue it or --force to overwrite "
+                "it"), None
+    try:
+        table = TuningTable.load(args.output)
+    except TuningTableError as e:
+        return f"cannot resume: {e}", None
+    # points measured with other libraries or another dtype would mix into one table
+    stale = table.stale_reasons(current)
+    had = table.provenance.get("dtype", "float32")  # tables before the key: the default
+    if had != args.dtype:
+        stale.append(f"dtype: table measured with {had}, this run {args.dtype}")
+    if stale:
+        return (f"cannot resume {args.output}: {'; '.join(stale)}. Resume it with what it "
+                "was measured with, or start over with --force"), None
+    if args.system:
+        table.provenance["system"] = args.system
+    return None, table.to_dict()
 
 
 class _progress:
@@ -226,11 +265,13 @@ def _show(args) -> int:
                                             for n, b in table.winners(op, g)))
             for b, st in steps.items():
                 if st:
-                    print(f"  {b} blocking calls run: " + ", ".join(
-                        f"{step_variant(v)} "
-                        + (f"up to {format_size(hi)} B" if hi >= 0
-                           else "above" if i else "at every size")
-                        for i, (hi, v) in enumerate(st)))
+                    parts = [f"{step_variant(v)} "
+                             + (f"up to {format_size(hi)} B" if hi >= 0
+                                else "above" if i else "at every size")
+                             for i, (hi, v) in enumerate(st)]
+                    if st[-1][0] >= 0:  # past the last step: the nonblocking call
+                        parts.append("nonblocking above")
+                    print(f"  {b} blocking calls run: " + ", ".join(parts))
     return 0
 
 

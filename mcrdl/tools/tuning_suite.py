@@ -41,7 +41,7 @@ import mcrdl
 from mcrdl.ops import COLLECTIVES
 from mcrdl.tuning.table import TuningTable, variant_winners
 
-from .bench import DTYPES, device_for, element_count, make_call, time_call
+from .bench import DTYPES, barrier_backend, device_for, element_count, make_call, time_call
 
 #: Operations tuned by default: every collective (point to point is not tuned).
 DEFAULT_OPS = COLLECTIVES
@@ -81,8 +81,8 @@ def iters_for(nbytes: int, cfg: SuiteConfig) -> int:
 
 def _quiet_barrier(backend: str) -> None:
     """World barrier whose waiters sleep instead of polling (idle ranks must not steal
-    CPU from the ranks being measured)."""
-    work = mcrdl.barrier(backend, async_op=True)
+    CPU from the ranks being measured); on another backend when `backend` has none."""
+    work = mcrdl.barrier(barrier_backend(backend), async_op=True)
     while not work.is_completed():
         time.sleep(0.002)
     work.wait()

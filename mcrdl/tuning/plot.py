@@ -79,12 +79,15 @@ def plot_table(path: str, out_dir: str = ".") -> list[str]:
         for ax, g in zip(axes[0], gsizes, strict=True):
             for b in table.backends(op):
                 ns, ts = table.points(op, g, b)
-                pts = [(n, t * 1e6) for n, t in zip(ns, ts, strict=True) if t is not None]
+                # barrier is stored at 0 B, which a log axis cannot show: drawn at 1 B
+                pts = [(max(n, 1), t * 1e6) for n, t in zip(ns, ts, strict=True)
+                       if t is not None]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), marker=".", label=b, color=color[b])
                 for v, pts in sorted(table.variant_times(op, g, b).items()):
                     if pts:
-                        ax.plot([n for n in sorted(pts)], [pts[n] * 1e6 for n in sorted(pts)],
+                        ax.plot([max(n, 1) for n in sorted(pts)],
+                                [pts[n] * 1e6 for n in sorted(pts)],
                                 linestyle={"blocking": "--", "allreduce": "-."}.get(v, ":"),
                                 linewidth=1,
                                 label=f"{b} ({v})", color=color[b])

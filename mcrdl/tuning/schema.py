@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from ..errors import InvalidArgumentError
+from ..ops import ALIASES, OPS
 
 SCHEMA = "mcrdl-tuning-table"
 VERSION = 3
@@ -166,14 +167,30 @@ def decode(d: object, source: str = "<dict>") -> Document:
     steps: dict[tuple[str, int, str], Steps] = {}
     for op, groups in ops.items():
         opath = f"$.ops[{_key(op)}]"
-        if not isinstance(op, str) or not op:
-            _fail(src, opath, "a non-empty operation name", op)
+        _check_op(op, src, opath)
         if not isinstance(groups, dict):
             _fail(src, opath, 'an object {"<group size>": entry}', groups)
         for gkey, entry in groups.items():
             points.extend(_read_entry(op, gkey, entry, version, steps, src,
                                       f"{opath}[{_key(gkey)}]"))
     return Document(provenance, points, steps)
+
+
+def _check_op(op: object, src: str, path: str) -> None:
+    """A row's name: an operation of mcrdl.ops by its own name (an alias or a misspelling
+    would load and never be looked up), optionally ``@overlap<K>``, K >= 2."""
+    if not isinstance(op, str) or not op:
+        _fail(src, path, "a non-empty operation name", op)
+    base, at, mode = op.partition("@")
+    if base in ALIASES:
+        _fail(src, path, f'the operation\'s own name "{ALIASES[base]}{at}{mode}", not an alias',
+              op)
+    if base not in OPS:
+        _fail(src, path, "an mcrdl operation (" + ", ".join(OPS) + "), optionally with "
+              "@overlap<K>", op)
+    k = mode[len("overlap"):]
+    if at and not (mode.startswith("overlap") and k.isdigit() and int(k) >= 2):
+        _fail(src, path, f'"{base}" or "{base}@overlap<K>" with K >= 2', op)
 
 
 def check_provenance(prov: object, src: str, path: str) -> dict:

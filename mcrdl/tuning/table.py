@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
+import json
 import math
 import operator
 import os
@@ -304,6 +306,12 @@ class TuningTable:
                 table._set(p.op, p.group_size, p.backend, p.nbytes, p.seconds)
         table._steps = dict(doc.steps)
         return table
+
+    def digest(self) -> str:
+        """A hash of the table's contents (what :meth:`to_dict` writes): equal tables,
+        equal digests, wherever they were loaded from."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def save(self, path) -> None:
         """Write the table to ``path`` atomically (``schema.write``): an interrupted save

@@ -647,6 +647,30 @@ def test_reduce_op_aliases(world, backend):
     chk.done(len(todo))
 
 
+@pytest.mark.parametrize("backend", WITH_AUTO)
+def test_min_max_over_nan_and_signed_zeros_agree_on_every_rank(world, backend):
+    """MIN/MAX over a NaN held by one rank, and over -0 and +0: undefined which value
+    comes out (docs/api.md), but every rank ends with the same bits. MPI's own MPI_MIN
+    compares with <, and ranks combining in other orders ended with 2.0 on one rank and
+    NaN on another."""
+    results = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for op in (mcrdl.ReduceOp.MIN, mcrdl.ReduceOp.MAX):
+            for nan_rank in range(world.size):
+                t = torch.full((5,), float(world.rank + 1), dtype=dtype)
+                if world.rank == nan_rank:
+                    t[1:4] = float("nan")
+                t[4] = -0.0 if world.rank % 2 else 0.0
+                mcrdl.all_reduce(backend, t, op=op)
+                results.append(t.view(torch.int16 if t.element_size() == 2 else
+                                      torch.int32 if t.element_size() == 4 else
+                                      torch.int64).tolist())
+    everyone = mcrdl.all_gather_object(results)
+    differ = [(i, [v[i] for v in everyone]) for i in range(len(results))
+              if any(v[i] != everyone[0][i] for v in everyone)]
+    assert not differ, f"ranks disagree on {len(differ)} of {len(results)} results: {differ[:3]}"
+
+
 def test_mixed_backends(world):
     """Async ops of two backends issued and waited in different orders on different ranks."""
     chk = Checker(world, "mixed_backends", "mpi+gloo")

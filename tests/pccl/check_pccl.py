@@ -131,6 +131,8 @@ def main() -> int:
         for intra in ("mpi", "gloo") if hierarchical and not CORE else ("mpi",):
             with use_algorithms("auto", intra):
                 checks += check_wait_order(rank, world, groups[1][0])
+    with timed(took, "NaN and signed zeros"):
+        checks += check_nan_agreement(rank, world, hierarchical)
     with timed(took, "C++ vs Python"):
         checks += check_cpp_vs_python(rank, world)
     if world >= 4 and hierarchical and rank in groups[2][1]:  # the uneven group ran flat
@@ -182,12 +184,36 @@ def check_reductions(dtype, op, shape, group, ranks, me, p, key) -> int:
     return 2
 
 
+def check_nan_agreement(rank, world, hierarchical) -> int:
+    """MIN/MAX over a NaN held by one rank and over -0/+0, by each algorithm (the MPI
+    library's collectives in a phase too, and 70000 elements past the loops' size, where
+    ATen's kernels were used): every rank ends with the same bits, NaN propagated."""
+    results = []
+    algos = [a for a in ALGOS[:4] if a[1] != "gloo" or hierarchical]
+    for inter, intra in algos:
+        with use_algorithms(inter, intra):
+            for op in (mcrdl.ReduceOp.MIN, mcrdl.ReduceOp.MAX):
+                for n in (5, 70000):
+                    t = torch.full((n,), float(rank + 1))
+                    if rank == world - 1:
+                        t[1:4] = float("nan")
+                    t[4] = -0.0 if rank % 2 else 0.0
+                    mcrdl.all_reduce("pccl", t, op=op)
+                    assert torch.isnan(t[1:4]).all() or intra == "gloo", (inter, intra, t[:5])
+                    results.append(t[:5].view(torch.int32).tolist())
+    everyone = mcrdl.all_gather_object(results)
+    assert all(v == everyone[0] for v in everyone), (algos, everyone)
+    return len(results)
+
+
 def check_wait_order(rank, world, group) -> int:
     """Async ops waited in a different order on different ranks (odd ranks newest
-    first) still pair up: every rank posts each op's phases in issue order."""
+    first) still pair up: every rank posts each op's phases in issue order. Then
+    synchronize without a wait delivers every result (all_reduce's copy out of its
+    padded buffer ran only on wait)."""
     p = world if group is None else group.size
     checks = 0
-    for it in range(4):
+    for it in range(5):
         a = torch.full((7,), float(rank + 1))
         b = torch.full((5,), 100.0 * (rank + 1))
         gathered = torch.empty(p * 3, dtype=torch.int64)
@@ -197,7 +223,10 @@ def check_wait_order(rank, world, group) -> int:
               mcrdl.all_reduce("pccl", b, group=group, async_op=True)]
         if rank % 2:
             ws.reverse()
-        if it % 2:  # polling, then waiting
+        if it == 4:
+            mcrdl.synchronize("pccl")
+            ws = []
+        elif it % 2:  # polling, then waiting
             # (sleeping between polls: a spinning rank takes the CPU from the ranks it
             # waits for, 4 to 6 ranks sharing 2 cores; spinning took up to 20 s here)
             deadline = time.monotonic() + 60

@@ -55,10 +55,38 @@ w = mcrdl.all_to_all("auto", outs, [torch.full((per[rank],), float(rank))] * n, 
 w.wait()
 assert w.backend == "mpi", w.backend
 assert torch.equal(torch.cat(outs), expected)
+mcrdl.init(["mpi"])  # a later init without a table keeps routing by this one
+w = mcrdl.all_reduce("auto", large, async_op=True)
+w.wait()
+assert w.backend == "gloo", w.backend
 try:  # bad arguments still raise the right error through "auto"
     mcrdl.all_reduce("auto", torch.ones(4, 2).t())
     raise AssertionError("no error")
 except mcrdl.InvalidArgumentError:
     pass
+mcrdl.finalize()
+
+# Every rank must route by the same table. Tables given by path that differ: init refuses
+# on every rank. Tables each rank found by itself (the shipped one for its host) that
+# differ: rank 0's is used everywhere.
+from mcrdl.extensions import auto  # noqa: E402
+from mcrdl.tuning.table import TuningTable  # noqa: E402
+
+mine = TuningTable.load(sys.argv[1])
+for size in (8, 64, 1024):  # rank 0: mpi wins small all_reduces; the others: gloo does
+    mine.add("all_reduce", n, "mpi", size, 1e-6 if rank == 0 else 9.0)
+own = f"{sys.argv[1]}.rank{rank}.json"
+mine.save(own)
+try:
+    mcrdl.init(["mpi", "gloo"], tuning_table=own)
+    raise AssertionError("ranks with different tables were not refused")
+except mcrdl.DesyncError as e:
+    assert "tuning table" in str(e) and "same file" in str(e), e
+mcrdl.finalize()
+auto.load_table = lambda path: TuningTable.load(own) if path is None else None
+mcrdl.init(["mpi", "gloo"])
+w = mcrdl.all_reduce("auto", torch.ones(2), async_op=True)
+w.wait()
+assert w.backend == "mpi", w.backend  # rank 0's table, on every rank
 mcrdl.finalize()
 print("auto routing OK")
