@@ -290,8 +290,9 @@ class IssueQueue:
                         self._cv.wait(min(max(deadline - time.monotonic(), 0.0), 0.05))
             if not item.posted and time.monotonic() > deadline:
                 raise CommTimeoutError(
-                    f"{self.name}: a deferred call was not posted within the timeout; a rank "
-                    "of the group may never have issued the calls before it")
+                    f"{self.name}: deferred call number {item.seq} (in issue order) was not "
+                    "posted within the timeout; a rank of the group may never have issued the "
+                    "calls before it")
         if item.error is not None:
             raise item.error
 

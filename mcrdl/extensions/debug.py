@@ -202,10 +202,11 @@ class _Agreement:
     """The side channel of one (backend, group) and the queue its calls are checked and
     posted in."""
 
-    __slots__ = ("channel", "queue", "gname")
+    __slots__ = ("channel", "queue", "gname", "calls")
 
     def __init__(self, channel, queue: IssueQueue, gname: str):
         self.channel, self.queue, self.gname = channel, queue, gname
+        self.calls = 0  # collectives checked so far: a call's sequence number
 
 
 class Debugged(Layer):
@@ -288,26 +289,29 @@ class Debugged(Layer):
         agreement = self._groups.get(0 if group is None else group.id)
         if agreement is None:
             raise bad_group_error(group)
+        agreement.calls += 1
+        seq = agreement.calls
         try:
             call = validate(call, size, rank)
         except Exception:
             # One signature per call keeps the channel aligned; the others see the error.
             sig = np.full(_HEADER + 2 * size, _LOCAL_ERROR, dtype=np.int64)
             with contextlib.suppress(CommTimeoutError, DesyncError):
-                agreement.queue.run_task(lambda: self._agree(op, agreement, sig), self.name,
-                                         False)
+                agreement.queue.run_task(lambda: self._agree(op, agreement, sig, seq),
+                                         self.name, False)
             raise
         sig = signature(call, size)
         posted = call.replace(async_op=True)
 
         def post():
-            self._agree(op, agreement, sig)
+            self._agree(op, agreement, sig, seq)
             return ChainedWork([posted.forward(forward)], backend=self.name)
 
         return agreement.queue.run_task(post, self.name, call.async_op)
 
-    def _agree(self, op: str, agreement: _Agreement, sig: np.ndarray) -> None:
-        """Exchange `sig` with the group and compare every rank's view (a task step)."""
+    def _agree(self, op: str, agreement: _Agreement, sig: np.ndarray, seq: int) -> None:
+        """Exchange `sig` (of call `seq`) with the group and compare every rank's view (a
+        task step)."""
         channel = agreement.channel
         handle = channel.post(sig)
         limit = self._timeout_of()
@@ -316,7 +320,8 @@ class Debugged(Layer):
             world = [channel.ranks[p] for p in gone]
             self._fail(f"{op} timed out in debug mode")
             raise CommTimeoutError(
-                f"{op} on backend '{self.name}' (group {agreement.gname}) did not start within "
+                f"{op} on backend '{self.name}' (group {agreement.gname}, sequence number "
+                f"{seq}) did not start within "
                 f"{limit} s: group rank(s) {gone} (world rank(s) {world}) never called it "
                 "(debug mode: their call signature never arrived)")
         views = np.asarray(handle[1])
