@@ -205,6 +205,27 @@ def gloo_variants(op: str, group, inp: torch.Tensor, out: torch.Tensor) -> Varia
     }
 
 
+def verify(what: str, variants: Variants, inp: torch.Tensor, out: torch.Tensor, rank: int,
+           barrier: Callable[[], object]) -> None:
+    """After timing (on zeros, which a call that moves nothing would leave right): each
+    variant once on rank-dependent data into a sentinel output, which must equal what the
+    raw library's blocking call gives. Exits with a message when one differs."""
+    results = {}
+    for name, call in variants.items():
+        with torch.no_grad():
+            inp.copy_((torch.arange(inp.numel()) % 7 + 3 * rank + 1).to(inp.dtype))
+            if out is not inp:
+                out.fill_(-1)
+        barrier()
+        call()
+        results[name] = out.clone()
+    ref = results["blocking"]
+    bad = [name for name, got in results.items() if not torch.equal(got, ref)]
+    if bad:
+        raise SystemExit(f"overhead: {what}: {', '.join(bad)} gave other results than the raw "
+                         "library's blocking call")
+
+
 def measure(
     variants: Variants,
     barrier: Callable[[], object],
@@ -357,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         medians = measure(
             variants, barrier, sync, iters_for(nbytes, args), args.warmup, args.block_iters
         )
+        verify(f"{backend} {op} {nbytes} B", variants, inp, out, rank, barrier)
         return nbytes, medians
 
     env = environment(sync)

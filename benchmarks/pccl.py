@@ -87,6 +87,23 @@ def main() -> int:
         f"{mcrdl.bootstrap.mpi_module().Get_library_version().splitlines()[0].strip()}")
     sizes = size_range(args.min_bytes, args.max_bytes, args.factor)
 
+    def check(op: str, backend: str, algo, n: int) -> None:
+        """One call on rank-dependent data into a sentinel output, against numpy (the
+        timed calls move ones, which an all_gather that moves nothing leaves right)."""
+        mine = (torch.arange(n * world) % 5 + rank).float()
+        ref = np.stack([np.arange(n * world) % 5 + r for r in range(world)]).astype(np.float32)
+        if op == "all_gather":
+            out = torch.full((n * world,), -1.0)
+            mcrdl.all_gather(backend, out, mine[:n].clone())
+            want = ref[:, :n].reshape(-1)
+        else:
+            out = torch.full((n,), -1.0)
+            mcrdl.reduce_scatter(backend, out, mine)
+            want = ref.sum(0)[rank * n:(rank + 1) * n]
+        if not np.array_equal(out.numpy(), want):
+            raise SystemExit(f"pccl benchmark: {op} on {backend} ({algo}) at {n} floats a "
+                             "rank gave a wrong result")
+
     # 1. the backends side by side
     variants = [("pccl ring", "pccl", "ring"), ("pccl rd", "pccl", "rd"), ("mpi", "mpi", None)]
     if not args.no_gloo:
@@ -107,6 +124,7 @@ def main() -> int:
                 with use_algorithms(inter=algo or "auto"):
                     row.append(timed(fn, iters_for(nbytes * world, args.iters),
                                      back_for(nbytes * world)))
+                    check(op, b, algo, n)
             best = min(row)
             say(f"  {format_size(nbytes):>8} " + " ".join(
                 f"{t * 1e6:>10.1f}{'*' if t == best else ' '}" for t in row))

@@ -25,7 +25,8 @@ device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if gpu
           else torch.device("cpu"))
 torch.set_num_threads(1)
 
-grad = torch.randn((64 if gpu else 8) * 1024 * 1024 // 4, device=device)  # "gradients"
+# "gradients": each rank's own value, so that the sums can be checked at the end
+grad = torch.full(((64 if gpu else 8) * 1024 * 1024 // 4,), float(rank + 1), device=device)
 n = 4096 if gpu else 384
 a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
 
@@ -63,11 +64,17 @@ def overlapped():
                                                            # current stream waits)
 
 
-t_comp, t_comm, t_both = timed(compute), timed(comm), timed(overlapped)
-expect = grad.clone()
-mcrdl.all_reduce(backend, expect)
+REPS = 5
+t_comp, t_comm = timed(compute, REPS), timed(comm, REPS)
+t_both = timed(overlapped, REPS)
+# 2 x REPS all_reduces: the first summed the ranks' values (size (size + 1) / 2), each
+# later one multiplied that by size (exact in float32 at these sizes)
+want = size * (size + 1) / 2 * size ** (2 * REPS - 1)
+ok = bool(torch.all(grad == want))
 if rank == 0:
     print(f"{backend}, {size} ranks: compute {t_comp * 1e3:.1f} ms, all_reduce "
           f"{t_comm * 1e3:.1f} ms, overlapped {t_both * 1e3:.1f} ms "
           f"(serial sum {(t_comp + t_comm) * 1e3:.1f} ms)")
+print(f"rank {rank}: all_reduce results {'OK' if ok else 'WRONG'}", flush=True)
 mcrdl.finalize()
+sys.exit(0 if ok else 1)

@@ -20,6 +20,8 @@ from mcrdl.ops import OPS
 from mcrdl.tools import bench
 from mcrdl.tuning import sizes
 
+from ._launch import skip_without
+
 MPIEXEC = shutil.which("mpiexec")
 RUN_TIMEOUT_S = 300
 
@@ -45,8 +47,9 @@ def run_command(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
-@pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found on PATH")
 def test_two_ranks_json_rows_are_sane(tmp_path):
+    if MPIEXEC is None:
+        skip_without("mpiexec not found on PATH")
     out = tmp_path / "bench.json"
     ops, backends = ["all_reduce", "all_gather"], ["mpi", "gloo", "auto"]
     options = "--max-bytes 4K --iters 3 --warmup 1".split()

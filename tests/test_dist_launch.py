@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ._launch import FULL
+from ._launch import FULL, skip_without
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -80,7 +80,7 @@ def test_dist_conformance(nprocs, debug, mpi_blocking):
     default run checks that variant in test_blocking.py); elsewhere by its measurements."""
     mpiexec = _mpiexec()
     if mpiexec is None:
-        pytest.skip(f"no mpiexec in {os.path.join(sys.prefix, 'bin')} nor on PATH")
+        skip_without(f"no mpiexec in {os.path.join(sys.prefix, 'bin')} nor on PATH")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_COMM_WORLD", "HYDRA_", "PYTEST_"))}
     env.update(MCRDL_TIMEOUT="60", MCRDL_DIST_TEST="1", MCRDL_DEBUG=debug,

@@ -16,6 +16,7 @@ def test_listing3_overlap(backend):
                         os.path.join(EXAMPLES, "listing3_overlap.py"), backend],
                        env=dict(os.environ, MCRDL_TIMEOUT="60"), timeout=180)
     assert f"{backend}, 2 ranks: compute" in out and "overlapped" in out, out
+    assert out.count("all_reduce results OK") == 2, out  # every sum checked
 
 
 def test_listing4_two_backends():

@@ -33,7 +33,7 @@ def _launches_see_the_gpus():
 def test_listing3_overlap_on_nccl():
     out = run_launcher([mpiexec_or_skip(), "-n", "1", sys.executable,
                         os.path.join(EXAMPLES, "listing3_overlap.py"), "nccl"], timeout=300)
-    assert "nccl, 1 ranks: compute" in out, out
+    assert "nccl, 1 ranks: compute" in out and "all_reduce results OK" in out, out
 
 
 def test_listing4_nccl_and_mpi():

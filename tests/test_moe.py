@@ -250,3 +250,21 @@ def test_tiled_optimizer_peak_memory_profiled():
             peak = max(peak, live)
         assert opt.peak_temp_bytes["e"] == want and want <= peak <= want + 16, (peak, want)
         opt.zero_grad()
+
+
+def test_aux_loss_against_hand_computation():
+    """Switch's load-balancing loss, E x sum_i f_i P_i (f_i: the fraction of tokens whose
+    first choice is expert i, P_i: the mean router probability of expert i), computed
+    from the logits with math.exp, not torch.softmax."""
+    import math
+
+    from training.moe import route
+
+    rows = [[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [1.0, 0.0]]  # first choices 0, 1, 0, 0
+    probs = [[math.exp(v) / sum(math.exp(u) for u in r) for v in r] for r in rows]
+    P = [sum(p[i] for p in probs) / 4 for i in range(2)]
+    f = [3 / 4, 1 / 4]
+    want = 2 * (f[0] * P[0] + f[1] * P[1])
+    r = route(torch.tensor([rows]), top_k=1, capacity=4)
+    assert float(r.aux_loss) == pytest.approx(want, rel=1e-6)
+    assert r.kept == 4 and r.assigned == 4

@@ -26,7 +26,7 @@ from mcrdl.torch_backend.process_group import (
     explicit_timeout,
 )
 
-from ._launch import FULL, mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, run_launcher, skip_without
 from .test_mixing import _alive
 
 HERE = os.path.join(os.path.dirname(__file__), "torch_backend")
@@ -55,7 +55,7 @@ def launch(launcher: str, n: int, script: str, *args, env=None, timeout=300, exp
         if not os.path.exists(torchrun):
             torchrun = shutil.which("torchrun")
         if not torchrun:
-            pytest.skip("torchrun not found")
+            skip_without("torchrun not found")
         cmd = [torchrun, "--standalone", "--nproc-per-node", str(n)]
     cmd += [sys.executable, script, *map(str, args)] if launcher == "mpiexec" else \
         [script, *map(str, args)]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from ._launch import run_launcher
+from ._launch import run_launcher, skip_without
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "torchrun", "run_gloo.py")
 
@@ -20,7 +20,7 @@ def test_gloo_under_torchrun(store):
     if not os.path.exists(torchrun):
         torchrun = shutil.which("torchrun")
     if not torchrun:
-        pytest.skip("torchrun not found")
+        skip_without("torchrun not found")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA"))}
     env.update(MCRDL_TIMEOUT="60")

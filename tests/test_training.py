@@ -11,7 +11,14 @@ import sys
 import pytest
 import torch
 
-from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher, without_launcher
+from ._launch import (
+    FULL,
+    mpiexec_or_skip,
+    pythonpath,
+    run_launcher,
+    skip_without,
+    without_launcher,
+)
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +91,7 @@ def test_entry_point_torchrun(tmp_path):
     if not os.path.exists(torchrun):
         torchrun = shutil.which("torchrun")
     if not torchrun:
-        pytest.skip("torchrun not found")
+        skip_without("torchrun not found")
     env = {k: v for k, v in _env().items()
            if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_", "HYDRA"))}
     out = run_launcher([torchrun, "--standalone", "--nproc_per_node", "2", "-m",
@@ -372,3 +379,25 @@ def test_command_exit_codes(capsys):
     assert run_command(parse, run, ["other"], layout_errors=(ValueError,),
                        layout_errors_agree=False) == 2
     assert capsys.readouterr().err.endswith("error (rank ?): v\n")
+
+
+def test_lr_schedule_and_decay_groups_against_hand_values():
+    """The schedule and the decay groups the serial references share with the engines,
+    checked against values worked out by hand (a wrong warmup or decay, or biases in the
+    decay group, would pass every parity run)."""
+    import math
+
+    from training.optim import OptimConfig, param_groups
+
+    oc = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=12)
+    # warmup: (step + 1) / 4; cosine from step 4 (ratio 0) to 12 (ratio 1); then min_lr
+    want = {0: 0.25, 3: 1.0, 4: 1.0, 8: 0.55, 11: 0.1 + 0.45 * (1 + math.cos(7 * math.pi / 8)),
+            12: 0.1, 100: 0.1}
+    for step, lr in want.items():
+        assert oc.lr_at(step) == pytest.approx(lr, abs=1e-12), step
+    lin, norm, emb = torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Embedding(5, 4)
+    model = torch.nn.ModuleList([lin, norm, emb])
+    decay, rest = param_groups(model.parameters(), 0.1)
+    assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(lin.weight), id(emb.weight)}
+    assert {id(p) for p in rest["params"]} == {id(lin.bias), id(norm.weight), id(norm.bias)}

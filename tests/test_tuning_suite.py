@@ -46,9 +46,13 @@ def test_run_resume_and_plot(tmp_path):
     # resume: drop one group size, the rerun measures only what is missing
     del data["ops"]["all_reduce"]["3"]
     out.write_text(json.dumps(data))
-    # measured with another dtype: refused, not mixed into the table
-    msg = tune([*common, "--resume", "--dtype", "float64"], expect_rc=2)
-    assert "dtype: table measured with float32, this run float64" in msg, msg
+    # measured with another dtype: refused, not mixed into the table (rank 0's decision,
+    # taken here without a launch)
+    from mcrdl.tools import tune as tune_cli
+
+    args = tune_cli.build_parser().parse_args([*common, "--resume", "--dtype", "float64"])
+    error, doc = tune_cli._start(args, "test")
+    assert doc is None and "dtype: table measured with float32, this run float64" in error
     tune([*common, "--resume", "--system", "CLUSTER-A"])
     again = json.loads(out.read_text())
     assert again["provenance"]["system"] == "CLUSTER-A"

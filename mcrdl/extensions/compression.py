@@ -36,8 +36,8 @@ Error bounds (zfp 1.0 documentation): "accuracy" keeps every value within
 exponent emax (k(1) = 20, k(2) = 125, ...); "rate" stores every block of 4**d values in
 ``round(4**d * rate)`` bits (the queue is written in 64-bit words after a 96-bit
 header) with no error bound. A compressed all_reduce(SUM) adds up to one error bound
-per rank. Tensors are compressed with their own shape (up to 4-D; more dims are
-folded into the first).
+per rank. Tensors are compressed with their own shape less its size-1 dimensions (up
+to 4-D; more dims are folded into the first).
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ def compression_stats(reset: bool = False) -> dict[str, dict]:
 
 
 def _zfp_shape(shape: tuple) -> tuple:
+    """The shape given to zfp: without size-1 dimensions (as 2-D, a (1, n) tensor filled
+    each 4x4 block with 4 values and 12 of padding, and was sent raw), up to 4 dims."""
+    shape = tuple(n for n in shape if n != 1)
     if not shape:
         return (1,)
     if len(shape) > 4:

@@ -326,6 +326,7 @@ with mcrdl.extensions(fusion={"buffer_bytes": 4096, "wait_us": 1e8}):  # rounds 
     if any(t.ne(float(sum(range(size)) + size * k)).any() for k, t in enumerate(ts)):
         failures.append("fused calls cut into runs of at most B bytes have wrong results")
 
+mcrdl.barrier("mpi")  # in step: a rank late by the delay below would look on time
 with mcrdl.extensions(fusion={"wait_us": 1e6}):  # wait(timeout) honours a short timeout
     t = torch.full((3,), float(rank))
     if rank == size - 1:

@@ -31,7 +31,9 @@ def smooth_data(shape, dtype) -> np.ndarray:
 
 
 def zfp_shape(shape: tuple) -> tuple:
-    """The shape mcrdl gives zfp: up to 4 dims, more folded into the first."""
+    """The shape mcrdl gives zfp: size-1 dims dropped, up to 4 dims, more folded into
+    the first."""
+    shape = tuple(n for n in shape if n != 1)
     if not shape:
         return (1,)
     return tuple(shape) if len(shape) <= 4 else (math.prod(shape[:-3]), *shape[-3:])
@@ -58,6 +60,26 @@ def precision_violations(orig: np.ndarray, got: np.ndarray, p: int) -> int:
         emax = math.floor(math.log2(fmax))
         bad += float(np.abs(a[idx].astype(np.float64) - b[idx]).max()) > k * 2.0 ** (emax - p)
     return bad
+
+
+def block_bounds(orig: np.ndarray, mode: str, value: float) -> np.ndarray:
+    """Per value of `orig`, the error bound of its zfp block (shape of `orig`): precision
+    `value` p, k(d) * 2**(emax - p); rate, a share of the block's largest magnitude, 1/2
+    in 1-D blocks and 1/8 in larger ones (zfp gives no bound; measured at 8 bits a value
+    on normal data over 20 seeds: within 25% in 1-D blocks of 4 values, 6.5% in 2-D,
+    4% in 3-D); accuracy, the tolerance `value`."""
+    a = orig.reshape(zfp_shape(orig.shape)).astype(np.float64)
+    out = np.zeros_like(a)
+    if mode == "accuracy":
+        out[...] = value
+        return out.reshape(orig.shape)
+    for idx in blocks(a):
+        fmax = float(np.abs(a[idx]).max())
+        if fmax == 0.0:
+            continue
+        out[idx] = (K[a.ndim] * 2.0 ** (math.floor(math.log2(fmax)) - value)
+                    if mode == "precision" else fmax / (2 if a.ndim == 1 else 8))
+    return out.reshape(orig.shape)
 
 
 def rate_bytes(shape: tuple, rate: float, itemsize: int) -> int | None:

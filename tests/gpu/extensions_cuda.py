@@ -22,6 +22,9 @@ assert torch.all(g == 1).item() and torch.all(c == 1)
 checks.append("auto routes cuda->nccl, cpu->mpi")
 
 # fusion: many small async all_reduces of CUDA tensors, mixed dtypes, SUM and AVG
+from mcrdl.extensions import fusion_stats  # noqa: E402
+
+fusion_stats(reset=True)
 with mcrdl.extensions(fusion=True):
     ts = [torch.full((n,), float(i + 1), device=dev, dtype=dt)
           for i, (n, dt) in enumerate([(7, torch.float32), (300, torch.float32),
@@ -35,6 +38,8 @@ with mcrdl.extensions(fusion=True):
 torch.cuda.synchronize(dev)
 for t, r in zip(ts, refs, strict=True):
     assert t.device == dev and torch.equal(t, r), (t, r)
+stats = fusion_stats()  # CUDA tensors go to nccl as they are, never buffered
+assert stats["calls"] == 0 and stats["flushes"] == 0, stats
 checks.append("fusion on cuda tensors")
 
 # compression: GPU tensors pass through uncompressed (exact), CPU float32 is compressed
@@ -66,12 +71,14 @@ assert rows and sum(r["count"] for r in rows) == 4, rows
 assert sum(r["bytes"] for r in rows) == 4 * (4 << 20), rows
 checks.append("log records nccl calls")
 
-# a blocking nccl call orders the caller's stream: the result is read right after
+# a blocking nccl call orders the caller's stream: its output is read right after (an
+# all_gather into a sentinel buffer: at one rank a bcast would write nothing to check)
 s = torch.cuda.Stream(device=dev)
 with torch.cuda.stream(s):
     z = torch.arange(1 << 22, device=dev, dtype=torch.float32)
-    mcrdl.bcast("nccl", z, src=0)
-    total = z.sum().item()
+    zo = torch.full_like(z, -1.0)
+    mcrdl.all_gather("nccl", zo, z)
+    total = zo.sum().item()
 assert total == float((1 << 22) * ((1 << 22) - 1) // 2), total
 checks.append("blocking call on a side stream")
 

@@ -49,6 +49,7 @@ def complete_by(w, how: str, what: str) -> float:
 def check(backend: str) -> None:
     for k, how in enumerate(("wait", "poll")):
         tag = 10 + k
+        mcrdl.barrier(backend)  # in step: a receiver late by DELAY would find the data there
         if rank == 1:
             buf = torch.zeros(64)
             w = mcrdl.recv(backend, buf, src=0, tag=tag, async_op=True)
