@@ -40,16 +40,16 @@ def test_run_resume_and_plot(tmp_path):
             assert set(entry["times"]) == {"mpi", "gloo", "pccl"}  # every usable backend
             assert all(t is not None and t > 0 for ts in entry["times"].values() for t in ts)
             assert entry["winners"] and entry["winners"][0][1] in ("mpi", "gloo", "pccl")
-    # an existing table is not overwritten by accident
-    msg = tune(common, expect_rc=2)
-    assert "--resume" in msg
+    # an existing table is not overwritten by accident (rank 0's decision, taken here
+    # without a launch: _run prints it and exits 2 on every rank)
+    from mcrdl.tools import tune as tune_cli
+
+    error, doc = tune_cli._start(tune_cli.build_parser().parse_args(common), "test")
+    assert doc is None and "pass --resume to continue it or --force" in error
     # resume: drop one group size, the rerun measures only what is missing
     del data["ops"]["all_reduce"]["3"]
     out.write_text(json.dumps(data))
-    # measured with another dtype: refused, not mixed into the table (rank 0's decision,
-    # taken here without a launch)
-    from mcrdl.tools import tune as tune_cli
-
+    # measured with another dtype: refused, not mixed into the table
     args = tune_cli.build_parser().parse_args([*common, "--resume", "--dtype", "float64"])
     error, doc = tune_cli._start(args, "test")
     assert doc is None and "dtype: table measured with float32, this run float64" in error
