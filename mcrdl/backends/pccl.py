@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _C
-from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
 from ..groups import Group
 from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
 from ..ordering import IssueQueue
@@ -294,11 +294,11 @@ class PCCLBackend(MPILaneBackend):
                 f"{op}: backend 'pccl' runs its phases over MPI point-to-point and handles CPU "
                 f"tensors only here (got a tensor on {t.device}); use 'nccl' for GPU tensors")
 
-    def _chain(self, steps: list, finish) -> ChainedWork:
+    def _chain(self, steps: list, finish, cls: type = ChainedWork) -> ChainedWork:
         """The Work of an async op whose `finish` (a copy into the caller's tensor, AVG's
         division, a cast back) runs in Python once its C++ steps completed: kept until it
         ran, so that synchronize delivers the result as for the other backends."""
-        work = ChainedWork(steps, finish, self.name)
+        work = cls(steps, finish, self.name)
         if finish is not None:
             with self._chained_lock:
                 if len(self._chained) >= 256:
@@ -394,15 +394,40 @@ class PCCLBackend(MPILaneBackend):
             more, shuffle = self._gather_phases(*dh, buf, piece, algos[0])
             return self._staged(dh[1], phases + more, _then(shuffle, finish), async_op)
         if not async_op:
-            c.reduce_scatter(piece, buf, int(code), *algos, False)
-            c.all_gather(_words(buf), _words(piece), *algos, False)
+            try:
+                c.reduce_scatter(piece, buf, int(code), *algos, False)
+                c.all_gather(_words(buf), _words(piece), *algos, False)
+            except CommTimeoutError as exc:
+                raise _as_all_reduce(exc) from None
             with torch.no_grad():
                 finish()
             return None
         # both posted now: C++ starts an op of a communicator when the one before is done
         first = c.reduce_scatter(piece, buf, int(code), *algos, True)
         second = c.all_gather(_words(buf), _words(piece), *algos, True)
-        return self._chain([first, second], finish)
+        return self._chain([first, second], finish, _AllReduceWork)
+
+
+def _as_all_reduce(exc: CommTimeoutError) -> CommTimeoutError:
+    """A timeout of one of all_reduce's phases (a reduce_scatter, then an all_gather, each
+    a C++ op of its own) as all_reduce's: the message names the op the caller made."""
+    text = str(exc)
+    for phase in ("reduce_scatter", "all_gather"):
+        if text.startswith(f"{phase} on backend"):
+            return CommTimeoutError(f"all_reduce (its {phase} phase){text[len(phase):]}")
+    return exc
+
+
+class _AllReduceWork(ChainedWork):
+    """all_reduce's two phases, whose timeout names all_reduce (_as_all_reduce)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            return super().wait(timeout)
+        except CommTimeoutError as exc:
+            raise _as_all_reduce(exc) from None
 
 
 def _then(*steps):
