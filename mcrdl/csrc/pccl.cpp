@@ -384,25 +384,24 @@ void reduce_scatter_steps(Schedule& s, const Flat& acc, const Flat& tmp, const F
     s.steps.push_back({nullptr, [=] { copy_into(out, 0, acc, 0, n); }});
     return;
   }
-  if (algo == Algo::Mpi && blocking) {
-    s.steps.push_back({nullptr, nullptr,
-                       [=] {
-                         return MPIC(MPI_Reduce_scatter_block)(
-                             acc.base, out.base, to_mcount(n, "pccl reduce_scatter"),
-                             move_type(acc.t.scalar_type()),
-                             mpi_op(code, move_type(acc.t.scalar_type())), c.comm);
-                       },
-                       "MPI_Reduce_scatter_block"});
-    return;
-  }
   if (algo == Algo::Mpi) {
+    const MPI_Datatype dt = move_type(acc.t.scalar_type());
+    const MPI_Op op = mpi_op(code, dt);
+    if (blocking) {
+      s.steps.push_back({nullptr, nullptr,
+                         [=] {
+                           return MPIC(MPI_Reduce_scatter_block)(
+                               acc.base, out.base, to_mcount(n, "pccl reduce_scatter"), dt, op,
+                               c.comm);
+                         },
+                         "MPI_Reduce_scatter_block"});
+      return;
+    }
     s.steps.push_back({[=](std::vector<MPI_Request>& q) {
                          q.push_back(MPI_REQUEST_NULL);
                          check_mpi(MPIC(MPI_Ireduce_scatter_block)(
                                        acc.base, out.base, to_mcount(n, "pccl reduce_scatter"),
-                                       move_type(acc.t.scalar_type()),
-                             mpi_op(code, move_type(acc.t.scalar_type())), c.comm,
-                                       &q.back()),
+                                       dt, op, c.comm, &q.back()),
                                    "MPI_Ireduce_scatter_block");
                        },
                        nullptr});
