@@ -40,7 +40,7 @@ def test_samo_parity_and_checkpoints(tmp_path):
         assert re.search(rf"samo bf16 {re.escape(grid)}.* bit-identical to dense masked",
                          out), (grid, out)
     assert out.count("communication OK") == 2, out
-    for line in ("resume OK", "consolidate OK", "checkpoint errors OK"):
+    for line in ("resume OK", "consolidate OK", "checkpoint errors OK", "replica masks OK"):
         assert line in out, out
     assert "pruned to sparsity 0.9 (global, rounds before steps 0), SAMO" in out, out
     r = subprocess.run([sys.executable, "-m", "training.checkpoint", "consolidate", str(cli),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -257,10 +258,14 @@ class Pruning:
     each parameter tensor (`named_params`, model order), and the optimizer it applies to
     (``attach``). The first round, when at step 0, runs at construction from the
     parameters themselves (the fp32 masters start as their copies), so that SAMO's
-    optimizer is built already compressed. Collective over `pipe_group` (global scope)."""
+    optimizer is built already compressed. Collective over `pipe_group` (global scope)
+    and, after every round, over `data_group`: the stage's data-parallel replicas must
+    have chosen the same mask (their gradients are all-reduced entry by entry at the
+    index), else every rank raises DesyncError."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
-                 sparsity: float, schedule: list[PruneRound], scope: str, pipe_group=None):
+                 sparsity: float, schedule: list[PruneRound], scope: str, pipe_group=None,
+                 data_group=None):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = [n for n, _ in named]
         self.shapes = [tuple(p.shape) for _, p in named]
@@ -269,21 +274,52 @@ class Pruning:
         if scope not in SCOPES:
             raise ValueError(f"--prune-scope {scope!r}: expected one of {', '.join(SCOPES)}")
         self.scope, self.schedule, self.group = scope, schedule, pipe_group
+        self.data_group = data_group
         self.done: list[PruneRound] = []
         self.target: Prunable | None = None
         if schedule and schedule[0].step == 0:  # from every entry: no full index made
             self._index = select([p.detach() for _, p in named], None, self.numels,
                                  schedule[0].sparsity, scope, pipe_group)
+            self._check_replicas_agree(self._index, schedule[0])
             self.done.append(schedule[0])
         else:
             self._index = full_index(p for _, p in named)
 
     @classmethod
-    def from_config(cls, cfg, model_stage: torch.nn.Module, pipe_group) -> Pruning:
+    def from_config(cls, cfg, model_stage: torch.nn.Module, pipe_group,
+                    data_group=None) -> Pruning:
         """The pruning of a run's stage from its --prune-* options."""
         return cls(model_stage.named_parameters(), cfg.prune_sparsity,
                    parse_schedule(cfg.prune_schedule, cfg.prune_sparsity), cfg.prune_scope,
-                   pipe_group)
+                   pipe_group, data_group)
+
+    def _check_replicas_agree(self, index: list[torch.Tensor], round_: PruneRound) -> None:
+        """DesyncError on every rank unless the data-parallel replicas of each stage chose
+        the same index: a CRC-32 of every tensor's positions, compared over `data_group`
+        by one all-reduce of (h, -h) under MAX, then whether any stage differed over
+        `pipe_group`, so that no stage goes on to wait for one that raised."""
+        if self.data_group is None:
+            return
+        h = 0
+        for i in index:
+            h = zlib.crc32(i.detach().to("cpu", torch.int32).contiguous().numpy(), h)
+        t = torch.tensor([h, -h], dtype=torch.int64)
+        mcrdl.all_reduce("auto", t, op=mcrdl.ReduceOp.MAX, group=self.data_group)
+        here = int(t[0]) != -int(t[1])
+        anywhere = _sum_over(self.group, [int(here)])[0] > 0
+        if not anywhere:
+            return
+        what = f"pruning round before step {round_.step} (sparsity {round_.sparsity})"
+        if not here:
+            raise mcrdl.DesyncError(
+                f"{what}: the data-parallel replicas of another pipeline stage chose "
+                "different masks (this stage's agree); see the error on that stage's ranks")
+        raise mcrdl.DesyncError(
+            f"{what}: the data-parallel replicas of this pipeline stage chose different "
+            f"masks (CRC-32 of the index {int(t[0]):#010x} on one, {-int(t[1]):#010x} on "
+            f"another; this rank's {h:#010x}), so their fp32 master weights differ. Replicas "
+            "must start from the same weights (the same --seed) and stay equal: a "
+            "nondeterministic reduction or a rank that loaded another checkpoint breaks that")
 
     @property
     def index(self) -> list[torch.Tensor]:
@@ -307,6 +343,7 @@ class Pruning:
         for r in due:
             new = select(self.target.kept_values(), self.index, self.numels, r.sparsity,
                          self.scope, self.group)
+            self._check_replicas_agree(new, r)
             self.target.set_index(new)
             self.done.append(r)
         return bool(due)

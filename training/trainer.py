@@ -131,7 +131,8 @@ class Trainer:
         comm = dict(data_group=self.data_group, pipe_group=self.pipe_group,
                     world_reduce=self.world_size > 1, world_group=self.world_group,
                     timers=self.timers)
-        self.pruning = (Pruning.from_config(cfg, self.model_stage, self.pipe_group)
+        self.pruning = (Pruning.from_config(cfg, self.model_stage, self.pipe_group,
+                                            self.data_group)
                         if cfg.prune_sparsity is not None else None)  # prunes before step 0
         if cfg.samo:  # compressed model states over the pruning's index (training/samo.py)
             self.optimizer = SamoAdamW(self.model_stage.named_parameters(), cfg.optim(),

@@ -28,7 +28,9 @@ Then, on the whole world at (2,2):
    resumed run's next loss in the serial model.
 6. A checkpoint of a different mask (another sparsity), and a pruned checkpoint resumed
    without pruning, are CheckpointErrors on every rank naming the difference.
-7. The entry point with --samo (last: it finalizes mcrdl), writing a checkpoint to
+7. A pruning round on data-parallel replicas that chose different masks raises
+   DesyncError on every rank (``replica_agreement_check``).
+8. The entry point with --samo (last: it finalizes mcrdl), writing a checkpoint to
    ``$SAMO_CLI_DIR`` that the test consolidates.
 """
 
@@ -117,7 +119,11 @@ def train_grid(opts: dict, grid: ProcessGrid, root: Path) -> dict:
             kept += trainer.pruning.kept()  # the entries of this step (rounds come first)
             if samo:
                 check_pruned(trainer)
+        # minus the mask agreement of each round run while logged (before steps > 0):
+        # one all-reduce of two int64 over the data-parallel group (training/pruning.py)
+        agreement = 16 * sum(r.step > 0 for r in trainer.pruning.done)
         sent = data_parallel_bytes(trainer, root / f"trace-{rank}-{samo}.json")
+        sent -= agreement if trainer.data_group is not None else 0
         theta16 = [p.detach().clone() for p in trainer.model_stage.parameters()]
         runs[samo] = (losses, theta16, sent, kept, trainer)
     (s_loss, s_theta, s_sent, kept, s_tr), (d_loss, d_theta, d_sent, _, d_tr) = \
@@ -258,6 +264,36 @@ def resume_checks(base: dict, root: Path) -> None:
         "are rejected on every rank")
 
 
+def replica_agreement_check() -> None:
+    """7. A pruning round whose data-parallel replicas choose different masks (one
+    replica's weights perturbed) raises DesyncError on every rank of the (2,2) grid, the
+    other stage's ranks included; equal replicas pass."""
+    from training.pruning import Pruning
+    from training.topology import Axis
+
+    grid = ProcessGrid({Axis.PIPE: 2, Axis.DATA: 2})
+    pipe, data = grid.group(Axis.PIPE), grid.group(Axis.DATA)
+    me = grid.coords_of(grid.rank)
+    for perturb in (False, True):
+        torch.manual_seed(11)
+        stage = torch.nn.Linear(16, 8)
+        if perturb and me[Axis.PIPE] == 1 and me[Axis.DATA] == 1:
+            with torch.no_grad():  # the smallest-magnitude weight becomes the largest
+                w = stage.weight.view(-1)
+                w[w.abs().argmin()] = 100.0
+        try:
+            Pruning(stage.named_parameters(), 0.5, parse_schedule(None, 0.5), "layer",
+                    pipe, data)
+        except mcrdl.DesyncError as e:
+            assert perturb, f"equal replicas raised: {e}"
+            where = "this pipeline stage" if me[Axis.PIPE] == 1 else "another pipeline stage"
+            assert where in str(e) and "different masks" in str(e), str(e)
+            continue
+        assert not perturb, "replicas with different masks passed the round"
+    say("replica masks OK: equal replicas pass; one perturbed replica raises DesyncError on "
+        "every rank of the (2,2) grid")
+
+
 BASE = dict(model="tiny", steps=STEPS, micro_batch_size=1, global_batch_size=8, seed=7,
             lr=3e-3, warmup_steps=2, plot=False, progress=False, quiet=True,
             log_interval=10**6, prune_sparsity=0.9, prune_scope="global",
@@ -287,6 +323,7 @@ def main():
         raise SystemExit(f"samo FAILED on world rank 0:\n{failure}" if mcrdl.get_rank() == 0
                          else 1)
     resume_checks(base, root)
+    replica_agreement_check()
     if mcrdl.get_rank() == 0:  # every rank is past its last use of the files
         shutil.rmtree(root)
     say(f"samo OK: world 4, grids {sorted({tuple(r['grid']) for r in records})}")
