@@ -250,6 +250,23 @@ def test_work_finishes_once_and_completes_its_future():
     assert work.get_future() is future
 
 
+def test_work_wait_timeout_bounds_all_its_works_together():
+    # a call of two ops (e.g. a coalesced pair) waits `timeout` in all, not per op
+    first, second = FakeWork(), FakeWork()
+    work = McrdlWork.of((first, second), [], None, None, "allreduce_coalesced")
+    first_done = threading.Timer(0.4, first.done.set)
+    first_done.start()
+    t0 = time.monotonic()
+    with pytest.raises(mcrdl.CommTimeoutError, match="still pending"):
+        work.wait(datetime.timedelta(seconds=0.5))
+    took = time.monotonic() - t0
+    first_done.join()
+    assert first.waits == 1 and second.waits == 1
+    assert 0.45 <= took < 0.75, f"wait(0.5 s) over two works took {took:.2f} s"
+    second.done.set()
+    assert work.wait() and work.is_completed()
+
+
 def test_work_error_reaches_the_future():
     inner = FakeWork(mcrdl.CommTimeoutError("fake: timed out"))
     work = McrdlWork.of((inner,), [], 5.0, None, "broadcast")

@@ -294,11 +294,12 @@ class McrdlWork(dist.Work):
         self._works = ()
         self._done = True
 
-    def _settle(self, seconds: float | None) -> None:
-        """Wait on the works and finish, or keep the failure; called with the lock held."""
+    def _settle(self, deadline: float | None) -> None:
+        """Wait on the works until `deadline` (time.monotonic(); None: each work's own
+        bound) and finish, or keep the failure; called with the lock held."""
         try:
             for w in self._works:
-                w.wait(seconds)
+                w.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0))
         except CommTimeoutError:
             raise  # the op may still complete: not kept
         except BaseException as exc:
@@ -310,6 +311,9 @@ class McrdlWork(dist.Work):
         if not self._done:
             seconds = self._timeout if timeout is None else (_seconds(timeout) or self._timeout)
             lock = self._lock
+            # One deadline bounds the whole wait: the lock (another thread's wait) and
+            # every work after it share `seconds`.
+            deadline = None if seconds is None else time.monotonic() + seconds
             if seconds is None:  # mcrdl's timeout bounds the waits, hence this one
                 lock.acquire()
             elif not lock.acquire(timeout=seconds):
@@ -318,7 +322,7 @@ class McrdlWork(dist.Work):
                     f"wait(timeout={seconds}) s; it is still pending"))
             try:
                 if not self._done:
-                    self._settle(seconds)
+                    self._settle(deadline)
             except CommTimeoutError as exc:
                 raise self._timed_out(exc) from None
             finally:
