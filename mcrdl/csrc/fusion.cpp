@@ -35,9 +35,9 @@ std::vector<at::Tensor> flat_parts(const char* op, py::handle list,
   parts.reserve(seq.size());
   total = 0;
   for (auto item : seq) {
-    if (!THPVariable_Check(item.ptr()))
+    if (!is_tensor(item.ptr()))
       throw_invalid(std::string(op) + ": the list holds a " + type_name(item) + ", not a tensor");
-    const at::Tensor& t = THPVariable_Unpack(item.ptr());
+    const at::Tensor& t = unpack_tensor(item.ptr());
     if (!dtype) dtype = t.scalar_type();
     if (!t.is_cpu() || !t.is_contiguous() || t.scalar_type() != *dtype)
       throw_invalid(std::string(op) + ": every tensor must be a contiguous CPU tensor of " +
@@ -356,7 +356,7 @@ struct FusedChunk {
     v.reserve(calls.size());
     total = 0;
     for (size_t i = 0; i < calls.size(); ++i) {
-      const at::Tensor& t = THPVariable_Unpack(PyTuple_GET_ITEM(at(i)->args, 0));
+      const at::Tensor& t = unpack_tensor(PyTuple_GET_ITEM(at(i)->args, 0));
       const size_t n = t.nbytes();
       v.emplace_back(n ? static_cast<char*>(t.data_ptr()) : nullptr, n);
       total += n;
@@ -366,7 +366,7 @@ struct FusedChunk {
   at::Tensor pack() const {
     size_t total = 0;
     auto parts = firsts(total);
-    const at::Tensor& first = THPVariable_Unpack(PyTuple_GET_ITEM(at(0)->args, 0));
+    const at::Tensor& first = unpack_tensor(PyTuple_GET_ITEM(at(0)->args, 0));
     at::Tensor buf = pool->get(total, first.scalar_type());
     char* dst = static_cast<char*>(buf.data_ptr());
     std::optional<py::gil_scoped_release> nogil;
@@ -690,8 +690,8 @@ PyObject* queue_all_reduce(PyObject* self, PyObject* const* args, Py_ssize_t nar
       return q.fallback(py::handle(args[0]), py::handle(args[1]), py::handle(args[2]),
                         py::handle(args[3]));
     };
-    if (args[2] != Py_None || !THPVariable_Check(args[0])) return fallback();
-    const at::Tensor& t = THPVariable_Unpack(args[0]);
+    if (args[2] != Py_None || !is_tensor(args[0])) return fallback();
+    const at::Tensor& t = unpack_tensor(args[0]);
     const int code = to_reduce_code(args[1], "all_reduce");
     validate_all_reduce(t, code);
     const int64_t nbytes = static_cast<int64_t>(t.nbytes());

@@ -3,6 +3,8 @@
 #include "lane.h"
 #include "pyargs.h"
 
+#include <torch/csrc/autograd/python_variable.h>
+
 #include <unordered_map>
 
 namespace mcrdl {
@@ -151,6 +153,10 @@ void add_done_callback(Work& w, py::function fn) {
 }
 
 }  // namespace
+
+bool is_tensor(PyObject* o) { return THPVariable_Check(o); }
+
+const at::Tensor& unpack_tensor(PyObject* o) { return THPVariable_Unpack(o); }
 
 void set_python_error(std::exception_ptr p) {
   try {

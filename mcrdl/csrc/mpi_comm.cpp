@@ -367,8 +367,8 @@ class MpiComm {
 
   py::object all_gather(py::handle output, py::handle input, bool async_op) {
     const at::Tensor& input_t = to_tensor(input, "all_gather", "input");
-    if (THPVariable_Check(output.ptr())) {  // one tensor of `size` blocks: a small call's path
-      const at::Tensor& out = THPVariable_Unpack(output.ptr());
+    if (is_tensor(output.ptr())) {  // one tensor of `size` blocks: a small call's path
+      const at::Tensor& out = unpack_tensor(output.ptr());
       validate_all_gather(out, input_t, size_);
       check_device("all_gather", input_t);
       return all_gather_into(out, input_t, {}, async_op);

@@ -4,7 +4,6 @@
 
 #include <climits>
 
-#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "validate.h"
@@ -12,6 +11,14 @@
 namespace mcrdl {
 
 namespace py = pybind11;
+
+// torch's THPVariable_Check and THPVariable_Unpack, defined once (module.cpp): their
+// header, torch/csrc/autograd/python_variable.h, brings in autograd and the JIT's
+// schemas, ~11 s of compile per file that includes it (of ~25 for front.cpp), and
+// THPVariable's layout changes between torch versions, so it is not mirrored here. The
+// call costs a few ns on a path of hundreds.
+bool is_tensor(PyObject* o);
+const at::Tensor& unpack_tensor(PyObject* o);
 
 // Set the Python error of exception `p` (an mcrdl Error as its mcrdl.errors class, a
 // Python error as itself), for functions written against the C API that return NULL.
@@ -21,10 +28,10 @@ inline std::string type_name(py::handle h) { return Py_TYPE(h.ptr())->tp_name; }
 
 // The tensor object's at::Tensor, borrowed: valid while `h` lives (the call's arguments).
 inline const at::Tensor& to_tensor(py::handle h, const char* op, const char* arg) {
-  if (!THPVariable_Check(h.ptr()))
+  if (!is_tensor(h.ptr()))
     throw_invalid(std::string(op) + ": '" + arg + "' must be a torch.Tensor, got " +
                   (h.is_none() ? std::string("None") : type_name(h)));
-  return THPVariable_Unpack(h.ptr());
+  return unpack_tensor(h.ptr());
 }
 
 inline const at::Tensor* to_tensor_opt(py::handle h, const char* op, const char* arg,
@@ -99,8 +106,8 @@ inline BlockArg to_blocks(py::handle h, const char* op, const char* arg, bool al
       throw_invalid(std::string(op) + ": '" + arg + "' is None; expected a tensor or a list");
     return b;
   }
-  if (THPVariable_Check(h.ptr())) {
-    b.borrowed = &THPVariable_Unpack(h.ptr());
+  if (is_tensor(h.ptr())) {
+    b.borrowed = &unpack_tensor(h.ptr());
     return b;
   }
   b.is_list = true;
@@ -115,8 +122,8 @@ inline std::optional<Counts> to_counts(py::handle h, const char* op, const char*
       throw_invalid(std::string(op) + ": '" + arg + "' is None; expected a sequence of ints");
     return std::nullopt;
   }
-  if (THPVariable_Check(h.ptr())) {
-    at::Tensor t = THPVariable_Unpack(h.ptr());
+  if (is_tensor(h.ptr())) {
+    at::Tensor t = unpack_tensor(h.ptr());
     if (t.dim() != 1 || at::isFloatingType(t.scalar_type()))
       throw_invalid(std::string(op) + ": '" + arg + "' must be a 1-D integer sequence");
     py::list l = py::reinterpret_steal<py::list>(PySequence_List(h.ptr()));
