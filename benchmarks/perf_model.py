@@ -46,7 +46,7 @@ import torch
 
 import mcrdl
 from mcrdl.tuning.model import fit
-from mcrdl.tuning.provenance import current_provenance, find_shipped_table
+from mcrdl.tuning.provenance import SHIPPED_TABLES, current_provenance, find_shipped_table
 from mcrdl.tuning.table import TuningTable
 from training.models.gpt import CONFIGS, get_config
 from training.perf_model import (
@@ -294,7 +294,7 @@ def main() -> int:
                        n_embd=args.n_embd, block_size=args.block_size,
                        vocab_size=args.vocab_size)
     step = TrainingStep(model, args.batch, args.micro_batches)
-    table_path = args.table or find_shipped_table(os.path.join(ROOT, "tuning_tables"),
+    table_path = args.table or find_shipped_table(SHIPPED_TABLES,
                                                   current_provenance())
     t0 = time.perf_counter()
     groups = SharedGroups(world)

@@ -101,3 +101,30 @@ def test_statically_linked_cxx_runtime_stays_private(tmp_path):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     check_timeout_text(run.stdout)
+
+
+def test_package_data_ships_the_tables(tmp_path):
+    """What a wheel (a non-editable install) holds besides the code: the shipped tuning
+    tables and their format's documentation, which "auto" finds by provenance, the
+    shipped blocking-variant choices and MPICH's collective selection. setup.py's
+    build_py copies exactly the package data a wheel gets (no C++ compile)."""
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tuning = tmp_path / "mcrdl" / "tuning"
+    shipped = sorted(p.name for p in (ROOT / "mcrdl" / "tuning" / "tables").glob("*.json"))
+    assert shipped, "no shipped tuning table in the source tree"
+    assert sorted(p.name for p in (tuning / "tables").glob("*.json")) == shipped
+    for name in ("tables/README.md", "mpi_blocking.json", "mpich_posix_coll.json"):
+        assert (tuning / name).is_file(), name
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from mcrdl.tuning import provenance as p; "
+            "assert str(p.SHIPPED_TABLES).startswith(sys.argv[1]), p.SHIPPED_TABLES; "
+            "t = p.find_shipped_table(p.SHIPPED_TABLES, {'cpu_model': sys.argv[2], "
+            "'gpu_model': ''}); print(t.name if t else None)")
+    from mcrdl.tuning.schema import decode, read
+    path = ROOT / "mcrdl" / "tuning" / "tables" / shipped[0]
+    cpu = decode(read(path), source=str(path)).provenance["cpu_model"]
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path), cpu], capture_output=True,
+                       text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == shipped[0], r.stdout + r.stderr

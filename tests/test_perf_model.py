@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from mcrdl.tuning.provenance import SHIPPED_TABLES
 from mcrdl.tuning.table import TuningTable
 from training.models.gpt import CONFIGS, GPT, GPTConfig
 from training.perf_model import (
@@ -332,7 +333,7 @@ def _rows(out: str) -> list[list[str]]:
 
 def test_cli_ranks_gpt_20b_on_32_ranks():
     out, _ = _cli("--model", "gpt-20b", "--ranks", "32", "--ranks-per-node", "4",
-                  "--table", os.path.join(ROOT, "tuning_tables", "cpu-2core-mpich-gloo.json"))
+                  "--table", str(SHIPPED_TABLES / "cpu-2core-mpich-gloo.json"))
     rows = _rows(out)
     assert len(rows) == 52 and "# 52 of 56 grids fit" in out and "'heads' 4" in out
     assert [int(r[0]) for r in rows] == list(range(1, 53))

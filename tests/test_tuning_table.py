@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 import os
-import pathlib
 import re
 import statistics
 import subprocess
@@ -24,11 +23,11 @@ from mcrdl.tuning import model as mdl
 from mcrdl.tuning import schema
 from mcrdl.tuning import table as tbl
 from mcrdl.tuning.model import AlphaBeta, coefficients, fit, holdout_error
-from mcrdl.tuning.provenance import current_provenance, find_shipped_table
+from mcrdl.tuning.provenance import SHIPPED_TABLES, current_provenance, find_shipped_table
 from mcrdl.tuning.schema import SCHEMA, VERSION, TuningTableError
 from mcrdl.tuning.table import TuningTable
 
-README = pathlib.Path(__file__).resolve().parent.parent / "tuning_tables" / "README.md"
+README = SHIPPED_TABLES / "README.md"
 PROV = {"host": "node01", "system": "test", "cpu_model": "cpu X", "gpu_model": "",
         "mpi": "MPICH Version:      5.0.2", "torch": "2.13.0+cpu", "nccl": "",
         "gloo": "torch 2.13.0+cpu", "date": "2025-01-31T12:00:00+00:00", "command": "pytest"}

@@ -18,7 +18,6 @@ initialized backend. Lookups are cached per (group size, bytes): one dict hit.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from collections.abc import Callable
 
@@ -52,14 +51,12 @@ def load_table(path: str | None):
     """The tuning table "auto" routes by: `path` (init's tuning_table or
     $MCRDL_TUNING_TABLE), else the shipped table matching this system; None (fixed rule)
     when there is none."""
-    from ..tuning.provenance import current_provenance, find_shipped_table
+    from ..tuning.provenance import SHIPPED_TABLES, current_provenance, find_shipped_table
     from ..tuning.table import TuningTable
 
     current = current_provenance()
     if path is None:
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        shipped = os.path.join(here, "tuning_tables")
-        path = find_shipped_table(shipped, current) if os.path.isdir(shipped) else None
+        path = find_shipped_table(SHIPPED_TABLES, current)
         if path is None:
             return None
     table = TuningTable.load(path)

@@ -1,9 +1,9 @@
 """mcrdl-tune: produce (``run``) and look at (``plot``) tuning tables.
 
-    mpiexec -n 8 mcrdl-tune run --output tuning_tables/mine.json
-    mpiexec -n 8 mcrdl-tune run --output tuning_tables/mine.json --resume   # after an interruption
-    mcrdl-tune show tuning_tables/mine.json
-    mcrdl-tune plot tuning_tables/mine.json --out-dir plots/
+    mpiexec -n 8 mcrdl-tune run --output mine.json
+    mpiexec -n 8 mcrdl-tune run --output mine.json --resume   # after an interruption
+    mcrdl-tune show mine.json
+    mcrdl-tune plot mine.json --out-dir plots/
 
 ``run`` benchmarks every operation (default: all collectives of the API) on every
 initialized backend over a size sweep (default powers of two, 8 B .. 64 MiB) at the

@@ -92,6 +92,11 @@ def stale_reasons(provenance: dict, current: dict) -> list[str]:
     return reasons
 
 
+#: The tables shipped with the package (package data, so a wheel has them too), with the
+#: format's documentation (README.md there).
+SHIPPED_TABLES = pathlib.Path(__file__).resolve().parent / "tables"
+
+
 def find_shipped_table(directory: str | os.PathLike, current: dict) -> pathlib.Path | None:
     """Among ``directory/*.json``, the table measured on this kind of system: the same
     ``gpu_model`` and ``cpu_model`` as ``current``; among several, one from the same
