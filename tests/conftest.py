@@ -25,6 +25,10 @@ def _children_environment(tmp_path_factory):
     - Their temporary files (torchrun's logs, mpiexec's topology file, the training
       checks' outputs) go under this session's pytest folder, which pytest prunes (it
       keeps the last 3 sessions'), not into /tmp.
+    - One OpenMP thread per process unless OMP_NUM_THREADS is set (torchrun's default;
+      for mpiexec, the usual one rank per core): worlds of 2 to 8 ranks share this
+      machine's 2 cores, where torch's default of a thread per core made the training
+      checks about 8% slower.
     - They see no GPU (tests._launch.hide_gpus): the CPU suite is the same on a GPU
       machine; tests/test_gpu.py makes the GPUs visible to its own launches. This
       process keeps seeing them where CUDA was initialized before (CUDA reads the
@@ -36,6 +40,8 @@ def _children_environment(tmp_path_factory):
         return
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(tmp_path_factory.mktemp("processes")))
+        if "OMP_NUM_THREADS" not in os.environ:
+            mp.setenv("OMP_NUM_THREADS", "1")
         hide_gpus()
         yield
         gpus_visible()
