@@ -135,6 +135,7 @@ class Bootstrap:
         self.timeout = timeout
         self._comms: dict[int, object] = {}  # group id -> MPI communicator (members only)
         self._seqs: dict[int, int] = {}  # group id -> object collectives so far (store)
+        self._written: dict[int, list[str]] = {}  # group id -> this rank's live store keys
         self._store = None
         self._session = ""  # which session of a launcher's store (_make_store), for errors
         self._single_node: bool | None = None  # single_node(), once asked
@@ -188,10 +189,19 @@ class Bootstrap:
             return [pickle.loads(b) for b in self._mpi_all_gather(g, data)]
         seq = self._next(g)
         store = self.store()
-        store.set(f"obj/{g.id}/{seq}/{g.rank}", data)
-        return [pickle.loads(self._store_get(store, f"obj/{g.id}/{seq}/{r}", g, seq,
-                                             "all_gather_object"))
-                for r in range(g.size)]
+        key = f"obj/{g.id}/{seq}/{g.rank}"
+        store.set(key, data)
+        out = [pickle.loads(self._store_get(store, f"obj/{g.id}/{seq}/{r}", g, seq,
+                                            "all_gather_object"))
+               for r in range(g.size)]
+        # Every member has written this op's key, so every member has read all it needed
+        # of the group's earlier ops: this rank's keys of those go (the store, on rank 0
+        # or torchrun's agent, would otherwise keep every object for the whole job).
+        written = self._written.setdefault(g.id, [])
+        for old in written:
+            store.delete_key(old)
+        written[:] = [key]
+        return out
 
     def broadcast_object(self, obj: object, src: int = 0, group: Group | None = None) -> object:
         """`obj` of group rank `src` on every member (collective over the group)."""
@@ -208,7 +218,8 @@ class Bootstrap:
         key = f"obj/{g.id}/{seq}/bcast"
         if g.rank == src:
             store.set(key, data)
-            return obj
+            self._written.setdefault(g.id, []).append(key)  # read by the others: kept
+            return obj                                       # until a later all_gather
         return pickle.loads(self._store_get(store, key, g, seq, "broadcast_object"))
 
     def _member_group(self, group: Group | None, op: str) -> Group:

@@ -66,3 +66,35 @@ def test_sessions_on_a_store_rank_0_keeps(monkeypatch):
     with pytest.raises(CommTimeoutError, match=r"in mcrdl session \d+ of the launcher's store"
                                                r".*call mcrdl.init and mcrdl.finalize alike"):
         lonely.all_gather_object("third")
+
+
+def test_object_collectives_do_not_accumulate_in_the_store(monkeypatch):
+    """The store (rank 0's or torchrun's agent's) lives as long as the job: each
+    all_gather_object removes this rank's keys of the group's earlier object
+    collectives, which every member has read by then (broadcasts' keys included)."""
+    import socket
+
+    from mcrdl import bootstrap
+    from mcrdl.bootstrap import Bootstrap
+    from mcrdl.launch import LaunchInfo
+
+    monkeypatch.setattr(bootstrap, "_hosted", {})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    b = Bootstrap(LaunchInfo("torchrun", 0, 1, 0, 1, False), 5.0)
+    assert b.all_gather_object(0) == [0]
+    server = bootstrap._hosted[("127.0.0.1", port)]
+    before = server.num_keys()
+    for i in range(1, 31):
+        assert b.broadcast_object(("step", i)) == ("step", i)
+        assert b.all_gather_object(b"x" * 1000) == [b"x" * 1000]
+    assert b.broadcast_object("last") == "last"
+    # this all_gather's key replaces the first one's; the last broadcast's stays until
+    # the next all_gather (or the end of the job)
+    assert server.num_keys() - before == 1, (before, server.num_keys())
+    b.close()
