@@ -1,6 +1,7 @@
 """Mixed-backend execution, timeouts, debug mode and faults, on real multi-rank worlds
 (the rank scripts are in tests/mixing/)."""
 
+import json
 import os
 import re
 import subprocess
@@ -24,9 +25,35 @@ def launch(n, script, *args, env=None, timeout=240, expect_rc=0, mpiexec_args=()
     return run_launcher(cmd, env=full_env, timeout=timeout, expect_rc=expect_rc)
 
 
+#: The 3-rank checks of this module that share one launch: tests/_multi.py runs the
+#: scripts in turn in each rank's process (each its own init/finalize session, with its
+#: arguments and environment), so the ranks import torch once for the five.
+MERGED = [
+    ("stress.py", [], {"MCRDL_TIMEOUT": "120"}),
+    ("opposite_waits.py", [], {}),
+    ("desync.py", [",".join(BOTH)], {"MCRDL_DEBUG": "1"}),
+    ("debug_cross_group.py", [",".join(BOTH), "10"], {"MCRDL_DEBUG": "1"}),
+    ("p2p_timed_wait.py", [",".join(BOTH)], {}),
+]
+
+
+@pytest.fixture(scope="module")
+def merged() -> str:
+    """The output of the launch of MERGED at 3 ranks (once for the module)."""
+    plan = [[os.path.join(HERE, script), args, env] for script, args, env in MERGED]
+    cmd = [mpiexec_or_skip(), "-n", "3", sys.executable,
+           os.path.join(os.path.dirname(__file__), "_multi.py")]
+    out = run_launcher(cmd, env=dict(os.environ, MCRDL_TEST_SCRIPTS=json.dumps(plan)),
+                       timeout=600)
+    for script, _, _ in MERGED:
+        assert out.count(f"== {script} done") == 3, (script, out)
+    return out
+
+
 @pytest.mark.parametrize("n", [3, pytest.param(4, marks=FULL)])
-def test_randomized_stress(n):
-    out = launch(n, "stress.py", env={"MCRDL_TIMEOUT": "120"})
+def test_randomized_stress(n, request):
+    out = (request.getfixturevalue("merged") if n == 3
+           else launch(n, "stress.py", env={"MCRDL_TIMEOUT": "120"}))
     m = re.search(r"stress OK: world (\d+), \d+ rounds, (\d+) async ops", out)
     assert m and int(m.group(1)) == n and int(m.group(2)) >= 1000 * n // 2, out
     print(out[m.start():].splitlines()[0])
@@ -36,8 +63,9 @@ def test_randomized_stress(n):
 
 # CI: 3 ranks (an odd world, every rank both first and last of some order); 2 in the sweep
 @pytest.mark.parametrize("n", [pytest.param(2, marks=FULL), 3])
-def test_opposite_issue_and_wait_orders_do_not_deadlock(n):
-    out = launch(n, "opposite_waits.py", timeout=180)
+def test_opposite_issue_and_wait_orders_do_not_deadlock(n, request):
+    out = request.getfixturevalue("merged") if n == 3 else launch(n, "opposite_waits.py",
+                                                                  timeout=180)
     for r in range(n):
         assert f"rank {r}: opposite waits OK" in out
 
@@ -82,9 +110,9 @@ def test_fused_call_one_rank_never_joins_times_out(tmp_path):
     _check_timeouts(out, limit)
 
 
-def test_debug_mode_mismatches_raise_desync_on_every_rank():
+def test_debug_mode_mismatches_raise_desync_on_every_rank(merged):
     """On "mpi", then on "gloo" (in one launch)."""
-    out = launch(3, "desync.py", ",".join(BOTH), env={"MCRDL_DEBUG": "1"}, timeout=180)
+    out = merged
     cases = ["count", "dtype", "root", "reduce op", "split sizes", "async wait", "local error"]
     for backend in BOTH:
         for case in cases:
@@ -94,21 +122,20 @@ def test_debug_mode_mismatches_raise_desync_on_every_rank():
     assert "ranks disagree on the element count" in out
 
 
-def test_debug_mode_orders_per_backend_and_group():
+def test_debug_mode_orders_per_backend_and_group(merged):
     """Groups of one backend issued in a different order on different ranks: valid, so
     debug mode must not serialize them (a deadlock would end in CommTimeoutError). On
     "mpi" and on "gloo", in one launch."""
-    out = launch(3, "debug_cross_group.py", ",".join(BOTH), 10, env={"MCRDL_DEBUG": "1"},
-                 timeout=120)
+    out = merged
     for backend in BOTH:
         for r in range(3):
             assert f"rank {r}: cross-group order OK on {backend}" in out, out
 
 
-def test_async_p2p_completes_by_timed_wait_and_by_polling():
+def test_async_p2p_completes_by_timed_wait_and_by_polling(merged):
     """wait(timeout) and is_completed() of async send/recv (Gloo's complete only through
     a plain wait in c10d), on "mpi" and on "gloo", in one launch."""
-    out = launch(3, "p2p_timed_wait.py", ",".join(BOTH), timeout=120)
+    out = merged
     for backend in BOTH:
         for r in range(3):
             assert f"rank {r}: p2p timed waits OK on {backend}" in out, out

@@ -29,14 +29,28 @@ def _env(**kw):
     return env
 
 
+@pytest.fixture(scope="module")
+def four_ranks() -> str:
+    """check_parity.py, then check_resume.py, in one 4-rank launch (tests/_multi.py: each
+    rank imports torch once for both)."""
+    plan = [[os.path.join(HERE, s), [], {}] for s in ("check_parity.py", "check_resume.py")]
+    out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
+                        os.path.join(os.path.dirname(__file__), "_multi.py")],
+                       env=_env(MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=600)
+    for script, _, _ in plan:
+        assert out.count(f"== {os.path.basename(script)} done") == 4, (script, out)
+    return out
+
+
 @pytest.mark.parametrize("n", [pytest.param(1, marks=FULL), pytest.param(2, marks=FULL),
                                pytest.param(3, marks=FULL), 4])
-def test_parity_with_serial_pytorch(n):
+def test_parity_with_serial_pytorch(n, request):
     """Every step's loss of (G_inter, G_data) in {(2,2) even and uneven, (4,1)}, and in the
     wider sweep (1,1), (2,1), (1,2) and (3,1) even and uneven, both optimizers, equals the
     serial run to 1e-5."""
-    out = run_launcher([mpiexec_or_skip(), "-n", str(n), sys.executable,
-                        os.path.join(HERE, "check_parity.py")], env=_env(), timeout=300)
+    out = request.getfixturevalue("four_ranks") if n == 4 else run_launcher(
+        [mpiexec_or_skip(), "-n", str(n), sys.executable, os.path.join(HERE, "check_parity.py")],
+        env=_env(), timeout=300)
     m = re.search(r"parity OK: world (\d+), (\d+) runs x 20 steps, max rel diff (\S+)", out)
     assert m, out
     assert int(m.group(1)) == n and int(m.group(2)) >= 2 and float(m.group(3)) <= 1e-5
@@ -48,9 +62,8 @@ def test_message_driven_pipeline():
     assert "message-driven OK" in out, out
 
 
-def test_resume_and_checkpoint_integrity():
-    out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
-                        os.path.join(HERE, "check_resume.py")], env=_env(), timeout=400)
+def test_resume_and_checkpoint_integrity(four_ranks):
+    out = four_ranks
     assert out.count("resume OK") == 2 and "consolidate OK" in out, out
     assert "checkpoint errors OK" in out, out
 
