@@ -20,6 +20,177 @@ from .test_mixing import _alive
 HERE = os.path.join(os.path.dirname(__file__), "mixing")
 
 
+# Rank scripts of the 2-rank tests below that share one launch (tests/_multi.py runs
+# them in turn in each rank's process; the GIL check first, since it wants a process
+# without other threads, and the table's sessions, which set variables, last).
+WATCHDOG_TEXT = r"""
+import time, torch, mcrdl
+from mcrdl import _C
+mcrdl.init(['mpi'], timeout=2)
+if mcrdl.get_rank() == 1:
+    w = mcrdl.recv('mpi', torch.empty(1), src=0, tag=7, async_op=True)
+    try:
+        w.wait(timeout=0.25)
+    except mcrdl.CommTimeoutError as e:
+        assert str(e) == _C.timeout_message('recv', 'mpi', 'world', w.seq, 0.25), e
+        print('texts agree:', e)
+mcrdl.barrier('mpi')
+mcrdl.finalize()
+"""
+
+ANOTHER_THREAD = r"""
+import os, threading, time
+import numpy as np
+import mcrdl
+from mcrdl.bootstrap import mpi_module
+mcrdl.init(['mpi'])
+MPI = mpi_module()
+x, y = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
+rank, n = x.Get_rank(), x.Get_size()
+one = np.ones(1, np.float32)
+for _ in range(20):  # past MPICH's first calls, which never take the shared-memory path
+    x.Allreduce(MPI.IN_PLACE, one.copy())
+got = {}
+def inside():
+    v = np.ones(1, np.float32)
+    x.Allreduce(MPI.IN_PLACE, v)
+    got['x'] = float(v[0])
+if rank == 0:
+    t = threading.Thread(target=inside)
+    t.start()
+    time.sleep(0.3)
+    y.Send(np.array([42], np.int32), dest=1, tag=5)
+    t.join()
+else:
+    m = np.zeros(1, np.int32)
+    y.Recv(m, source=0, tag=5)
+    assert m[0] == 42
+    inside()
+assert got['x'] == n, got
+N, bad = 3000, []
+def blocking():
+    for i in range(N):
+        v = np.array([rank + i], np.float32)
+        x.Allreduce(MPI.IN_PLACE, v)
+        if v[0] != sum(r + i for r in range(n)):
+            bad.append(('blocking', i, float(v[0])))
+t = threading.Thread(target=blocking)
+t.start()
+for i in range(N):
+    v, w = np.array([3 * rank + i], np.float32), np.zeros(1, np.float32)
+    req = y.Iallreduce(v, w)
+    while not req.Test():
+        pass
+    if w[0] != sum(3 * r + i for r in range(n)):
+        bad.append(('nonblocking', i, float(w[0])))
+t.join()
+assert not bad, bad[:5]
+x.Free(); y.Free()
+os.write(1, f'rank {rank} ok\n'.encode())  # one write: ranks share the pipe
+mcrdl.finalize()
+"""
+
+GIL_KEPT = r"""
+import os, threading, time, torch, mcrdl
+from mcrdl import _C
+mcrdl.init(['mpi'])
+rank = mcrdl.get_rank()
+seen = {'alone': _C.may_hold_gil()}
+t = threading.Thread(target=time.sleep, args=(0.3,)); t.start()
+seen['python thread'] = _C.may_hold_gil(); t.join()
+seen['thread joined'] = _C.may_hold_gil()
+# the answer is cached by the thread list's head (csrc/gil.cpp): a thread that is not the
+# head ending leaves it, and the one still alive must still count
+stop_a, stop_b = threading.Event(), threading.Event()
+a, b = threading.Thread(target=stop_a.wait), threading.Thread(target=stop_b.wait)
+a.start(); b.start()
+seen['two threads'] = _C.may_hold_gil()
+stop_a.set(); a.join()
+seen['one of two joined'] = _C.may_hold_gil()
+stop_b.set(); b.join()
+seen['both joined'] = _C.may_hold_gil()
+if rank == 1:
+    w = mcrdl.recv('mpi', torch.zeros(1), src=0, tag=3, async_op=True)
+    done = []
+    w.add_done_callback(lambda err: done.append(err))
+    seen['callback pending'] = _C.may_hold_gil()
+mcrdl.all_gather_object(None)  # rank 1 looked before rank 0 sends
+if rank == 0:
+    mcrdl.send('mpi', torch.ones(1), dst=1, tag=3)
+else:  # not waited on here: the lane thread completes it and runs the callback, which
+    # leaves that thread a Python thread state (not a Python thread: still kept)
+    deadline = time.monotonic() + 10
+    while not (done and _C.may_hold_gil()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    seen['callback ran'] = (done == [None], _C.may_hold_gil())
+with mcrdl.extensions(fusion=mcrdl.FusionConfig(wait_us=50000.0)):
+    w = mcrdl.all_reduce('mpi', torch.ones(4), async_op=True)
+    seen['fusion timer'] = _C.may_hold_gil()
+    w.wait()
+mcrdl.finalize()
+mcrdl.init(['mpi'])
+seen['next session'] = _C.may_hold_gil()
+mcrdl.finalize()
+os.environ['MCRDL_HOLD_GIL'] = 'never'
+mcrdl.init(['mpi'])
+seen['never'] = _C.may_hold_gil()
+mcrdl.finalize()
+os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
+"""
+
+GIL_RELEASE = r"""
+import os, sys, threading, time, torch, mcrdl, mcrdl.api
+mcrdl.init(['mpi'], timeout=30)
+rank = mcrdl.get_rank()
+backend = mcrdl.api.current_runtime().backend('mpi')
+for variant in ('blocking', 'nonblocking'):
+    flag = os.path.join(sys.argv[1], variant)
+    mcrdl.barrier('mpi')
+    calls = backend.comm(None).blocking_calls
+    with backend.variant('all_reduce', variant):
+        if rank == 0:
+            def later():
+                time.sleep(0.5)  # rank 0's main thread is in the all_reduce by then
+                open(flag, 'w').close()
+            t = threading.Thread(target=later); t.start()
+            x = torch.ones(1); mcrdl.all_reduce('mpi', x); t.join()
+        else:
+            while not os.path.exists(flag):
+                time.sleep(0.01)
+            x = torch.ones(1); mcrdl.all_reduce('mpi', x)
+    assert x.item() == 2.0, x
+    ran = backend.comm(None).blocking_calls - calls
+    assert ran == (variant == 'blocking'), (variant, ran)
+    os.write(1, f'rank {rank} {variant} ok\n'.encode())
+mcrdl.finalize()
+"""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    """The output of the 2-rank launch of GIL_KEPT, GIL_RELEASE, ANOTHER_THREAD,
+    WATCHDOG_TEXT and the tuning table's sessions (once for the module)."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    plan = []
+    for name, code, args, env in (
+            ("gil_kept.py", GIL_KEPT, [], {"MCRDL_HOLD_GIL": "auto"}),
+            ("gil_release.py", GIL_RELEASE, [str(tmp)], {"MCRDL_TIMEOUT": "30"}),
+            ("another_thread.py", ANOTHER_THREAD, [], {}),
+            ("watchdog_text.py", WATCHDOG_TEXT, [], {})):
+        (tmp / name).write_text(code)
+        plan.append([str(tmp / name), args, env])
+    plan.append(_table_steps_script(str(tmp)))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MCRDL_HOLD_GIL", "MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING",
+                        "MCRDL_DEBUG")}
+    out = run_launcher([mpiexec_or_skip(), "-n", "2", sys.executable,
+                        os.path.join(os.path.dirname(__file__), "_multi.py")],
+                       env=dict(env, MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=300)
+    for script, _, _ in plan:
+        assert out.count(f"== {os.path.basename(script)} done") == 2, (script, out)
+    return out
+
+
 def test_blocking_mode_reads_the_environment(monkeypatch):
     monkeypatch.delenv("MCRDL_MPI_BLOCKING", raising=False)
     assert mpi.blocking_mode() == "auto"
@@ -72,20 +243,12 @@ def _run(n, *args, mode, timeout, done_dir):
     return out, time.time()
 
 
-def test_work_wait_raises_the_watchdog_text():
+def test_work_wait_raises_the_watchdog_text(two_ranks):
     """The nonblocking path's CommTimeoutError text is the one the watchdog prints
     (_C.timeout_message): an async recv that nothing sends, waited with a timeout. Then
     finalize drains for the init timeout, naming that recv after 1 s, and says it
     abandoned it."""
-    mpiexec = mpiexec_or_skip()
-    code = ("import time, torch, mcrdl\nfrom mcrdl import _C\nmcrdl.init(['mpi'], timeout=2)\n"
-            "if mcrdl.get_rank() == 1:\n"
-            "    w = mcrdl.recv('mpi', torch.empty(1), src=0, tag=7, async_op=True)\n"
-            "    try:\n        w.wait(timeout=0.25)\n    except mcrdl.CommTimeoutError as e:\n"
-            "        assert str(e) == _C.timeout_message('recv', 'mpi', 'world', w.seq, 0.25), e\n"
-            "        print('texts agree:', e)\n"
-            "mcrdl.barrier('mpi')\nmcrdl.finalize()\n")
-    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=60)
+    out = two_ranks
     assert "texts agree: recv on backend 'mpi' (group world, sequence number 1)" in out, out
     why, recv = "mcrdl: the 'mpi' backend was finalized", "recv (group world, sequence number 1)"
     assert (f"{why}: waiting up to 1 s more for 1 op still in flight on lane 'mpi': {recv} "
@@ -314,81 +477,27 @@ def test_bound_ranks_are_not_oversubscribed_and_shared_cpus_are():
     assert out.count("run on 1 CPU(s)") == 1, out
 
 
-def test_blocking_collective_waiting_on_another_thread_of_its_rank():
+def test_blocking_collective_waiting_on_another_thread_of_its_rank(two_ranks):
     """With MPI initialized by mcrdl (MPI_THREAD_MULTIPLE, MPICH's shared-memory
     collectives selected), a thread waiting inside a blocking allreduce holds no lock
     that another thread of the same rank needs: rank 1 joins the allreduce only after a
     message that rank 0's main thread sends while rank 0's other thread is already
     inside it. Then both threads of each rank run blocking and nonblocking allreduces on
     two communicators at once; every result is checked against its formula."""
-    mpiexec = mpiexec_or_skip()
-    code = r"""
-import os, threading, time
-import numpy as np
-import mcrdl
-from mcrdl.bootstrap import mpi_module
-mcrdl.init(['mpi'])
-MPI = mpi_module()
-x, y = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
-rank, n = x.Get_rank(), x.Get_size()
-one = np.ones(1, np.float32)
-for _ in range(20):  # past MPICH's first calls, which never take the shared-memory path
-    x.Allreduce(MPI.IN_PLACE, one.copy())
-got = {}
-def inside():
-    v = np.ones(1, np.float32)
-    x.Allreduce(MPI.IN_PLACE, v)
-    got['x'] = float(v[0])
-if rank == 0:
-    t = threading.Thread(target=inside)
-    t.start()
-    time.sleep(0.3)
-    y.Send(np.array([42], np.int32), dest=1, tag=5)
-    t.join()
-else:
-    m = np.zeros(1, np.int32)
-    y.Recv(m, source=0, tag=5)
-    assert m[0] == 42
-    inside()
-assert got['x'] == n, got
-N, bad = 3000, []
-def blocking():
-    for i in range(N):
-        v = np.array([rank + i], np.float32)
-        x.Allreduce(MPI.IN_PLACE, v)
-        if v[0] != sum(r + i for r in range(n)):
-            bad.append(('blocking', i, float(v[0])))
-t = threading.Thread(target=blocking)
-t.start()
-for i in range(N):
-    v, w = np.array([3 * rank + i], np.float32), np.zeros(1, np.float32)
-    req = y.Iallreduce(v, w)
-    while not req.Test():
-        pass
-    if w[0] != sum(3 * r + i for r in range(n)):
-        bad.append(('nonblocking', i, float(w[0])))
-t.join()
-assert not bad, bad[:5]
-x.Free(); y.Free()
-os.write(1, f'rank {rank} ok\n'.encode())  # one write: ranks share the pipe
-mcrdl.finalize()
-"""
-    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], timeout=120)
+    out = two_ranks
     assert "rank 0 ok" in out and "rank 1 ok" in out, out
 
 
-def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
-    """A table whose steps make all_reduce up to 64 B blocking: "mpi" and "auto" calls of
-    8 B run the blocking MPI collective (MpiComm.blocking_calls), 256 B ones and bcast
-    (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides, and
-    debug mode keeps the nonblocking path even under "always". One launch: each setting is
-    an init/finalize session of tuning/blocking_table.py."""
+def _table_steps_script(directory: str) -> list:
+    """The plan entry of test_tuning_table_steps_choose_the_blocking_path (written into
+    `directory`): a table whose steps make all_reduce up to 64 B blocking, and the
+    sessions that check it, in tuning/blocking_table.py."""
     from mcrdl.tuning.table import TuningTable
 
     t = TuningTable({"command": "test"})
     t.add("all_reduce", 2, "mpi", 8, 1e-6)
     t.set_blocking_steps("all_reduce", 2, "mpi", [(64, True), (-1, False)])
-    path = tmp_path / "blocking.json"
+    path = os.path.join(directory, "blocking.json")
     t.save(path)
     shipped_bcast = [list(s) for s in mpi.shipped_blocking()["bcast"][2]]
     sessions = [
@@ -397,15 +506,22 @@ def test_tuning_table_steps_choose_the_blocking_path(tmp_path):
         {"env": {"MCRDL_MPI_BLOCKING": "never"}, "expected": {}},
         {"env": {"MCRDL_MPI_BLOCKING": "always", "MCRDL_DEBUG": "1"}, "expected": {}},
     ]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING", "MCRDL_DEBUG")}
-    env.update(MCRDL_TIMEOUT="60", MCRDL_TUNING_TABLE=str(path))
-    cmd = [mpiexec_or_skip(), "-n", "2", sys.executable,
-           os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
-           json.dumps(sessions)]
-    out = run_launcher(cmd, env=env, timeout=120)
-    for i in range(len(sessions)):
-        assert out.count(f"session {i}: variants as expected") == 2, out
+    # the sessions set MCRDL_MPI_BLOCKING and MCRDL_DEBUG: listed here, so that
+    # tests/_multi.py restores them after the script
+    return [os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
+            [json.dumps(sessions)],
+            {"MCRDL_TIMEOUT": "60", "MCRDL_TUNING_TABLE": path, "MCRDL_MPI_BLOCKING": "auto",
+             "MCRDL_DEBUG": "0"}]
+
+
+def test_tuning_table_steps_choose_the_blocking_path(two_ranks):
+    """A table whose steps make all_reduce up to 64 B blocking: "mpi" and "auto" calls of
+    8 B run the blocking MPI collective (MpiComm.blocking_calls), 256 B ones and bcast
+    (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides, and
+    debug mode keeps the nonblocking path even under "always". Each setting is an
+    init/finalize session of tuning/blocking_table.py."""
+    for i in range(3):
+        assert two_ranks.count(f"session {i}: variants as expected") == 2, two_ranks
 
 
 def test_ranks_with_other_variants_fail_at_init(tmp_path):
@@ -452,61 +568,12 @@ def test_ranks_with_other_variants_fail_at_init(tmp_path):
             assert all(p in ln for p in parts), out
 
 
-def test_gil_kept_only_when_nothing_else_can_need_it():
+def test_gil_kept_only_when_nothing_else_can_need_it(two_ranks):
     """MCRDL_HOLD_GIL=auto (csrc/gil.h): a blocking MPI call keeps the GIL only while the
     interpreter has no other Python thread, no Python completion callback is pending and
     no fusion timer runs; "never" always releases it. Two ranks: rank 1 holds a pending
     recv with a callback until rank 0 sends."""
-    mpiexec = mpiexec_or_skip()
-    code = r"""
-import os, threading, time, torch, mcrdl
-from mcrdl import _C
-mcrdl.init(['mpi'])
-rank = mcrdl.get_rank()
-seen = {'alone': _C.may_hold_gil()}
-t = threading.Thread(target=time.sleep, args=(0.3,)); t.start()
-seen['python thread'] = _C.may_hold_gil(); t.join()
-seen['thread joined'] = _C.may_hold_gil()
-# the answer is cached by the thread list's head (csrc/gil.cpp): a thread that is not the
-# head ending leaves it, and the one still alive must still count
-stop_a, stop_b = threading.Event(), threading.Event()
-a, b = threading.Thread(target=stop_a.wait), threading.Thread(target=stop_b.wait)
-a.start(); b.start()
-seen['two threads'] = _C.may_hold_gil()
-stop_a.set(); a.join()
-seen['one of two joined'] = _C.may_hold_gil()
-stop_b.set(); b.join()
-seen['both joined'] = _C.may_hold_gil()
-if rank == 1:
-    w = mcrdl.recv('mpi', torch.zeros(1), src=0, tag=3, async_op=True)
-    done = []
-    w.add_done_callback(lambda err: done.append(err))
-    seen['callback pending'] = _C.may_hold_gil()
-mcrdl.all_gather_object(None)  # rank 1 looked before rank 0 sends
-if rank == 0:
-    mcrdl.send('mpi', torch.ones(1), dst=1, tag=3)
-else:  # not waited on here: the lane thread completes it and runs the callback, which
-    # leaves that thread a Python thread state (not a Python thread: still kept)
-    deadline = time.monotonic() + 10
-    while not (done and _C.may_hold_gil()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    seen['callback ran'] = (done == [None], _C.may_hold_gil())
-with mcrdl.extensions(fusion=mcrdl.FusionConfig(wait_us=50000.0)):
-    w = mcrdl.all_reduce('mpi', torch.ones(4), async_op=True)
-    seen['fusion timer'] = _C.may_hold_gil()
-    w.wait()
-mcrdl.finalize()
-mcrdl.init(['mpi'])
-seen['next session'] = _C.may_hold_gil()
-mcrdl.finalize()
-os.environ['MCRDL_HOLD_GIL'] = 'never'
-mcrdl.init(['mpi'])
-seen['never'] = _C.may_hold_gil()
-mcrdl.finalize()
-os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
-"""
-    env = {k: v for k, v in os.environ.items() if k != "MCRDL_HOLD_GIL"}
-    out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code], env=env, timeout=120)
+    out = two_ranks
     want = {"alone": True, "python thread": False, "thread joined": True,
             "two threads": False, "one of two joined": False, "both joined": True,
             "fusion timer": False, "next session": True, "never": False}
@@ -516,44 +583,12 @@ os.write(1, f'SEEN {rank} {seen!r}\n'.encode())
         assert eval(line.group(1)) == {**want, **extra}, out  # noqa: S307 (our own repr)
 
 
-def test_blocking_call_releases_the_gil_a_python_thread_needs():
+def test_blocking_call_releases_the_gil_a_python_thread_needs(two_ranks):
     """Rank 1 joins a small blocking all_reduce only after a file that a Python thread of
     rank 0 writes while rank 0's main thread is inside that all_reduce: rank 0 must have
     released the GIL (it has a second Python thread), or the job would hang until the
     watchdog (blocking variant) or the deadline (nonblocking variant, polled by the
     caller) ended it. Both variants, forced in turn, in one launch."""
-    mpiexec = mpiexec_or_skip()
-    code = r"""
-import os, sys, threading, time, torch, mcrdl, mcrdl.api
-mcrdl.init(['mpi'], timeout=30)
-rank = mcrdl.get_rank()
-backend = mcrdl.api.current_runtime().backend('mpi')
-for variant in ('blocking', 'nonblocking'):
-    flag = os.path.join(sys.argv[1], variant)
-    mcrdl.barrier('mpi')
-    calls = backend.comm(None).blocking_calls
-    with backend.variant('all_reduce', variant):
-        if rank == 0:
-            def later():
-                time.sleep(0.5)  # rank 0's main thread is in the all_reduce by then
-                open(flag, 'w').close()
-            t = threading.Thread(target=later); t.start()
-            x = torch.ones(1); mcrdl.all_reduce('mpi', x); t.join()
-        else:
-            while not os.path.exists(flag):
-                time.sleep(0.01)
-            x = torch.ones(1); mcrdl.all_reduce('mpi', x)
-    assert x.item() == 2.0, x
-    ran = backend.comm(None).blocking_calls - calls
-    assert ran == (variant == 'blocking'), (variant, ran)
-    os.write(1, f'rank {rank} {variant} ok\n'.encode())
-mcrdl.finalize()
-"""
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, MCRDL_TIMEOUT="30")
-        env.pop("MCRDL_HOLD_GIL", None)
-        out = run_launcher([mpiexec, "-n", "2", sys.executable, "-c", code, tmp], env=env,
-                           timeout=120)
+    out = two_ranks
     for variant in ("blocking", "nonblocking"):
         assert f"rank 0 {variant} ok" in out and f"rank 1 {variant} ok" in out, out
