@@ -3,11 +3,13 @@ torch import per rank, one MPI world) instead of one per script.
 
 Usage (under a launcher): ``python tests/_multi.py`` with ``$MCRDL_TEST_SCRIPTS`` a JSON
 list of ``[script, [args...], {env}]``. Each script runs as ``__main__`` with its
-``sys.argv`` and its environment variables set (restored after it): mcrdl reads its
-settings at ``init``, and each script is its own init/finalize session. Between scripts
-this prints ``== <script> done``. A script that raises prints its traceback and ends the
-process with exit code 1 (the launcher then ends the job): the scripts after it would
-otherwise wait on the failed rank until their timeouts.
+``sys.argv`` and its environment variables set (restored after it; a variable the script
+sets itself is not): mcrdl reads its settings at ``init``, and each script must be its
+own init/finalize session (one left open fails). Settings read at import
+(``MCRDL_LOG_LEVEL``) or when MPI starts (MPICH's variables) cannot differ per script.
+Between scripts this prints ``== <script> done``. A script that raises prints its
+traceback and ends the process with exit code 1 (the launcher then ends the job): the
+scripts after it would otherwise wait on the failed rank until their timeouts.
 
 tests/test_mixing.py's ``merged`` fixture runs one such launch for several tests.
 """
@@ -34,6 +36,10 @@ def main() -> None:
         sys.argv = [script, *args]
         try:
             runpy.run_path(script, run_name="__main__")
+            mcrdl = sys.modules.get("mcrdl")
+            # a session left open would hand its timeout and table to the next script's
+            if mcrdl is not None and mcrdl.is_initialized():
+                raise RuntimeError(f"{script} ended without mcrdl.finalize()")
         except SystemExit as e:
             if e.code not in (None, 0):
                 _fail()

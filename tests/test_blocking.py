@@ -22,7 +22,7 @@ HERE = os.path.join(os.path.dirname(__file__), "mixing")
 
 # Rank scripts of the 2-rank tests below that share one launch (tests/_multi.py runs
 # them in turn in each rank's process; the GIL check first, since it wants a process
-# without other threads, and the table's sessions, which set variables, last).
+# without other threads, and the watchdog text last, since its finalize abandons a recv).
 WATCHDOG_TEXT = r"""
 import time, torch, mcrdl
 from mcrdl import _C
@@ -168,18 +168,20 @@ mcrdl.finalize()
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> str:
-    """The output of the 2-rank launch of GIL_KEPT, GIL_RELEASE, ANOTHER_THREAD,
-    WATCHDOG_TEXT and the tuning table's sessions (once for the module)."""
+    """The output of the 2-rank launch of GIL_KEPT, GIL_RELEASE, ANOTHER_THREAD, the
+    tuning table's sessions and WATCHDOG_TEXT (once for the module)."""
     tmp = tmp_path_factory.mktemp("two_ranks")
     plan = []
     for name, code, args, env in (
             ("gil_kept.py", GIL_KEPT, [], {"MCRDL_HOLD_GIL": "auto"}),
             ("gil_release.py", GIL_RELEASE, [str(tmp)], {"MCRDL_TIMEOUT": "30"}),
-            ("another_thread.py", ANOTHER_THREAD, [], {}),
-            ("watchdog_text.py", WATCHDOG_TEXT, [], {})):
+            ("another_thread.py", ANOTHER_THREAD, [], {})):
         (tmp / name).write_text(code)
         plan.append([str(tmp / name), args, env])
     plan.append(_table_steps_script(str(tmp)))
+    # last: its finalize abandons a recv that stays posted on the old communicator
+    (tmp / "watchdog_text.py").write_text(WATCHDOG_TEXT)
+    plan.append([str(tmp / "watchdog_text.py"), [], {}])
     env = {k: v for k, v in os.environ.items()
            if k not in ("MCRDL_HOLD_GIL", "MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING",
                         "MCRDL_DEBUG")}
@@ -488,6 +490,16 @@ def test_blocking_collective_waiting_on_another_thread_of_its_rank(two_ranks):
     assert "rank 0 ok" in out and "rank 1 ok" in out, out
 
 
+#: tuning/blocking_table.py's sessions: the variables each sets before init, and the
+#: steps it expects ("shipped": mcrdl/tuning/mpi_blocking.json's)
+TABLE_SESSIONS = [
+    {"env": {"MCRDL_MPI_BLOCKING": "auto"},
+     "expected": {"all_reduce": [[64, True], [-1, False]], "bcast": "shipped"}},
+    {"env": {"MCRDL_MPI_BLOCKING": "never"}, "expected": {}},
+    {"env": {"MCRDL_MPI_BLOCKING": "always", "MCRDL_DEBUG": "1"}, "expected": {}},
+]
+
+
 def _table_steps_script(directory: str) -> list:
     """The plan entry of test_tuning_table_steps_choose_the_blocking_path (written into
     `directory`): a table whose steps make all_reduce up to 64 B blocking, and the
@@ -500,12 +512,9 @@ def _table_steps_script(directory: str) -> list:
     path = os.path.join(directory, "blocking.json")
     t.save(path)
     shipped_bcast = [list(s) for s in mpi.shipped_blocking()["bcast"][2]]
-    sessions = [
-        {"env": {"MCRDL_MPI_BLOCKING": "auto"},
-         "expected": {"all_reduce": [[64, True], [-1, False]], "bcast": shipped_bcast}},
-        {"env": {"MCRDL_MPI_BLOCKING": "never"}, "expected": {}},
-        {"env": {"MCRDL_MPI_BLOCKING": "always", "MCRDL_DEBUG": "1"}, "expected": {}},
-    ]
+    sessions = [dict(s, expected={op: shipped_bcast if steps == "shipped" else steps
+                                  for op, steps in s["expected"].items()})
+                for s in TABLE_SESSIONS]
     # the sessions set MCRDL_MPI_BLOCKING and MCRDL_DEBUG: listed here, so that
     # tests/_multi.py restores them after the script
     return [os.path.join(os.path.dirname(__file__), "tuning", "blocking_table.py"),
@@ -520,7 +529,7 @@ def test_tuning_table_steps_choose_the_blocking_path(two_ranks):
     (no steps in the table) the shipped choice; MCRDL_MPI_BLOCKING=never overrides, and
     debug mode keeps the nonblocking path even under "always". Each setting is an
     init/finalize session of tuning/blocking_table.py."""
-    for i in range(3):
+    for i in range(len(TABLE_SESSIONS)):
         assert two_ranks.count(f"session {i}: variants as expected") == 2, two_ranks
 
 

@@ -44,7 +44,7 @@ def merged() -> str:
     cmd = [mpiexec_or_skip(), "-n", "3", sys.executable,
            os.path.join(os.path.dirname(__file__), "_multi.py")]
     out = run_launcher(cmd, env=dict(os.environ, MCRDL_TEST_SCRIPTS=json.dumps(plan)),
-                       timeout=600)
+                       timeout=500)
     for script, _, _ in MERGED:
         assert out.count(f"== {script} done") == 3, (script, out)
     return out

@@ -291,3 +291,16 @@ def test_check_shard_errors(tmp_path):
     for shard, run_pruning, message in cases:
         with pytest.raises(CheckpointError, match=re.escape(message)):
             check_shard(shard, run_pruning, "ck", 5)
+
+
+def test_index_digest_tells_tensor_boundaries_apart():
+    """The replicas' mask agreement (Pruning._check_replicas_agree) hashes every tensor's
+    index with its length: the same positions split differently between two tensors are
+    a different mask."""
+    from training.pruning import index_digest
+
+    i32 = functools.partial(torch.tensor, dtype=torch.int32)
+    a = index_digest([i32([0, 1]), i32([2])])
+    assert a == index_digest([i32([0, 1]), i32([2])])
+    assert a != index_digest([i32([0]), i32([1, 2])])
+    assert a != index_digest([i32([0, 1]), i32([3])])

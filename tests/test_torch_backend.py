@@ -250,19 +250,28 @@ def test_work_finishes_once_and_completes_its_future():
     assert work.get_future() is future
 
 
+class SlowWork(FakeWork):
+    """Completes 0.6 s into its first wait that allows that long (in the waiting thread:
+    no timer thread to be scheduled late)."""
+
+    def wait(self, timeout=None):
+        if not self.done.is_set() and (timeout is None or timeout >= 0.6):
+            time.sleep(0.6)
+            self.done.set()
+        return super().wait(timeout)
+
+
 def test_work_wait_timeout_bounds_all_its_works_together():
     # a call of two ops (e.g. a coalesced pair) waits `timeout` in all, not per op
-    first, second = FakeWork(), FakeWork()
+    first, second = SlowWork(), FakeWork()
     work = McrdlWork.of((first, second), [], None, None, "allreduce_coalesced")
-    first_done = threading.Timer(0.4, first.done.set)
-    first_done.start()
     t0 = time.monotonic()
     with pytest.raises(mcrdl.CommTimeoutError, match="still pending"):
-        work.wait(datetime.timedelta(seconds=0.5))
+        work.wait(datetime.timedelta(seconds=1.0))
     took = time.monotonic() - t0
-    first_done.join()
     assert first.waits == 1 and second.waits == 1
-    assert 0.45 <= took < 0.75, f"wait(0.5 s) over two works took {took:.2f} s"
+    # one deadline: about 1.0 s; a timeout per work: 0.6 + 1.0 s
+    assert 0.95 <= took < 1.4, f"wait(1.0 s) over two works took {took:.2f} s"
     second.done.set()
     assert work.wait() and work.is_completed()
 

@@ -36,7 +36,7 @@ def four_ranks() -> str:
     plan = [[os.path.join(HERE, s), [], {}] for s in ("check_parity.py", "check_resume.py")]
     out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
                         os.path.join(os.path.dirname(__file__), "_multi.py")],
-                       env=_env(MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=600)
+                       env=_env(MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=500)
     for script, _, _ in plan:
         assert out.count(f"== {os.path.basename(script)} done") == 4, (script, out)
     return out

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -259,9 +260,9 @@ class Pruning:
     (``attach``). The first round, when at step 0, runs at construction from the
     parameters themselves (the fp32 masters start as their copies), so that SAMO's
     optimizer is built already compressed. Collective over `pipe_group` (global scope)
-    and, after every round, over `data_group`: the stage's data-parallel replicas must
-    have chosen the same mask (their gradients are all-reduced entry by entry at the
-    index), else every rank raises DesyncError."""
+    and, after every round and on loading a checkpoint's mask, over `data_group`: the
+    stage's data-parallel replicas must hold the same mask (their gradients are
+    all-reduced entry by entry at the index), else every rank raises DesyncError."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]],
                  sparsity: float, schedule: list[PruneRound], scope: str, pipe_group=None,
@@ -280,7 +281,7 @@ class Pruning:
         if schedule and schedule[0].step == 0:  # from every entry: no full index made
             self._index = select([p.detach() for _, p in named], None, self.numels,
                                  schedule[0].sparsity, scope, pipe_group)
-            self._check_replicas_agree(self._index, schedule[0])
+            self._check_replicas_agree(self._index, _round_name(schedule[0]))
             self.done.append(schedule[0])
         else:
             self._index = full_index(p for _, p in named)
@@ -293,33 +294,31 @@ class Pruning:
                    parse_schedule(cfg.prune_schedule, cfg.prune_sparsity), cfg.prune_scope,
                    pipe_group, data_group)
 
-    def _check_replicas_agree(self, index: list[torch.Tensor], round_: PruneRound) -> None:
-        """DesyncError on every rank unless the data-parallel replicas of each stage chose
-        the same index: a CRC-32 of every tensor's positions, compared over `data_group`
-        by one all-reduce of (h, -h) under MAX, then whether any stage differed over
-        `pipe_group`, so that no stage goes on to wait for one that raised."""
+    def _check_replicas_agree(self, index: list[torch.Tensor], what: str) -> None:
+        """DesyncError on every rank unless the data-parallel replicas of each stage hold
+        the same index (`what`: where it comes from): a CRC-32 of every tensor's length
+        and positions, compared over `data_group` by one all-reduce of (h, -h) under MAX,
+        then whether any stage differed over `pipe_group`, so that no stage goes on to
+        wait for one that raised."""
         if self.data_group is None:
             return
-        h = 0
-        for i in index:
-            h = zlib.crc32(i.detach().to("cpu", torch.int32).contiguous().numpy(), h)
+        h = index_digest(index)
         t = torch.tensor([h, -h], dtype=torch.int64)
         mcrdl.all_reduce("auto", t, op=mcrdl.ReduceOp.MAX, group=self.data_group)
         here = int(t[0]) != -int(t[1])
         anywhere = _sum_over(self.group, [int(here)])[0] > 0
         if not anywhere:
             return
-        what = f"pruning round before step {round_.step} (sparsity {round_.sparsity})"
         if not here:
             raise mcrdl.DesyncError(
                 f"{what}: the data-parallel replicas of another pipeline stage chose "
                 "different masks (this stage's agree); see the error on that stage's ranks")
         raise mcrdl.DesyncError(
-            f"{what}: the data-parallel replicas of this pipeline stage chose different "
+            f"{what}: the data-parallel replicas of this pipeline stage hold different "
             f"masks (CRC-32 of the index {int(t[0]):#010x} on one, {-int(t[1]):#010x} on "
-            f"another; this rank's {h:#010x}), so their fp32 master weights differ. Replicas "
-            "must start from the same weights (the same --seed) and stay equal: a "
-            "nondeterministic reduction or a rank that loaded another checkpoint breaks that")
+            f"another; this rank's {h:#010x}), so their weights differ. Replicas must start "
+            "from the same weights (the same --seed) or the same checkpoint and stay equal "
+            "(a nondeterministic reduction breaks that)")
 
     @property
     def index(self) -> list[torch.Tensor]:
@@ -343,7 +342,7 @@ class Pruning:
         for r in due:
             new = select(self.target.kept_values(), self.index, self.numels, r.sparsity,
                          self.scope, self.group)
-            self._check_replicas_agree(new, r)
+            self._check_replicas_agree(new, _round_name(r))
             self.target.set_index(new)
             self.done.append(r)
         return bool(due)
@@ -379,7 +378,9 @@ class Pruning:
     def load_shard(self, shard: dict, step: int) -> None:
         """Adopt the mask of a checkpoint shard (checked by ``check_shard``) of `step`."""
         self.done = [r for r in self.schedule if r.step < step]
-        self.target.set_index([shard["pruning"]["index"][n].clone() for n in self.names])
+        index = [shard["pruning"]["index"][n].clone() for n in self.names]
+        self._check_replicas_agree(index, f"the mask of the checkpoint of step {step}")
+        self.target.set_index(index)
 
 
 def check_shard(shard: dict, pruning: Pruning | None, path: Path | str, step: int) -> None:
@@ -435,6 +436,20 @@ def check_shard(shard: dict, pruning: Pruning | None, path: Path | str, step: in
         elif bool(values.reshape(-1).masked_select(pruned_mask(numel, index)).any()):
             raise CheckpointError(f"checkpoint {path}: {name} has nonzero weights at pruned "
                                   "positions: its mask does not belong to its weights")
+
+
+def index_digest(index: Sequence[torch.Tensor]) -> int:
+    """A CRC-32 of each tensor's index, its length first ([0, 1] + [2] differs from
+    [0] + [1, 2])."""
+    h = 0
+    for i in index:
+        h = zlib.crc32(struct.pack("<q", i.numel()), h)
+        h = zlib.crc32(i.detach().to("cpu", torch.int32).contiguous().numpy(), h)
+    return h
+
+
+def _round_name(r: PruneRound) -> str:
+    return f"pruning round before step {r.step} (sparsity {r.sparsity})"
 
 
 def _rounded(rounds: list[list]) -> list[tuple[int, float]]:
