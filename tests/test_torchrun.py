@@ -35,18 +35,15 @@ def test_gloo_under_torchrun(store):
             assert f"rank {r}: debug {debug}: torchrun gloo OK, {store} store" in out, out
 
 
-def test_sessions_on_a_store_rank_0_keeps(monkeypatch):
-    """In one process (no launch): a store at MASTER_ADDR/MASTER_PORT that rank 0 hosts
-    is kept for the next session, which reads its own object collectives, not the first
-    one's; a session whose ranks do not line up times out naming the session."""
+@pytest.fixture
+def store_at_master(monkeypatch) -> int:
+    """MASTER_ADDR/MASTER_PORT at a free local port, no torchrun agent store: the store
+    rank 0 hosts there (bootstrap._hosted, emptied for the test) is the port's."""
     import socket
 
-    from mcrdl import CommTimeoutError, bootstrap
-    from mcrdl.bootstrap import Bootstrap
-    from mcrdl.launch import LaunchInfo
+    from mcrdl import bootstrap
 
-    monkeypatch.setattr(bootstrap, "_hosted", {})  # the servers this test makes go with it
-
+    monkeypatch.setattr(bootstrap, "_hosted", {})  # the servers the test makes go with it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -54,6 +51,17 @@ def test_sessions_on_a_store_rank_0_keeps(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    return port
+
+
+def test_sessions_on_a_store_rank_0_keeps(store_at_master):
+    """In one process (no launch): a store at MASTER_ADDR/MASTER_PORT that rank 0 hosts
+    is kept for the next session, which reads its own object collectives, not the first
+    one's; a session whose ranks do not line up times out naming the session."""
+    from mcrdl import CommTimeoutError
+    from mcrdl.bootstrap import Bootstrap
+    from mcrdl.launch import LaunchInfo
+
     alone = LaunchInfo("torchrun", 0, 1, 0, 1, False)
     first = Bootstrap(alone, 5.0)
     assert first.all_gather_object("first") == ["first"]
@@ -68,27 +76,17 @@ def test_sessions_on_a_store_rank_0_keeps(monkeypatch):
         lonely.all_gather_object("third")
 
 
-def test_object_collectives_do_not_accumulate_in_the_store(monkeypatch):
+def test_object_collectives_do_not_accumulate_in_the_store(store_at_master):
     """The store (rank 0's or torchrun's agent's) lives as long as the job: each
     all_gather_object removes this rank's keys of the group's earlier object
     collectives, which every member has read by then (broadcasts' keys included)."""
-    import socket
-
     from mcrdl import bootstrap
     from mcrdl.bootstrap import Bootstrap
     from mcrdl.launch import LaunchInfo
 
-    monkeypatch.setattr(bootstrap, "_hosted", {})
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     b = Bootstrap(LaunchInfo("torchrun", 0, 1, 0, 1, False), 5.0)
     assert b.all_gather_object(0) == [0]
-    server = bootstrap._hosted[("127.0.0.1", port)]
+    server = bootstrap._hosted[("127.0.0.1", store_at_master)]
     before = server.num_keys()
     for i in range(1, 31):
         assert b.broadcast_object(("step", i)) == ("step", i)
