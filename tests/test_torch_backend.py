@@ -276,6 +276,19 @@ def test_work_wait_timeout_bounds_all_its_works_together():
     assert work.wait() and work.is_completed()
 
 
+def test_work_timed_out_on_its_own_is_completed_and_keeps_the_error():
+    # a work that failed by its own timeout reports completion (c10d expects a bool);
+    # wait() then raises the error, every time
+    inner = FakeWork(mcrdl.CommTimeoutError("fake: timed out"))
+    inner.done.set()
+    work = McrdlWork.of((inner,), [], None, None, "broadcast")
+    assert work.is_completed() is True
+    for _ in range(2):
+        with pytest.raises(mcrdl.CommTimeoutError, match="fake: timed out"):
+            work.wait()
+    assert inner.waits == 1 and not work.is_success()
+
+
 def test_work_error_reaches_the_future():
     inner = FakeWork(mcrdl.CommTimeoutError("fake: timed out"))
     work = McrdlWork.of((inner,), [], 5.0, None, "broadcast")

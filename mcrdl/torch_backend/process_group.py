@@ -352,7 +352,10 @@ class McrdlWork(dist.Work):
                 except BaseException as exc:  # noqa: BLE001 - a failed step: kept
                     self._fail(exc)
                     return True
-                self._settle(None)  # returns at once: every work is complete
+                try:
+                    self._settle(None)  # returns at once: every work is complete
+                except CommTimeoutError as exc:  # a work's own timeout, not a wait's: kept
+                    self._fail(exc)
             return True
         finally:
             self._lock.release()
