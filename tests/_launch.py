@@ -94,6 +94,18 @@ def run_launcher(cmd: list[str], env: dict | None = None, timeout: float = 300,
     return out
 
 
+def run_scripts(n: int, plan: list, env: dict, timeout: float) -> str:
+    """Rank scripts run in turn in one `n`-rank launch (tests/_multi.py: the ranks import
+    torch once for all); `plan` lists ``[script, [args...], {env}]``. Returns the output,
+    after checking that every script finished on every rank."""
+    multi = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multi.py")
+    out = run_launcher([mpiexec_or_skip(), "-n", str(n), sys.executable, multi],
+                       env=dict(env, MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=timeout)
+    for script, _, _ in plan:
+        assert out.count(f"== {os.path.basename(script)} done") == n, (script, out)
+    return out
+
+
 #: The line prefix a probe script prints its JSON result after (fresh_probe).
 RESULT_MARK = "@@RESULT@@"
 

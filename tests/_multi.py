@@ -11,7 +11,8 @@ Between scripts this prints ``== <script> done``. A script that raises prints it
 traceback and ends the process with exit code 1 (the launcher then ends the job): the
 scripts after it would otherwise wait on the failed rank until their timeouts.
 
-tests/test_mixing.py's ``merged`` fixture runs one such launch for several tests.
+tests._launch.run_scripts starts one such launch (fixtures of test_mixing, test_training
+and test_blocking).
 """
 
 import json

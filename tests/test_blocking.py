@@ -14,7 +14,7 @@ from mcrdl import _C
 from mcrdl.backends import mpi
 from mcrdl.tuning.schema import op_variants
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import mpiexec_or_skip, run_launcher, run_scripts
 from .test_mixing import _alive
 
 HERE = os.path.join(os.path.dirname(__file__), "mixing")
@@ -185,12 +185,7 @@ def two_ranks(tmp_path_factory) -> str:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MCRDL_HOLD_GIL", "MCRDL_TUNING_TABLE", "MCRDL_MPI_BLOCKING",
                         "MCRDL_DEBUG")}
-    out = run_launcher([mpiexec_or_skip(), "-n", "2", sys.executable,
-                        os.path.join(os.path.dirname(__file__), "_multi.py")],
-                       env=dict(env, MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=300)
-    for script, _, _ in plan:
-        assert out.count(f"== {os.path.basename(script)} done") == 2, (script, out)
-    return out
+    return run_scripts(2, plan, env, timeout=300)
 
 
 def test_blocking_mode_reads_the_environment(monkeypatch):

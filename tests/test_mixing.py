@@ -1,7 +1,6 @@
 """Mixed-backend execution, timeouts, debug mode and faults, on real multi-rank worlds
 (the rank scripts are in tests/mixing/)."""
 
-import json
 import os
 import re
 import subprocess
@@ -10,7 +9,7 @@ import time
 
 import pytest
 
-from ._launch import FULL, mpiexec_or_skip, run_launcher
+from ._launch import FULL, mpiexec_or_skip, run_launcher, run_scripts
 
 HERE = os.path.join(os.path.dirname(__file__), "mixing")
 # The backends the mixing scripts that take a list check in turn, in one launch.
@@ -41,13 +40,7 @@ MERGED = [
 def merged() -> str:
     """The output of the launch of MERGED at 3 ranks (once for the module)."""
     plan = [[os.path.join(HERE, script), args, env] for script, args, env in MERGED]
-    cmd = [mpiexec_or_skip(), "-n", "3", sys.executable,
-           os.path.join(os.path.dirname(__file__), "_multi.py")]
-    out = run_launcher(cmd, env=dict(os.environ, MCRDL_TEST_SCRIPTS=json.dumps(plan)),
-                       timeout=500)
-    for script, _, _ in MERGED:
-        assert out.count(f"== {script} done") == 3, (script, out)
-    return out
+    return run_scripts(3, plan, dict(os.environ), timeout=500)
 
 
 @pytest.mark.parametrize("n", [3, pytest.param(4, marks=FULL)])

@@ -16,6 +16,7 @@ from ._launch import (
     mpiexec_or_skip,
     pythonpath,
     run_launcher,
+    run_scripts,
     skip_without,
     without_launcher,
 )
@@ -34,12 +35,7 @@ def four_ranks() -> str:
     """check_parity.py, then check_resume.py, in one 4-rank launch (tests/_multi.py: each
     rank imports torch once for both)."""
     plan = [[os.path.join(HERE, s), [], {}] for s in ("check_parity.py", "check_resume.py")]
-    out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
-                        os.path.join(os.path.dirname(__file__), "_multi.py")],
-                       env=_env(MCRDL_TEST_SCRIPTS=json.dumps(plan)), timeout=500)
-    for script, _, _ in plan:
-        assert out.count(f"== {os.path.basename(script)} done") == 4, (script, out)
-    return out
+    return run_scripts(4, plan, _env(), timeout=500)
 
 
 @pytest.mark.parametrize("n", [pytest.param(1, marks=FULL), pytest.param(2, marks=FULL),
