@@ -111,8 +111,8 @@ def test_package_data_ships_the_tables(tmp_path):
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    tuning = tmp_path / "mcrdl" / "tuning"
-    shipped = sorted(p.name for p in (ROOT / "mcrdl" / "tuning" / "tables").glob("*.json"))
+    tuning, source = tmp_path / "mcrdl" / "tuning", ROOT / "mcrdl" / "tuning" / "tables"
+    shipped = sorted(p.name for p in source.glob("*.json"))
     assert shipped, "no shipped tuning table in the source tree"
     assert sorted(p.name for p in (tuning / "tables").glob("*.json")) == shipped
     for name in ("tables/README.md", "mpi_blocking.json", "mpich_posix_coll.json"):
@@ -123,7 +123,7 @@ def test_package_data_ships_the_tables(tmp_path):
             "t = p.find_shipped_table(p.SHIPPED_TABLES, {'cpu_model': sys.argv[2], "
             "'gpu_model': ''}); print(t.name if t else None)")
     from mcrdl.tuning.schema import decode, read
-    path = ROOT / "mcrdl" / "tuning" / "tables" / shipped[0]
+    path = source / shipped[0]
     cpu = decode(read(path), source=str(path)).provenance["cpu_model"]
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path), cpu], capture_output=True,
                        text=True, timeout=120, cwd=tmp_path)
