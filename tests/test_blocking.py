@@ -233,7 +233,8 @@ def test_blocking_steps_fixed_modes_and_nearest_group_size():
 
 def _run(n, *args, mode, timeout, done_dir):
     mpiexec = mpiexec_or_skip()
-    env = dict(os.environ, MCRDL_MPI_BLOCKING=mode, TIMEOUT_DONE_DIR=str(done_dir))
+    env = dict(os.environ, MCRDL_MPI_BLOCKING=mode, TIMEOUT_DONE_DIR=str(done_dir),
+               MCRDL_PCCL_INTER="mpi", MCRDL_PCCL_INTRA="mpi")
     cmd = [mpiexec, "-n", str(n), sys.executable, os.path.join(HERE, "blocking_timeout.py"),
            *map(str, args)]
     out = run_launcher(cmd, env=env, timeout=timeout, expect_rc=None)
@@ -254,19 +255,22 @@ def test_work_wait_raises_the_watchdog_text(two_ranks):
     assert out.count("mcrdl: the 'mpi' backend") == 2, out  # rank 0 had nothing in flight
 
 
-def test_blocking_call_past_timeout_ends_the_job(tmp_path):
+@pytest.mark.parametrize("backend", ["mpi", "pccl"])
+def test_blocking_call_past_timeout_ends_the_job(backend, tmp_path):
     """A rank never joins a small blocking all_reduce on the blocking path: the waiting
     rank prints the CommTimeoutError text and MPI_Abort ends the job within timeout + 5 s;
-    no process is left."""
+    no process is left. On pccl (its "mpi" algorithm) the blocking collective is a phase
+    of the all_reduce: the text names the all_reduce, as its nonblocking path's does."""
     limit = 2.0
-    out, end = _run(2, limit, mode="always", timeout=60, done_dir=tmp_path)
+    out, end = _run(2, limit, *(["pccl"] if backend == "pccl" else []), mode="always",
+                    timeout=60, done_dir=tmp_path)
     called = float(re.search(r"rank 1: calling at ([\d.]+)", out).group(1))
     assert end - called < limit + 5, (end - called, out)
-    text = _C.timeout_message("all_reduce", "mpi", "world", 2, limit)
+    text = _C.timeout_message("all_reduce", backend, "world", 2, limit)
     assert f"mcrdl: CommTimeoutError: {text}" in out, out
     assert "MPI_Abort" in out and "rank 0: skipped" not in out and "finalized" not in out, out
-    # a single-threaded rank kept the GIL in that call: the message says how not to
-    assert "the call kept the GIL" in out and "MCRDL_HOLD_GIL=never" in out, out
+    if backend == "mpi":  # a single-threaded rank kept the GIL in that call: how not to
+        assert "the call kept the GIL" in out and "MCRDL_HOLD_GIL=never" in out, out
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
     assert len(pids) == 2, out
     deadline = time.monotonic() + 5  # the aborting rank may still be exiting

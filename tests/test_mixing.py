@@ -82,9 +82,9 @@ def test_collective_one_rank_never_joins_times_out(debug, tmp_path):
     rank that never arrived."""
     limit = 2.0
     # The nonblocking path's contract; the blocking MPI path's is in test_blocking.py.
-    # pccl too outside debug mode: its all_reduce runs two C++ ops, and the error must
-    # name all_reduce, not the phase that timed out.
-    backends = BOTH if debug == "1" else (*BOTH, "pccl")
+    # pccl too: its all_reduce (a reduce-scatter then an all-gather) is one op, numbered
+    # and named all_reduce like the others'.
+    backends = (*BOTH, "pccl")
     out = launch(3, "timeout.py", ",".join(backends), limit,
                  env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never",
                       "TIMEOUT_DONE_DIR": str(tmp_path)}, timeout=120)

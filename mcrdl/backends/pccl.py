@@ -12,7 +12,7 @@ sit on one node run the inter-node algorithm over the whole group (flat).
   all_gather:     inter-node phase, intra-node phase, local shuffle
   reduce_scatter: local pre-shuffle, intra-node phase, inter-node phase
   all_reduce:     reduce_scatter + all_gather (the tensor padded to a multiple of the
-                  group size)
+                  group size), one C++ op: one sequence number, and a timeout names it
 
 Algorithms (per phase): "ring", "rd" (recursive doubling / halving; any process count:
 the extra ranks fold in before and out after) and "mpi" (the MPI library's collective:
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _C
-from ..errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
+from ..errors import BackendUnavailableError, InvalidArgumentError
 from ..groups import Group
 from ..ops import HALF_DTYPES, ReduceOp, reduce_plan
 from ..ordering import IssueQueue
@@ -294,11 +294,11 @@ class PCCLBackend(MPILaneBackend):
                 f"{op}: backend 'pccl' runs its phases over MPI point-to-point and handles CPU "
                 f"tensors only here (got a tensor on {t.device}); use 'nccl' for GPU tensors")
 
-    def _chain(self, steps: list, finish, cls: type = ChainedWork) -> ChainedWork:
+    def _chain(self, steps: list, finish) -> ChainedWork:
         """The Work of an async op whose `finish` (a copy into the caller's tensor, AVG's
         division, a cast back) runs in Python once its C++ steps completed: kept until it
         ran, so that synchronize delivers the result as for the other backends."""
-        work = cls(steps, finish, self.name)
+        work = ChainedWork(steps, finish, self.name)
         if finish is not None:
             with self._chained_lock:
                 if len(self._chained) >= 256:
@@ -393,41 +393,9 @@ class PCCLBackend(MPILaneBackend):
             phases = self._scatter_phases(*dh, piece, buf, code, algos[0])
             more, shuffle = self._gather_phases(*dh, buf, piece, algos[0])
             return self._staged(dh[1], phases + more, _then(shuffle, finish), async_op)
-        if not async_op:
-            try:
-                c.reduce_scatter(piece, buf, int(code), *algos, False)
-                c.all_gather(_words(buf), _words(piece), *algos, False)
-            except CommTimeoutError as exc:
-                raise _as_all_reduce(exc) from None
-            with torch.no_grad():
-                finish()
-            return None
-        # both posted now: C++ starts an op of a communicator when the one before is done
-        first = c.reduce_scatter(piece, buf, int(code), *algos, True)
-        second = c.all_gather(_words(buf), _words(piece), *algos, True)
-        return self._chain([first, second], finish, _AllReduceWork)
-
-
-def _as_all_reduce(exc: CommTimeoutError) -> CommTimeoutError:
-    """A timeout of one of all_reduce's phases (a reduce_scatter, then an all_gather, each
-    a C++ op of its own) as all_reduce's: the message names the op the caller made."""
-    text = str(exc)
-    for phase in ("reduce_scatter", "all_gather"):
-        if text.startswith(f"{phase} on backend"):
-            return CommTimeoutError(f"all_reduce (its {phase} phase){text[len(phase):]}")
-    return exc
-
-
-class _AllReduceWork(ChainedWork):
-    """all_reduce's two phases, whose timeout names all_reduce (_as_all_reduce)."""
-
-    __slots__ = ()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        try:
-            return super().wait(timeout)
-        except CommTimeoutError as exc:
-            raise _as_all_reduce(exc) from None
+        # one C++ op: its Work, sequence number and timeout message are all_reduce's
+        return self._run(lambda a: c.all_reduce(buf, piece, int(code), *algos, a), finish,
+                         async_op)
 
 
 def _then(*steps):

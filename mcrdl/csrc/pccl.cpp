@@ -8,6 +8,8 @@
 //                   (L x N blocks, [local][node]) -> local shuffle into rank order.
 //   reduce_scatter: local pre-shuffle into [local][node] order -> intra-node
 //                   reduce-scatter (N blocks each) -> inter-node reduce-scatter (1 block).
+//   all_reduce:     the reduce_scatter's steps, then the all_gather's, in one op (one
+//                   sequence number, tag and Work, named all_reduce).
 // A flat PcclComm (N = group size, L = 1) runs the inter algorithm over the whole group.
 //
 // Algorithms of a phase, each correct for any process count p:
@@ -549,30 +551,13 @@ class PcclComm {
     c10::NoGradGuard ng;
     Flat out = flat_contiguous(output, op, "output");
     Flat in = flat_contiguous(input, op, "input");
-    Algo ia = parse_algo(inter_algo, op, "inter_algo"), la = parse_algo(intra_algo, op, "intra_algo");
-    const int64_t n = in.t.numel();
-    if (out.t.numel() != n * size_ || out.t.scalar_type() != in.t.scalar_type())
-      throw_invalid("pccl all_gather: output must hold " + std::to_string(size_) +
-                    " blocks of the input (dtype " + dtype_name(in.t.scalar_type()) + ")");
-    const int N = inter_.size, L = intra_.size;
+    Gather g = gather_plan(out, in, inter_algo, intra_algo, op, "output", "the input");
     auto s = std::make_shared<Schedule>();
     s->op = "pccl all_gather";
-    // inter phase into t1 ([node] blocks), intra phase into t2 ([local][node]), shuffle.
-    const bool direct = !perm_;  // [local][node] order is already rank order
-    Flat t2 = direct ? out : Flat::empty(size_ * n, in.t);
-    Flat t1 = L == 1 ? t2 : t2.from(intra_.rank * N * n);
-    s->keep = {out.t, in.t, t2.t};
-    const int me = inter_.rank;
-    s->steps.push_back({nullptr, [=] { copy_into(t1, me * n, in, 0, n); }});
-    std::unique_lock<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> posted(post_mu_);
     auto w = make_work(op, *s);
-    const int64_t esz = in.t.element_size();
-    all_gather_steps(*s, t1, n, tagged(inter_), ia, blocking(0, 0, N * n * esz));
-    if (L > 1)
-      all_gather_steps(*s, t2, N * n, tagged(intra_), la, blocking(0, 1, L * N * n * esz));
-    if (!direct)  // out[perm[i]] = t2[i], blocks of n
-      s->steps.push_back({nullptr, [perm = perm_, out, t2, n] { perm->apply(out, t2, n, true); }});
-    return launch(w, s, async_op, g);
+    add_gather(*s, g);
+    return launch(w, s, async_op, posted);
   }
 
   // in: size * n elements (rank order), out: n elements. code: SUM..BXOR (not AVG).
@@ -583,36 +568,133 @@ class PcclComm {
     c10::NoGradGuard ng;
     Flat out = flat_contiguous(output, op, "output");
     Flat in = flat_contiguous(input, op, "input");
-    Algo ia = parse_algo(inter_algo, op, "inter_algo"), la = parse_algo(intra_algo, op, "intra_algo");
-    const int64_t n = out.t.numel();
-    if (in.t.numel() != n * size_ || out.t.scalar_type() != in.t.scalar_type())
-      throw_invalid("pccl reduce_scatter: input must hold " + std::to_string(size_) +
-                    " blocks of the output (dtype " + dtype_name(out.t.scalar_type()) + ")");
-    mpi_op(code);  // rejects AVG and unknown codes
-    const int N = inter_.size, L = intra_.size;
+    Scatter r = scatter_plan(out, in, code, inter_algo, intra_algo, op, "the output", "input");
     auto s = std::make_shared<Schedule>();
     s->op = "pccl reduce_scatter";
-    // acc: the input in [local][node] order (a copy: the algorithms overwrite it).
-    Flat acc = Flat::empty(size_ * n, in.t), tmp = Flat::empty(size_ * n, in.t);
-    Flat mid = L > 1 ? Flat::empty(N * n, in.t) : acc;
-    s->keep = {out.t, in.t, acc.t, tmp.t, mid.t};
-    const int64_t total = size_ * n;
-    if (!perm_)
-      s->steps.push_back({nullptr, [=] { copy_into(acc, 0, in, 0, total); }});
-    else  // acc[i] = in[perm[i]], blocks of n
-      s->steps.push_back({nullptr, [perm = perm_, acc, in, n] { perm->apply(in, acc, n, false); }});
-    std::unique_lock<std::mutex> g(post_mu_);
+    std::unique_lock<std::mutex> posted(post_mu_);
     auto w = make_work(op, *s);
-    const int64_t esz = out.t.element_size();
-    if (L > 1)
-      reduce_scatter_steps(*s, acc, tmp, mid, N * n, code, tagged(intra_), la,
-                           blocking(1, 1, L * N * n * esz));
-    reduce_scatter_steps(*s, mid, tmp, out, n, code, tagged(inter_), ia,
-                         blocking(1, 0, N * n * esz));
-    return launch(w, s, async_op, g);
+    add_scatter(*s, r);
+    return launch(w, s, async_op, posted);
+  }
+
+  // buffer: size * m elements (a zero-padded copy of the caller's tensor, which the
+  // reduce-scatter overwrites as its work buffer), piece: m elements. The reduce-scatter
+  // phases into piece, then the all-gather phases from piece back into buffer, as one op:
+  // one Work, one sequence number and one tag, named all_reduce (its timeout and the
+  // watchdog's message name the op the caller made). code: not AVG.
+  py::object all_reduce(py::handle buffer, py::handle piece, int code,
+                        const std::string& inter_algo, const std::string& intra_algo,
+                        bool async_op) {
+    const char* op = "all_reduce";
+    c10::NoGradGuard ng;
+    Flat buf = flat_contiguous(buffer, op, "buffer");
+    Flat mine = flat_contiguous(piece, op, "piece");
+    Scatter r = scatter_plan(mine, buf, code, inter_algo, intra_algo, op, "piece", "buffer", true);
+    Gather g = gather_plan(buf, mine, inter_algo, intra_algo, op, "buffer", "piece");
+    auto s = std::make_shared<Schedule>();
+    s->op = "pccl all_reduce";
+    std::unique_lock<std::mutex> posted(post_mu_);
+    auto w = make_work(op, *s);
+    add_scatter(*s, r);  // done with buffer before the all-gather writes it
+    add_gather(*s, g);
+    return launch(w, s, async_op, posted);
   }
 
  private:
+  // An all-gather's arguments and buffers (allocated before the post lock is taken).
+  struct Gather {
+    Flat out, in, t1, t2;
+    int64_t n;
+    Algo ia, la;
+    bool direct;  // [local][node] order is already rank order
+  };
+
+  // out_arg, in_arg: the arguments' names, for the error message.
+  Gather gather_plan(const Flat& out, const Flat& in, const std::string& inter_algo,
+                     const std::string& intra_algo, const char* op, const char* out_arg,
+                     const char* in_arg) const {
+    Algo ia = parse_algo(inter_algo, op, "inter_algo"), la = parse_algo(intra_algo, op, "intra_algo");
+    const int64_t n = in.t.numel();
+    if (out.t.numel() != n * size_ || out.t.scalar_type() != in.t.scalar_type())
+      throw_invalid(std::string("pccl ") + op + ": " + out_arg + " must hold " +
+                    std::to_string(size_) + " blocks of " + in_arg + " (dtype " +
+                    dtype_name(in.t.scalar_type()) + ")");
+    const bool direct = !perm_;
+    // inter phase into t1 ([node] blocks), intra phase into t2 ([local][node]), shuffle.
+    Flat t2 = direct ? out : Flat::empty(size_ * n, in.t);
+    Flat t1 = intra_.size == 1 ? t2 : t2.from(intra_.rank * inter_.size * n);
+    return {out, in, t1, t2, n, ia, la, direct};
+  }
+
+  // Called with the post lock held, after make_work: the all-gather's steps.
+  void add_gather(Schedule& s, const Gather& g) {
+    const int N = inter_.size, L = intra_.size;
+    const int64_t n = g.n, esz = g.in.t.element_size();
+    s.keep.insert(s.keep.end(), {g.out.t, g.in.t, g.t2.t});
+    s.steps.push_back({nullptr, [t1 = g.t1, in = g.in, me = inter_.rank, n] {
+                         copy_into(t1, me * n, in, 0, n);
+                       }});
+    all_gather_steps(s, g.t1, n, tagged(inter_), g.ia, blocking(0, 0, N * n * esz));
+    if (L > 1)
+      all_gather_steps(s, g.t2, N * n, tagged(intra_), g.la, blocking(0, 1, L * N * n * esz));
+    if (!g.direct)  // out[perm[i]] = t2[i], blocks of n
+      s.steps.push_back({nullptr, [perm = perm_, out = g.out, t2 = g.t2, n] {
+                           perm->apply(out, t2, n, true);
+                         }});
+  }
+
+  // A reduce-scatter's arguments and buffers (allocated before the post lock is taken).
+  struct Scatter {
+    Flat out, in, acc, tmp, mid;
+    int64_t n;
+    int code;
+    Algo ia, la;
+    bool in_place;  // acc is the input itself: no copy step
+  };
+
+  // out_arg, in_arg: the arguments' names, for the error message. scratch: `in` is the
+  // op's own (all_reduce's padded copy), so in rank order it is the work buffer itself.
+  Scatter scatter_plan(const Flat& out, const Flat& in, int code, const std::string& inter_algo,
+                       const std::string& intra_algo, const char* op, const char* out_arg,
+                       const char* in_arg, bool scratch = false) const {
+    Algo ia = parse_algo(inter_algo, op, "inter_algo"), la = parse_algo(intra_algo, op, "intra_algo");
+    const int64_t n = out.t.numel();
+    if (in.t.numel() != n * size_ || out.t.scalar_type() != in.t.scalar_type())
+      throw_invalid(std::string("pccl ") + op + ": " + in_arg + " must hold " +
+                    std::to_string(size_) + " blocks of " + out_arg + " (dtype " +
+                    dtype_name(out.t.scalar_type()) + ")");
+    mpi_op(code);  // rejects AVG and unknown codes
+    // acc: the input in [local][node] order (a copy: the algorithms overwrite it).
+    const bool in_place = scratch && !perm_;
+    Flat acc = in_place ? in : Flat::empty(size_ * n, in.t);
+    Flat tmp = Flat::empty(size_ * n, in.t);
+    Flat mid = intra_.size > 1 ? Flat::empty(inter_.size * n, in.t) : acc;
+    return {out, in, acc, tmp, mid, n, code, ia, la, in_place};
+  }
+
+  // Called with the post lock held, after make_work: the reduce-scatter's steps.
+  void add_scatter(Schedule& s, const Scatter& r) {
+    const int N = inter_.size, L = intra_.size;
+    const int64_t n = r.n, esz = r.out.t.element_size(), total = size_ * n;
+    s.keep.insert(s.keep.end(), {r.out.t, r.in.t, r.acc.t, r.tmp.t, r.mid.t});
+    if (r.in_place) {
+      // the input is the work buffer
+    } else if (!perm_) {
+      s.steps.push_back({nullptr, [acc = r.acc, in = r.in, total] {
+                           copy_into(acc, 0, in, 0, total);
+                         }});
+    } else {  // acc[i] = in[perm[i]], blocks of n
+      s.steps.push_back({nullptr, [perm = perm_, acc = r.acc, in = r.in, n] {
+                           perm->apply(in, acc, n, false);
+                         }});
+    }
+    if (L > 1)
+      reduce_scatter_steps(s, r.acc, r.tmp, r.mid, N * n, r.code, tagged(intra_), r.la,
+                           blocking(1, 1, L * N * n * esz));
+    reduce_scatter_steps(s, r.mid, r.tmp, r.out, n, r.code, tagged(inter_), r.ia,
+                         blocking(1, 0, N * n * esz));
+  }
+
   Peer tagged(Peer c) const {
     c.tag = (int)(seq_ % kTagSpace);
     return c;
@@ -688,7 +770,11 @@ void bind_pccl(py::module_& m) {
       .def("all_gather", &PcclComm::all_gather, arg("output"), arg("input"), arg("inter_algo"),
            arg("intra_algo"), arg("async_op"))
       .def("reduce_scatter", &PcclComm::reduce_scatter, arg("output"), arg("input"), arg("op"),
-           arg("inter_algo"), arg("intra_algo"), arg("async_op"));
+           arg("inter_algo"), arg("intra_algo"), arg("async_op"))
+      .def("all_reduce", &PcclComm::all_reduce, arg("buffer"), arg("piece"), arg("op"),
+           arg("inter_algo"), arg("intra_algo"), arg("async_op"),
+           "all_reduce of buffer (size * len(piece) elements) through piece: the "
+           "reduce-scatter then the all-gather, as one op.");
 }
 
 }  // namespace mcrdl

@@ -3,7 +3,9 @@ small blocking all_reduce. Under MCRDL_MPI_BLOCKING=always the other ranks' watc
 prints the CommTimeoutError text and ends the job with MPI_Abort; under "never" they
 raise CommTimeoutError (its text printed, to compare). "async" waits on an async op
 instead, which raises CommTimeoutError in every mode; rank 0 then waits for the others
-through idle_rank.py. Usage: blocking_timeout.py TIMEOUT_S [async]"""
+through idle_rank.py. "pccl" runs the all_reduce on pccl instead of "mpi" (with
+MCRDL_PCCL_INTER=mpi its MPI collectives follow MCRDL_MPI_BLOCKING).
+Usage: blocking_timeout.py TIMEOUT_S [async] [pccl]"""
 
 import os
 import sys
@@ -15,19 +17,20 @@ from idle_rank import done, wait_for_others
 import mcrdl
 
 limit = float(sys.argv[1])
-use_async = sys.argv[2:] == ["async"]
-mcrdl.init(["mpi"], timeout=limit)
+use_async = "async" in sys.argv[2:]
+backend = "pccl" if "pccl" in sys.argv[2:] else "mpi"
+mcrdl.init([backend], timeout=limit)
 rank = mcrdl.get_rank()
 print(f"rank {rank}: pid {os.getpid()}", flush=True)
-mcrdl.all_reduce("mpi", torch.ones(4))  # a healthy op first: sequence number 1
+mcrdl.all_reduce(backend, torch.ones(4))  # a healthy op first: sequence number 1
 if rank != 0:
     print(f"rank {rank}: calling at {time.time():.3f}", flush=True)
     start = time.monotonic()
     try:
         if use_async:
-            mcrdl.all_reduce("mpi", torch.ones(4), async_op=True).wait()
+            mcrdl.all_reduce(backend, torch.ones(4), async_op=True).wait()
         else:
-            mcrdl.all_reduce("mpi", torch.ones(4))
+            mcrdl.all_reduce(backend, torch.ones(4))
         raise AssertionError("all_reduce without rank 0 returned")
     except mcrdl.CommTimeoutError as e:
         print(f"rank {rank}: raised after {time.monotonic() - start:.2f} s: "
