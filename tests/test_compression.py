@@ -91,6 +91,36 @@ def test_non_finite_and_empty_blocks_are_sent_exactly():
         decode(encode(torch.ones(3), {"rate": 8}), torch.empty(5), "test")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_zfp_cannot_keep_are_sent_exactly(dtype):
+    """Magnitudes near the float maximum (zfp decoded some as Inf) and tolerances finer
+    than a subnormal block's zeros go raw; just below the limit zfp keeps every mode's
+    guarantee; all-subnormal blocks decode as zeros in the other modes, an error below
+    the smallest normal value."""
+    info = np.finfo(dtype)
+    limit = 2.0 ** (info.maxexp - 2)
+    rng = np.random.default_rng(3)
+    for shape in ((1024,), (32, 32), (8, 8, 16)):
+        near = (rng.uniform(-1, 1, shape) * 2.0 ** (info.maxexp - 1)).astype(dtype)
+        near.flat[0] = np.nextafter(dtype(2.0 ** (info.maxexp - 1)), dtype(0))
+        for mode in ({"rate": 4}, {"precision": 1}, {"precision": 2}, {"tolerance": 1e-3}):
+            got, block = roundtrip(near, **mode)
+            assert int(block[0]) == _RAW and np.array_equal(got, near), (shape, mode)
+        below = (near / 2).astype(dtype)  # under the limit: zfp takes it, all finite
+        below.flat[0] = np.nextafter(dtype(limit), dtype(0))
+        for mode in ({"rate": 4}, {"precision": 1}, {"precision": 8}):
+            got, block = roundtrip(below, **mode)
+            assert int(block[0]) == _ZFP and np.isfinite(got).all(), (shape, mode)
+            if "precision" in mode:
+                assert zfp_checks.precision_violations(below, got, mode["precision"]) == 0
+    sub = (rng.uniform(-1, 1, (256,)) * info.tiny).astype(dtype)
+    got, block = roundtrip(sub, tolerance=float(info.tiny) / 8)
+    assert int(block[0]) == _RAW and np.array_equal(got, sub)
+    for mode in ({"tolerance": float(info.tiny)}, {"precision": 16}, {"rate": 16}):
+        got, _ = roundtrip(sub, **mode)
+        assert float(np.abs(got.astype(np.float64) - sub).max()) <= info.tiny, mode
+
+
 def test_compression_config_checks_its_fields():
     for kwargs, word in (({"mode": "lossless"}, "mode"), ({"mode": "rate"}, "needs 'rate'"),
                          ({"mode": "rate", "rate": 0}, "rate"),

@@ -21,9 +21,10 @@ send / recv                   the size, then the bytes (same tag)
 Every rank, the sender or root included, ends with the *decompressed* values (so all
 ranks hold the same bits, e.g. after a bcast of weights). Each block starts with one
 tag byte: zfp, or raw when zfp would not make it smaller or it holds NaN/Inf (zfp's
-lossy modes do not keep non-finite values, and fixed rates below zfp's minimum for
-the block shape - 9 bits per block of float32, 12 of float64 - are not given to it);
-raw blocks are exact. Other dtypes
+lossy modes do not keep non-finite values), magnitudes of 2**126 (float32) / 2**1022
+(float64) or more (zfp may decode them as Inf), a tolerance finer than the dtype's
+smallest normal value, or a fixed rate below zfp's minimum for the block shape (9 bits
+per block of float32, 12 of float64); raw blocks are exact. Other dtypes
 (float16/bfloat16 included: zfp has no 16-bit floats), GPU tensors, the other
 operations and reduce ops are passed through uncompressed, in order. The sizes are
 exchanged before the bytes can be posted, so an async call is posted by the group's
@@ -33,11 +34,12 @@ Error bounds (zfp 1.0 documentation): "accuracy" keeps every value within
 ``tolerance`` (zfp rounds the tolerance down to a power of two); "precision" keeps
 ``precision`` bit planes of the block transform, error at most
 ``k(d) * 2**(emax - precision)`` for a block of 4**d values whose largest magnitude has
-exponent emax (k(1) = 20, k(2) = 125, ...); "rate" stores every block of 4**d values in
-``round(4**d * rate)`` bits (the queue is written in 64-bit words after a 96-bit
-header) with no error bound. A compressed all_reduce(SUM) adds up to one error bound
-per rank. Tensors are compressed with their own shape less its size-1 dimensions (up
-to 4-D; more dims are folded into the first).
+exponent emax (k(1) = 20, k(2) = 125, ...), except that a block whose values are all
+subnormal decodes as zeros (error below the dtype's smallest normal value); "rate"
+stores every block of 4**d values in ``round(4**d * rate)`` bits (the queue is written
+in 64-bit words after a 96-bit header) with no error bound. A compressed
+all_reduce(SUM) adds up to one error bound per rank. Tensors are compressed with their
+own shape less its size-1 dimensions (up to 4-D; more dims are folded into the first).
 """
 
 from __future__ import annotations
@@ -117,6 +119,26 @@ def _rate_too_low(zfp_args: dict, ndim: int, itemsize: int) -> bool:
     return rate is not None and round(4 ** ndim * rate) < (9 if itemsize == 4 else 12)
 
 
+#: Magnitudes from which zfp's lossy modes may decode a finite value as infinite: its
+#: block transform needs two exponents of headroom (probed with zfpy 1.0.1: float32
+#: blocks holding values in [2**126, 2**127) decoded to inf at 4 bits a value, none
+#: below 2**126 over 1 to 4 dims, every rate, precision and tolerance).
+_ZFP_LIMIT = {np.dtype(np.float32): 2.0 ** 126, np.dtype(np.float64): 2.0 ** 1022}
+
+
+def _zfp_may_take(a: np.ndarray, zfp_args: dict) -> bool:
+    """Whether zfp keeps its mode's guarantee on `a` (else the block is sent raw): every
+    value finite and below _ZFP_LIMIT, a rate zfp can meet for the block shape, and a
+    tolerance no finer than the smallest normal float (zfp decodes a block whose values
+    are all subnormal as zeros)."""
+    if _rate_too_low(zfp_args, a.ndim, a.itemsize):
+        return False
+    if zfp_args.get("tolerance", np.inf) < np.finfo(a.dtype).tiny:
+        return False
+    top = max(a.max(), -a.min())  # NaN propagates, and fails the comparison
+    return bool(top < _ZFP_LIMIT[a.dtype])
+
+
 def encode(t: torch.Tensor, zfp_args: dict) -> torch.Tensor:
     """The bytes of one block (uint8, tag byte first); empty for an empty tensor."""
     import zfpy
@@ -124,7 +146,7 @@ def encode(t: torch.Tensor, zfp_args: dict) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
     a = t.detach().numpy().reshape(_zfp_shape(tuple(t.shape)))
-    if not _rate_too_low(zfp_args, a.ndim, a.itemsize) and np.isfinite(a).all():
+    if _zfp_may_take(a, zfp_args):
         packed = zfpy.compress_numpy(a, **zfp_args)
         if len(packed) < a.nbytes:
             out = np.empty(1 + len(packed), dtype=np.uint8)
