@@ -64,6 +64,16 @@ def _alternatives(exc: UnsupportedOperationError) -> UnsupportedOperationError:
     return UnsupportedOperationError(exc.op, exc.backend, others)
 
 
+def _async_flag(value: object, op: str) -> bool:
+    """`async_op` as a bool: True, False, or an integer or numpy bool of 0 or 1. Anything
+    else (a string is truthy: "no" would have meant async) is refused."""
+    import numpy as np
+
+    if isinstance(value, (int, np.integer, np.bool_)) and value in (0, 1):
+        return bool(value)
+    raise InvalidArgumentError(f"{op}: 'async_op' must be True or False, got {value!r}")
+
+
 def _names(backends: object, where: str) -> list:
     """A backend name or a sequence of names, as a list."""
     if isinstance(backends, str):
@@ -250,6 +260,8 @@ def _make_operation(spec: OpSpec):
             args.append(p.name)
     source = "\n".join((
         f"def {spec.name}(backend, {', '.join([*params, 'group=None', 'async_op=False'])}):",
+        "    if async_op.__class__ is not bool:",
+        f"        async_op = _async_flag(async_op, {spec.name!r})",
         "    try:",
         "        target = _dispatch[backend]",
         "    except (KeyError, TypeError):",
@@ -271,6 +283,7 @@ def _make_operation(spec: OpSpec):
     # inspect.signature follows __wrapped__ to `fn`.
     code = fn.__code__
     names = code.co_varnames[1:code.co_argcount]
+    assert names[-1] == "async_op", names  # the C front checks the last one is a bool
     defaults = (REQUIRED,) * (len(names) - len(fn.__defaults__)) + fn.__defaults__
     reduce_at = [i for i, p in enumerate(spec.params) if p.kind is Kind.REDUCE_OP]
     front = _C.front_op(fn, spec.name, globals(), names, defaults, REQUIRED, reduce_at,

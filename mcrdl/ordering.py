@@ -42,7 +42,9 @@ from .work import ChainedWork, Work
 
 #: Errors raised before anything was posted: a task failing with one of these leaves
 #: the ranks in step, so the queue stays usable.
-LOCAL_ERRORS = (InvalidArgumentError, UnsupportedOperationError)
+# BackendUnavailableError too: raised before a call posts anything (a tensor on a device
+# the backend cannot use, a backend already refusing calls), never halfway through one.
+LOCAL_ERRORS = (InvalidArgumentError, UnsupportedOperationError, BackendUnavailableError)
 #: How much longer than the timeout a default wait on a deferred call waits for it to be
 #: posted: a task whose own step timed out (debug mode's exchange, a fusion round) says
 #: precisely what did not arrive, and that error should win over "not posted".
@@ -234,6 +236,8 @@ class IssueQueue:
         task = Task(post)
         if not async_op and self.try_inline():
             try:
+                with self._cv:  # refused as submit refuses it, inline or not
+                    self._check()
                 task.run()
                 if task.error is not None and not isinstance(task.error, self.local_errors):
                     self._fail(task.error)

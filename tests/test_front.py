@@ -172,8 +172,10 @@ def test_front_binds_arguments_as_python_does(report):
     assert got[0][2] == "PRODUCT"
     out, got = report["ops|all_gather keywords|c"]
     assert got == [["all_gather", [0.0, 0.0], [1.0, 1.0], None, False]]
-    out, got = report["initialized|async_op truthy object|c"]
-    assert got[0][4] == [1]  # passed through as given, like the Python function
+    (kind, msg), got = report["initialized|async_op truthy object|c"]
+    # refused, not read by truth value (async_op="no" was truthy), and nothing was called
+    assert kind == "InvalidArgumentError" and "'async_op' must be True or False" in msg, msg
+    assert got == []
 
 
 @pytest.mark.parametrize("key, cls, needle", [
@@ -204,11 +206,11 @@ def test_real_backend_through_c_front(report):
 
 
 def test_fast_functions_convert_arguments_as_python_does(report):
-    """async_op by truth value (an error of __bool__ raised, not read as False); ints,
+    """async_op a bool or 0/1 (anything else refused, its __bool__ never asked); ints,
     one-digit or not, range-checked; bools refused."""
     work, waited, zero, ambiguous, src0, boolean, neg, big, huge, wide_op = report["fast args"]
     assert (work, waited, zero, src0) == ("Work", True, ["ok", "None"], ["ok", "None"])
-    assert ambiguous == ["ValueError", "truth value is ambiguous"]
+    assert ambiguous[0] == "InvalidArgumentError" and "'async_op' must be" in ambiguous[1]
     assert boolean[0] == "InvalidArgumentError" and "must be an int, got bool" in boolean[1]
     for got, shown in ((neg, "'src' is -1"), (big, f"'src' is {2 ** 40}")):
         assert got[0] == "InvalidArgumentError" and shown in got[1], got

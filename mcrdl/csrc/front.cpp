@@ -188,6 +188,9 @@ PyObject* front_vectorcall(PyObject* self, PyObject* const* args, size_t nargsf,
       if (d == f->required) return call_slow(f, args, nargsf, kwnames);  // TypeError there
       call[i + 1] = d;
     }
+  // async_op (the last parameter) other than a bool: the Python function converts or
+  // refuses it.
+  if (call[np] != Py_True && call[np] != Py_False) return call_slow(f, args, nargsf, kwnames);
   // The backend first: an unknown one is reported before a bad reduce op, as in Python.
   const Resolved method = resolve(f, args[0]);
   if (!method.method) return call_slow(f, args, nargsf, kwnames);

@@ -77,11 +77,11 @@ py::object validate_binding(const std::string& o, const py::args& a) {
   } else if (o == "all_to_all_single") {
     auto r = validate_all_to_all_single(t("output"), t("input"),
                                         counts("output_split_sizes", true),
-                                        counts("input_split_sizes", true), size);
+                                        counts("input_split_sizes", true), rank, size);
     return py::make_tuple(r.second, r.first);  // (output_split_sizes, input_split_sizes)
   } else if (o == "all_to_all") {
     validate_all_to_all(to_tensor_list(arg("output_list"), op, "output_list"),
-                        to_tensor_list(arg("input_list"), op, "input_list"), size);
+                        to_tensor_list(arg("input_list"), op, "input_list"), rank, size);
   } else if (o == "gatherv") {
     at::Tensor s;
     return py::make_tuple(validate_gatherv(to_tensor_opt(arg("output"), op, "output", s),
@@ -98,7 +98,7 @@ py::object validate_binding(const std::string& o, const py::args& a) {
   } else if (o == "all_to_allv") {
     auto r = validate_all_to_allv(t("output"), t("input"), *counts("send_counts", false),
                                   *counts("recv_counts", false), counts("send_displs", true),
-                                  counts("recv_displs", true), size);
+                                  counts("recv_displs", true), rank, size);
     return py::make_tuple(r.first, r.second);
   } else if (o == "send") {
     validate_p2p("send", t("tensor"), i64("dst"), i64("tag"), rank, size);

@@ -550,7 +550,7 @@ class MpiComm {
     at::Tensor in = to_tensor(input, op, "input");
     auto out_splits = to_counts(out_splits_, op, "output_split_sizes", true);
     auto in_splits = to_counts(in_splits_, op, "input_split_sizes", true);
-    auto [is, os] = validate_all_to_all_single(out, in, out_splits, in_splits, size_);
+    auto [is, os] = validate_all_to_all_single(out, in, out_splits, in_splits, rank_, size_);
     check_device(op, in);
     if (overlaps(in, out)) in = in.clone();
     auto row = [](const at::Tensor& t) {
@@ -586,7 +586,7 @@ class MpiComm {
     const char* op = "all_to_all";
     auto outs = to_tensor_list(output_list, op, "output_list");
     auto ins = to_tensor_list(input_list, op, "input_list");
-    validate_all_to_all(outs, ins, size_);
+    validate_all_to_all(outs, ins, rank_, size_);
     check_device(op, ins[0]);
     auto s = std::make_shared<InFlight>();
     Counts sc, rc;
@@ -694,7 +694,7 @@ class MpiComm {
     Counts rc = *to_counts(rcounts_, op, "recv_counts", false);
     auto sd_ = to_counts(sdispls_, op, "send_displs", true);
     auto rd_ = to_counts(rdispls_, op, "recv_displs", true);
-    auto [sd, rd] = validate_all_to_allv(out, in, sc, rc, sd_, rd_, size_);
+    auto [sd, rd] = validate_all_to_allv(out, in, sc, rc, sd_, rd_, rank_, size_);
     check_device(op, in);
     if (overlaps(in, out)) in = in.clone();
     auto s = std::make_shared<InFlight>();

@@ -250,10 +250,21 @@ void validate_reduce_scatter(const at::Tensor& out, const BlockArg& in, int rop,
   check_blocks("reduce_scatter", "input", in, out, "output", size);
 }
 
+// The all-to-all block a rank sends itself is the one it receives from itself: the one
+// size mismatch of an all-to-all a rank can see alone (the others need MCRDL_DEBUG=1).
+static std::string own_block(const char* unit, const char* send_arg, int64_t sent,
+                             const char* recv_arg, int64_t received, int rank) {
+  const std::string r = "[" + std::to_string(rank) + "]";
+  return std::string("this rank (") + std::to_string(rank) + ") sends itself " +
+         std::to_string(sent) + " " + unit + " ('" + send_arg + "'" + r + ") but expects " +
+         std::to_string(received) + " from itself ('" + recv_arg + "'" + r + "); they must " +
+         "be equal, as must every rank's block for a peer and that peer's block from it";
+}
+
 std::pair<Counts, Counts> validate_all_to_all_single(const at::Tensor& out, const at::Tensor& in,
                                                      const std::optional<Counts>& out_splits,
                                                      const std::optional<Counts>& in_splits,
-                                                     int size) {
+                                                     int rank, int size) {
   const char* op = "all_to_all_single";
   check_tensor(op, "output", out);
   check_tensor(op, "input", in);
@@ -295,11 +306,14 @@ std::pair<Counts, Counts> validate_all_to_all_single(const at::Tensor& out, cons
   };
   Counts is = splits(in_splits, in, "input_split_sizes", "input");
   Counts os = splits(out_splits, out, "output_split_sizes", "output");
+  if (is[rank] != os[rank])
+    fail(op, own_block("rows", "input_split_sizes", is[rank], "output_split_sizes", os[rank],
+                       rank));
   return {is, os};
 }
 
 void validate_all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
-                         int size) {
+                         int rank, int size) {
   const char* op = "all_to_all";
   if ((int)in.size() != size || (int)out.size() != size)
     fail(op, "'input_list' has " + std::to_string(in.size()) + " and 'output_list' has " +
@@ -313,6 +327,9 @@ void validate_all_to_all(const std::vector<at::Tensor>& out, const std::vector<a
     check_same_dtype(op, a.c_str(), in[i], "input_list[0]", in[0]);
     check_same_dtype(op, b.c_str(), out[i], "input_list[0]", in[0]);
   }
+  if (in[rank].numel() != out[rank].numel())
+    fail(op, own_block("elements", "input_list", in[rank].numel(), "output_list",
+                       out[rank].numel(), rank));
 }
 
 Counts validate_gatherv(const at::Tensor* out, const at::Tensor& in, const Counts& counts,
@@ -373,7 +390,8 @@ Counts validate_all_gatherv(const at::Tensor& out, const at::Tensor& in, const C
 std::pair<Counts, Counts> validate_all_to_allv(const at::Tensor& out, const at::Tensor& in,
                                                const Counts& send_counts, const Counts& recv_counts,
                                                const std::optional<Counts>& send_displs,
-                                               const std::optional<Counts>& recv_displs, int size) {
+                                               const std::optional<Counts>& recv_displs, int rank,
+                                               int size) {
   const char* op = "all_to_allv";
   check_tensor(op, "output", out);
   check_tensor(op, "input", in);
@@ -382,6 +400,9 @@ std::pair<Counts, Counts> validate_all_to_allv(const at::Tensor& out, const at::
                            "input", in.numel(), false);
   Counts rd = check_counts(op, "recv_counts", recv_counts, "recv_displs", recv_displs, size,
                            "output", out.numel(), true);
+  if (send_counts[rank] != recv_counts[rank])
+    fail(op, own_block("elements", "send_counts", send_counts[rank], "recv_counts",
+                       recv_counts[rank], rank));
   return {sd, rd};
 }
 

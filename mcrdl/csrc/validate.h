@@ -82,9 +82,9 @@ void validate_reduce_scatter(const at::Tensor& out, const BlockArg& in, int rop,
 std::pair<Counts, Counts> validate_all_to_all_single(const at::Tensor& out, const at::Tensor& in,
                                                      const std::optional<Counts>& out_splits,
                                                      const std::optional<Counts>& in_splits,
-                                                     int size);
+                                                     int rank, int size);
 void validate_all_to_all(const std::vector<at::Tensor>& out, const std::vector<at::Tensor>& in,
-                         int size);
+                         int rank, int size);
 // The v variants return the displacements, filled in (packed) when not given.
 Counts validate_gatherv(const at::Tensor* out, const at::Tensor& in, const Counts& counts,
                         const std::optional<Counts>& displs, int64_t dst, int rank, int size);
@@ -95,7 +95,8 @@ Counts validate_all_gatherv(const at::Tensor& out, const at::Tensor& in, const C
 std::pair<Counts, Counts> validate_all_to_allv(const at::Tensor& out, const at::Tensor& in,
                                                const Counts& send_counts, const Counts& recv_counts,
                                                const std::optional<Counts>& send_displs,
-                                               const std::optional<Counts>& recv_displs, int size);
+                                               const std::optional<Counts>& recv_displs, int rank,
+                                               int size);
 void validate_p2p(const char* op, const at::Tensor& t, int64_t peer, int64_t tag, int rank,
                   int size);
 

@@ -542,6 +542,51 @@ def test_all_to_all_single_splits(ctx, backend):
     ex.done()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_to_all_own_block(ctx, backend):
+    """The block a rank sends itself must be the size it expects from itself (the one size
+    mismatch of an all-to-all a rank sees alone): before, mpi dropped rows or left the
+    output's tail unwritten without a word, gloo raised its own enforce text."""
+    ex, b, n, r = Expect(ctx, backend), backend, ctx.size, ctx.rank
+    me = f"this rank ({r}) sends itself"
+    ex("all_to_all_single without splits", IAE,
+       lambda: mcrdl.all_to_all_single(b, z(n), z(2 * n)), me, "2 rows", "expects 1",
+       f"'input_split_sizes'[{r}]", f"'output_split_sizes'[{r}]")
+    splits = [1] * n
+    splits[r] = 2
+    ex("all_to_all_single splits", IAE,
+       lambda: mcrdl.all_to_all_single(b, z(n), z(n + 1), input_split_sizes=splits), me,
+       "2 rows", "expects 1")
+    outs = [z(1) for _ in range(n)]
+    outs[r] = z(3)
+    ex("all_to_all lists", IAE, lambda: mcrdl.all_to_all(b, outs, [z(1)] * n), me,
+       "1 elements", "expects 3", f"'input_list'[{r}]", f"'output_list'[{r}]")
+    recv = [1] * n
+    recv[r] = 0
+    ex("all_to_allv counts", IAE,
+       lambda: mcrdl.all_to_allv(b, z(n), z(n), [1] * n, recv), me,
+       f"'send_counts'[{r}]", f"'recv_counts'[{r}]")
+    ex.done()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_op_must_be_a_bool(ctx, backend):
+    """async_op="no" was truthy (mpi returned a Work) or a raw TypeError (gloo): now an
+    InvalidArgumentError; 0/1 and numpy bools are taken for what they say."""
+    ex, b, n = Expect(ctx, backend), backend, ctx.size
+    for bad in ("no", None, 2, 1.0):
+        ex(f"async_op={bad!r}", IAE, lambda bad=bad: mcrdl.all_reduce(b, z(1), async_op=bad),
+           "'async_op' must be True or False", repr(bad))
+    t = torch.ones(1)
+    ex.check("async_op=0", ex.guard("async_op=0", lambda: mcrdl.all_reduce(b, t, async_op=0))
+             is None and t.item() == n, f"gave {t.item()}")
+    t = torch.ones(1)
+    w = ex.guard("async_op=np.True_", lambda: mcrdl.all_reduce(b, t, async_op=np.True_))
+    ex.check("async_op=np.True_", w is not None and w.wait() and t.item() == n,
+             f"work {w!r}, gave {t.item()}")
+    ex.done()
+
+
 # ------------------------------------------------------------------- roots and p2p
 
 

@@ -56,7 +56,7 @@ def cases(backend: str) -> None:
         "reduce op")
     expect_desync(backend, "split sizes", lambda r, n: mcrdl.all_to_all_single(
         backend, torch.empty(n + (r == 0)), torch.ones(n),
-        output_split_sizes=[1 + (r == 0 and i == 0) for i in range(n)]), "counts")
+        output_split_sizes=[1 + (r == 0 and i == 1) for i in range(n)]), "counts")
     expect_desync(backend, "async wait", lambda r, n: mcrdl.all_gather(
         backend, torch.empty(n * (2 + (r == 1))), torch.ones(2 + (r == 1)),
         async_op=True).wait(), "element count")
