@@ -142,9 +142,22 @@ class Bootstrap:
         #: whether a backend on MPI warned of an oversubscribed node (once an init)
         self.warned_oversubscribed = False
         if info.mpi_world:
-            self._comms[0] = mpi_module().COMM_WORLD.Dup()
+            self._comms[0] = self._dup_world()
         self.world = Group(range(self.size), self.rank, 0)
         self._groups: dict[int, Group] = {0: self.world}
+
+    def _dup_world(self):
+        """COMM_WORLD duplicated within the timeout (the first collective of init): a rank
+        that never calls init, or calls it too late, gives the others CommTimeoutError
+        instead of a wait without end in MPI_Comm_dup. Once every rank is past it, the
+        blocking collectives of the rest of init have every rank in init."""
+        world = mpi_module().COMM_WORLD
+        try:
+            comm, request = world.Idup()
+        except NotImplementedError:  # an MPI before 3.0: no bound
+            return world.Dup()
+        self._wait([request], "init", Group(range(world.Get_size()), world.Get_rank(), 0))
+        return comm
 
     @property
     def mpi(self) -> bool:
@@ -236,12 +249,14 @@ class Bootstrap:
         return seq
 
     def _timed_out(self, op: str, g: Group, seconds: float | None = None) -> CommTimeoutError:
-        what = ("" if op == "finalize"
+        what = ("" if op in ("init", "finalize")
                 else f", object collective number {self._seqs.get(g.id, 0)}")
+        hint = ("; every rank must call mcrdl.init, and init's timeout must cover the "
+                "ranks' start-up (imports, data loading before init)") if op == "init" else ""
         return CommTimeoutError(
             f"{op} (group {g.describe()}{what}) did not complete within "
             f"{self.timeout if seconds is None else seconds} s; a rank of the group may never "
-            f"have called it, may be stuck, or may have died{self._session}")
+            f"have called it, may be stuck, or may have died{self._session}{hint}")
 
     def _wait(self, requests: list, op: str, g: Group, seconds: float | None = None) -> None:
         """Poll MPI requests until done (sleeping back-off), CommTimeoutError past the

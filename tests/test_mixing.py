@@ -91,6 +91,21 @@ def test_collective_one_rank_never_joins_times_out(debug, tmp_path):
     _check_timeouts(out, limit, backends)
 
 
+def test_init_past_its_timeout_raises():
+    """A rank that calls init later than the others' timeout: they raise CommTimeoutError
+    naming init within the timeout (before, MPI_Comm_dup waited for it without end), and
+    the job ends."""
+    limit, late = 2.0, 5.0
+    start = time.monotonic()
+    out = launch(2, "late_init.py", limit, late, timeout=60, expect_rc="nonzero")
+    m = re.search(r"rank 0: raised after ([\d.]+) s: (.*)", out)
+    assert m and float(m.group(1)) < limit + 5, out
+    assert m.group(2).startswith(f"init (group world) did not complete within {limit} s"), out
+    assert "every rank must call mcrdl.init" in m.group(2), out
+    assert "init returned" not in out, out
+    assert time.monotonic() - start < late + limit + 30, out
+
+
 def test_fused_call_one_rank_never_joins_times_out(tmp_path):
     """Tensor fusion, on "mpi" then on "gloo": the round's agreement times out instead of
     hanging; the (backend, group) then refuses fused calls."""
