@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from .errors import BackendUnavailableError, CommTimeoutError, InvalidArgumentError
+from .errors import BackendUnavailableError, CommTimeoutError, DesyncError, InvalidArgumentError
 from .groups import Group, bad_group_error
 from .launch import LaunchInfo, detect, node_cores_for_ranks, node_id, oversubscribed
 
@@ -127,8 +127,23 @@ def _abort_if_mpi_busy(grace: float = 1.0) -> None:
     mpi.COMM_WORLD.Abort(1)
 
 
+#: What an object collective is for, when mcrdl makes it (the user's: ""): each rank's
+#: header carries the index, so that a rank whose object collectives went out of step
+#: with the others' (one skipped after catching an error) is told, not handed the object
+#: of another call. Names only: the same list on every rank.
+PURPOSES = ("", "init", "new_group", "the tuning table", "the node ids", "the mpi backend",
+            "finalize", "the store's address")
+_ALL_GATHER, _BCAST = 1, 2
+
+
 class Bootstrap:
-    """Object collectives over the world and the groups of :meth:`add_group`."""
+    """Object collectives over the world and the groups of :meth:`add_group`.
+
+    On MPI every object collective starts with an all_gather of each member's header
+    (the group's object collective number, the op, src, purpose, byte count): members
+    that disagree all raise DesyncError before any payload moves. A timeout, or a failure
+    partway through one, makes the group's object collectives refuse from then on (an
+    abandoned MPI request would be matched by the next call)."""
 
     def __init__(self, info: LaunchInfo, timeout: float):
         self.info = info
@@ -136,6 +151,7 @@ class Bootstrap:
         self._comms: dict[int, object] = {}  # group id -> MPI communicator (members only)
         self._seqs: dict[int, int] = {}  # group id -> object collectives so far (store)
         self._written: dict[int, list[str]] = {}  # group id -> this rank's live store keys
+        self._broken: dict[int, str] = {}  # group id -> why its object collectives refuse
         self._store = None
         self._session = ""  # which session of a launcher's store (_make_store), for errors
         self._single_node: bool | None = None  # single_node(), once asked
@@ -189,17 +205,21 @@ class Bootstrap:
         Collective the first time, then cached; every rank asks at the same points (init
         builds the same backends on every rank)."""
         if self._single_node is None:
-            self._single_node = (self.size == 1
-                                 or len(set(self.all_gather_object(node_id()))) == 1)
+            self._single_node = self.size == 1 or len(set(
+                self.all_gather_object(node_id(), purpose="the node ids"))) == 1
         return self._single_node
 
     # -- object collectives -------------------------------------------------------------
-    def all_gather_object(self, obj: object, group: Group | None = None) -> list:
-        """Every member's `obj`, in group rank order (collective over the group)."""
+    def all_gather_object(self, obj: object, group: Group | None = None,
+                          purpose: str = "") -> list:
+        """Every member's `obj`, in group rank order (collective over the group).
+        `purpose`: one of PURPOSES, for mcrdl's own calls."""
         g = self._member_group(group, "all_gather_object")
         data = pickle.dumps(obj)
         if self.mpi:
-            return [pickle.loads(b) for b in self._mpi_all_gather(g, data)]
+            blocks = self._guarded(g, "all_gather_object",
+                                   lambda: self._mpi_all_gather(g, data, purpose))
+            return [_unpickle(b, "all_gather_object", g) for b in blocks]
         seq = self._next(g)
         store = self.store()
         key = f"obj/{g.id}/{seq}/{g.rank}"
@@ -216,8 +236,10 @@ class Bootstrap:
         written[:] = [key]
         return out
 
-    def broadcast_object(self, obj: object, src: int = 0, group: Group | None = None) -> object:
-        """`obj` of group rank `src` on every member (collective over the group)."""
+    def broadcast_object(self, obj: object, src: int = 0, group: Group | None = None,
+                         purpose: str = "") -> object:
+        """`obj` of group rank `src` on every member (collective over the group).
+        `purpose`: one of PURPOSES, for mcrdl's own calls."""
         g = self._member_group(group, "broadcast_object")
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < g.size:
             raise InvalidArgumentError(
@@ -225,7 +247,9 @@ class Bootstrap:
                 f"[0, {g.size - 1}]")
         data = pickle.dumps(obj) if g.rank == src else b""
         if self.mpi:
-            return pickle.loads(self._mpi_bcast(g, data, src))
+            data = self._guarded(g, "broadcast_object",
+                                 lambda: self._mpi_bcast(g, data, src, purpose))
+            return _unpickle(data, "broadcast_object", g)
         seq = self._next(g)
         store = self.store()
         key = f"obj/{g.id}/{seq}/bcast"
@@ -237,11 +261,32 @@ class Bootstrap:
 
     def _member_group(self, group: Group | None, op: str) -> Group:
         if group is None:
-            return self.world
-        known = self._groups.get(getattr(group, "id", None))
-        if known is not group or not group.is_member:
-            raise bad_group_error(group)
-        return group
+            g = self.world
+        else:
+            known = self._groups.get(getattr(group, "id", None))
+            if known is not group or not group.is_member:
+                raise bad_group_error(group)
+            g = group
+        if g.id in self._broken:
+            raise BackendUnavailableError(
+                f"{op}: the object collectives of group {g.describe()} are unusable since an "
+                f"earlier one failed (the members are out of step); finalize and restart the "
+                f"job. Earlier: {self._broken[g.id]}")
+        return g
+
+    def _guarded(self, g: Group, op: str, run):
+        """run() (an MPI object collective of `g`); any failure but a DesyncError that
+        every member raised alike breaks the group's object collectives."""
+        try:
+            return run()
+        except DesyncError as exc:
+            if getattr(exc, "in_step", False):
+                raise
+            self._broken[g.id] = f"{type(exc).__name__}: {exc}"
+            raise
+        except BaseException as exc:
+            self._broken[g.id] = f"{type(exc).__name__}: {exc}"
+            raise
 
     def _next(self, g: Group) -> int:
         seq = self._seqs.get(g.id, 0) + 1
@@ -272,12 +317,38 @@ class Bootstrap:
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
 
-    def _mpi_all_gather(self, g: Group, data: bytes) -> list[bytes]:
-        self._next(g)
+    def _mpi_header(self, g: Group, op: str, kind: int, src: int, nbytes: int,
+                    purpose: str) -> np.ndarray:
+        """The members' headers (rows: number, kind, src, purpose, bytes), gathered; raises
+        DesyncError on every member when they are not the same call."""
+        seq = self._next(g)
         comm = self._comms[g.id]
-        sizes = np.zeros(g.size, dtype=np.int64)
-        mine = np.array([len(data)], dtype=np.int64)
-        self._wait([comm.Iallgather(mine, sizes)], "all_gather_object", g)
+        mine = np.array([seq, kind, src, PURPOSES.index(purpose), nbytes], dtype=np.int64)
+        rows = np.zeros((g.size, 5), dtype=np.int64)
+        self._wait([comm.Iallgather(mine, rows)], op, g)
+        if (rows[:, :4] == rows[0, :4]).all():
+            return rows
+
+        def call(row) -> str:
+            n, k, s, p = (int(v) for v in row[:4])
+            name = ("all_gather_object" if k == _ALL_GATHER
+                    else f"broadcast_object(src={s})" if k == _BCAST else f"op code {k}")
+            what = f" for {PURPOSES[p]}" if 0 < p < len(PURPOSES) else ""
+            return f"{name}{what}, its object collective number {n}"
+
+        exc = DesyncError(
+            f"{op} (group {g.describe()}): the members made different object collectives:\n"
+            + "\n".join(f"  rank {r}: {call(row)}" for r, row in enumerate(rows))
+            + "\nevery member must make the same object collectives in the same order (a "
+            "rank that caught an error and went on may have skipped one)")
+        # numbers that agree: every member raised this and they are still in step
+        exc.in_step = bool((rows[:, 0] == rows[0, 0]).all())
+        raise exc
+
+    def _mpi_all_gather(self, g: Group, data: bytes, purpose: str) -> list[bytes]:
+        comm = self._comms[g.id]
+        rows = self._mpi_header(g, "all_gather_object", _ALL_GATHER, -1, len(data), purpose)
+        sizes = rows[:, 4].copy()
         displs = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         out = bytearray(int(sizes.sum()))
         send = np.frombuffer(data, dtype=np.uint8) if data else np.zeros(0, np.uint8)
@@ -285,12 +356,10 @@ class Bootstrap:
         self._wait([req], "all_gather_object", g)
         return [bytes(out[d:d + n]) for d, n in zip(displs.tolist(), sizes.tolist(), strict=True)]
 
-    def _mpi_bcast(self, g: Group, data: bytes, src: int) -> bytes:
-        self._next(g)
+    def _mpi_bcast(self, g: Group, data: bytes, src: int, purpose: str) -> bytes:
         comm = self._comms[g.id]
-        size = np.array([len(data)], dtype=np.int64)
-        self._wait([comm.Ibcast(size, root=src)], "broadcast_object", g)
-        buf = bytearray(data) if g.rank == src else bytearray(int(size[0]))
+        rows = self._mpi_header(g, "broadcast_object", _BCAST, src, len(data), purpose)
+        buf = bytearray(data) if g.rank == src else bytearray(int(rows[src, 4]))
         if buf:
             self._wait([comm.Ibcast([buf, mpi_module().BYTE], root=src)], "broadcast_object", g)
         return bytes(buf)
@@ -300,7 +369,9 @@ class Bootstrap:
             return store.get(key)
         except RuntimeError as exc:  # the store's own timeout
             if "imeout" in str(exc) or "timed out" in str(exc):
-                raise self._timed_out(op, g) from None
+                err = self._timed_out(op, g)
+                self._broken[g.id] = f"CommTimeoutError: {err}"
+                raise err from None
             raise
 
     # -- the TCP store ------------------------------------------------------------------
@@ -325,7 +396,7 @@ class Bootstrap:
                 addr = (host, store.port)
             else:
                 addr = None
-            host, port = self.broadcast_object(addr)
+            host, port = self.broadcast_object(addr, purpose="the store's address")
             if store is None:
                 store = dist.TCPStore(host, port, self.size, False, td)
         elif self.info.launcher == "single":
@@ -376,7 +447,7 @@ class Bootstrap:
             self._wait([world.Ibarrier()], "finalize", self.world, self.timeout + grace)
             world.Free()
         elif self._store is not None and self.size > 1:
-            self.all_gather_object(None)
+            self.all_gather_object(None, purpose="finalize")
             if self.rank == 0:
                 self._store.wait([f"bootstrap/closed/{r}" for r in range(1, self.size)])
             else:
@@ -388,6 +459,16 @@ class Bootstrap:
 # address, kept for the process: the port is fixed, so a later session must reuse the
 # server, and the other ranks may still be reading from it when this session closes.
 _hosted: dict[tuple[str, int], object] = {}
+
+
+def _unpickle(data: bytes, op: str, g: Group) -> object:
+    try:
+        return pickle.loads(data)
+    except Exception as exc:  # noqa: BLE001 - a class the receiver cannot import, say
+        raise InvalidArgumentError(
+            f"{op} (group {g.describe()}): could not unpickle an object a member sent "
+            f"({type(exc).__name__}: {exc}); objects must be picklable and importable on "
+            "every rank") from exc
 
 
 def _host_address() -> str:

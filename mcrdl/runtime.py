@@ -88,7 +88,7 @@ class Runtime:
     def add_backends(self, names: Sequence[str], tuning_table: str | None) -> None:
         """Construct the backends of `names` not initialized yet (collective: every rank
         passes the same names), then rebuild the dispatch table."""
-        views = self.bootstrap.all_gather_object(list(names))
+        views = self.bootstrap.all_gather_object(list(names), purpose="init")
         if any(v != list(names) for v in views):
             raise DesyncError("init: ranks asked for different backends:\n" + "\n".join(
                 f"  rank {r}: {v}" for r, v in enumerate(views)))
@@ -119,11 +119,12 @@ class Runtime:
         table by itself (no path given anywhere) and they differ (per-host tables on a
         multi-node job), rank 0's is used everywhere; tables given by path must agree."""
         digest = None if table is None else table.digest()
-        views = self.bootstrap.all_gather_object((path, digest))
+        views = self.bootstrap.all_gather_object((path, digest), purpose="the tuning table")
         if all(d == digest for _, d in views):
             return table
         if all(p is None for p, _ in views):
-            doc = self.bootstrap.broadcast_object(None if table is None else table.to_dict())
+            doc = self.bootstrap.broadcast_object(None if table is None else table.to_dict(),
+                                                  purpose="the tuning table")
             if doc is None:
                 return None
             from .tuning.table import TuningTable
@@ -153,7 +154,7 @@ class Runtime:
     def new_group(self, ranks: Sequence[int]) -> Group:
         """A group of world ranks (collective over the world, same ranks everywhere)."""
         ranks = check_ranks(ranks, self.world.size)
-        views = self.bootstrap.all_gather_object(ranks)
+        views = self.bootstrap.all_gather_object(ranks, purpose="new_group")
         if any(v != ranks for v in views):
             raise DesyncError("new_group: ranks passed different member lists:\n" + "\n".join(
                 f"  rank {r}: {list(v)}" for r, v in enumerate(views)))

@@ -33,6 +33,7 @@ MERGED = [
     ("desync.py", [",".join(BOTH)], {"MCRDL_DEBUG": "1"}),
     ("debug_cross_group.py", [",".join(BOTH), "10"], {"MCRDL_DEBUG": "1"}),
     ("p2p_timed_wait.py", [",".join(BOTH)], {}),
+    ("object_collectives.py", [], {}),
 ]
 
 
@@ -61,6 +62,20 @@ def test_opposite_issue_and_wait_orders_do_not_deadlock(n, request):
                                                                   timeout=180)
     for r in range(n):
         assert f"rank {r}: opposite waits OK" in out
+
+
+def test_object_collectives_out_of_step(merged):
+    """Members whose object collectives differ (the op, src, or a call one rank skipped
+    after catching an error) all raise DesyncError naming each rank's call, and stay in
+    step; a timeout makes the group's object collectives refuse (mixing/
+    object_collectives.py, at 3 ranks)."""
+    out = merged
+    for r in range(3):
+        for case in ("kind", "src", "new_group"):
+            assert f"rank {r}: {case}: DesyncError, in step after" in out, (r, case, out)
+        assert f"rank {r}: object collectives ok" in out, out
+    for r in (1, 2):
+        assert f"rank {r}: timeout: the group refuses after it" in out, out
 
 
 def _check_timeouts(out: str, limit: float, backends=BOTH) -> None:

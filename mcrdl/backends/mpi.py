@@ -222,7 +222,8 @@ class MPILaneBackend(Backend):
                 f"which have no blocking MPI variant (those that have: {list(BLOCKING_OPS)}); "
                 "remove them from the table")
         mine = (self._blocking_mode(), steps)
-        gathered = self.ctx.bootstrap.all_gather_object((mine, (node_id(), affinity_bits())))
+        gathered = self.ctx.bootstrap.all_gather_object((mine, (node_id(), affinity_bits())),
+                                                        purpose="the mpi backend")
         self._settle_oversubscription([where for _, where in gathered])
         views = [v for v, _ in gathered]
         differ = [r for r, v in enumerate(views) if v != views[0]]
