@@ -32,7 +32,8 @@ if mcrdl.get_rank() == 1:
     try:
         w.wait(timeout=0.25)
     except mcrdl.CommTimeoutError as e:
-        assert str(e) == _C.timeout_message('recv', 'mpi', 'world', w.seq, 0.25), e
+        assert str(e) == _C.timeout_message('recv', 'mpi', 'world', w.seq, 0.25, 2.0), e
+        assert 'still in flight' in str(e), e
         print('texts agree:', e)
 mcrdl.barrier('mpi')
 mcrdl.finalize()
@@ -248,6 +249,8 @@ def test_work_wait_raises_the_watchdog_text(two_ranks):
     abandoned it."""
     out = two_ranks
     assert "texts agree: recv on backend 'mpi' (group world, sequence number 1)" in out, out
+    assert "did not complete within 2 s; a rank of the group may never" in _C.timeout_message(
+        "recv", "mpi", "world", 1, 2.0, 2.0)  # the op's own timeout: the watchdog's text
     why, recv = "mcrdl: the 'mpi' backend was finalized", "recv (group world, sequence number 1)"
     assert (f"{why}: waiting up to 1 s more for 1 op still in flight on lane 'mpi': {recv} "
             "(a rank may never post its side)") in out, out

@@ -106,7 +106,8 @@ class LibraryWait:
     def _still_pending(self, limit: float) -> CommTimeoutError:
         return CommTimeoutError(
             f"{self.op} on backend '{self._owner.name}' (group {self.group}, sequence number "
-            f"{self.seq}) did not complete within wait(timeout={limit}) s; it is still pending")
+            f"{self.seq}) did not complete within {limit:g} s (the wait's timeout; the op's own "
+            f"is {self._timeout:g} s): it is still in flight, and a later wait may complete it")
 
     def _start_waiter(self) -> ThreadedWait:
         with _WAITER_LOCK:

@@ -185,17 +185,22 @@ void Work::call(Callback& cb) {
 }
 
 std::string timeout_message(const std::string& op, const std::string& backend,
-                            const std::string& group, uint64_t seq, double timeout_s) {
+                            const std::string& group, uint64_t seq, double timeout_s,
+                            double own_timeout_s) {
   std::ostringstream s;
   s << op << " on backend '" << backend << "' (group " << group << ", sequence number " << seq
-    << ") did not complete within " << timeout_s
-    << " s; a rank of the group may never have called it, may be stuck, or may have died "
-       "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
+    << ") did not complete within " << timeout_s << " s";
+  if (own_timeout_s >= 0 && own_timeout_s != timeout_s)
+    s << " (the wait's timeout; the op's own is " << own_timeout_s
+      << " s): it is still in flight, and a later wait may complete it";
+  else
+    s << "; a rank of the group may never have called it, may be stuck, or may have died "
+         "(set MCRDL_DEBUG=1 to check that all ranks issue the same calls)";
   return s.str();
 }
 
 std::string Work::timeout_message(double timeout_s) const {
-  return mcrdl::timeout_message(op_, backend_, group_, seq_, timeout_s);
+  return mcrdl::timeout_message(op_, backend_, group_, seq_, timeout_s, timeout_s_);
 }
 
 void Work::time_out(double timeout_s) {

@@ -35,8 +35,11 @@ void set_idle_sleep(bool on);
 
 // The text of the CommTimeoutError of an op that did not complete within timeout_s: what
 // Work::wait raises and what the watchdog of blocking MPI calls prints (watchdog.h).
+// own_timeout_s: the op's own timeout, when the wait had another one (the op is then
+// still in flight, and the text says so); < 0: timeout_s is the op's own.
 std::string timeout_message(const std::string& op, const std::string& backend,
-                            const std::string& group, uint64_t seq, double timeout_s);
+                            const std::string& group, uint64_t seq, double timeout_s,
+                            double own_timeout_s = -1.0);
 
 // Poll `done(ctx)` as Work::wait polls a Work (the waiters' backoff) until it returns
 // true (then true), or until timeout_s has passed (then false). For a blocking call that

@@ -1132,9 +1132,10 @@ void bind_mpi(py::module_& m) {
         "Ops running on issue threads now (blocking MPI calls of async or queued calls): "
         "nonzero at exit means one never completed.");
   m.def("timeout_message", &timeout_message, arg("op"), arg("backend"), arg("group"), arg("seq"),
-        arg("timeout"),
+        arg("timeout"), arg("own_timeout") = -1.0,
         "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
-        "(what the blocking path's watchdog prints before MPI_Abort).");
+        "(what the blocking path's watchdog prints before MPI_Abort); `own_timeout`: the "
+        "op's own timeout, where the wait had another (the op is still in flight).");
   m.def("mpi_fast_ops", &mpi_fast_ops, arg("slow"),
         "{op: METH_FASTCALL function} of the mpi backend's hot ops, each falling back to "
         "slow[op]; '__add__'(group, comm) registers a communicator (group None: the world), "
