@@ -2,7 +2,8 @@
 exact for this package's MoE GPT, and a command that lists every feasible layout.
 
     python -m training.ted_model --model moe-6.7b --experts 32 --ranks 128 --gpu-gib 80
-    python -m training.ted_model --model moe-tiny --experts 4 --ranks 8 --dtype fp32
+    python -m training.ted_model --model moe-tiny --experts 4 --ranks 8 --dtype fp32 \
+        --router-group-tokens 16
 
 **Memory (Eq. 7.2).** A rank holds NP_gpu_nonexp non-expert and NP_gpu_exp expert
 parameters; with mixed precision (bf16 parameters and gradients, fp32 master weights and
@@ -169,8 +170,6 @@ def feasible_layouts(cfg: GPTConfig, moe: MoEConfig, ranks: int):
 
 
 def main(argv=None) -> int:
-    from .moe_trainer import base_config
-
     ap = argparse.ArgumentParser(prog="python -m training.ted_model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="moe-6.7b", help="base shape (MOE_BASES or CONFIGS)")
@@ -187,13 +186,24 @@ def main(argv=None) -> int:
     ap.add_argument("--dtd", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--all", action="store_true", help="list infeasible layouts too")
     a = ap.parse_args(argv)
+    for name, value in (("--ranks", a.ranks), ("--gpu-gib", a.gpu_gib),
+                        ("--micro-batch-size", a.micro_batch_size)):
+        if value <= 0:
+            ap.error(f"{name} must be > 0, got {value:g}")
     try:
-        cfg = base_config(a.model, vocab_size=a.vocab_size)
-        moe = MoEConfig(experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor,
-                        moe_every=a.moe_every, router_group_tokens=a.router_group_tokens)
-    except ValueError as e:
+        return _table(a)
+    except ValueError as e:  # the model's constraints (e.g. whole router groups)
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _table(a) -> int:
+    """Print the layouts of the parsed arguments `a`; ValueError for an impossible model."""
+    from .moe_trainer import base_config
+
+    cfg = base_config(a.model, vocab_size=a.vocab_size)
+    moe = MoEConfig(experts=a.experts, top_k=a.top_k, capacity_factor=a.capacity_factor,
+                    moe_every=a.moe_every, router_group_tokens=a.router_group_tokens)
     budget = a.gpu_gib * 2**30
     print(f"# {a.model} ({cfg.n_layer} layers, width {cfg.n_embd}) with {moe.experts} experts "
           f"every {moe.moe_every} blocks, top-{moe.top_k}, {a.ranks} ranks of "
