@@ -186,3 +186,27 @@ def test_run_options_are_checked(args, message, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "--output", "x.json", *args])
     assert message in capsys.readouterr().err
+
+
+def test_start_checks_the_output_before_measuring(tmp_path, capsys):
+    """An --output whose folder is missing (or that is a folder) is refused before any
+    point is measured: before, rank 0 died at its first save and the other ranks waited
+    for it until the timeout."""
+    import argparse
+
+    from mcrdl.tools import tune
+
+    def start(output, resume=False):
+        args = argparse.Namespace(output=str(output), dtype="float32", system=None,
+                                  force=False, resume=resume)
+        return tune._start(args, "mcrdl-tune run")
+
+    error, doc = start(tmp_path / "missing" / "t.json")
+    assert doc is None and "does not exist" in error and "missing" in error
+    error, doc = start(tmp_path)
+    assert doc is None and "is a folder" in error
+    error, doc = start(tmp_path / "t.json")
+    assert error is None and doc is not None
+    error, doc = start(tmp_path / "t.json", resume=True)  # nothing to resume: a new table
+    assert error is None and doc is not None
+    assert "does not exist yet" in capsys.readouterr().err

@@ -145,7 +145,19 @@ def _start(args, command: str) -> tuple[str | None, dict | None]:
     current["dtype"] = args.dtype
     if args.system:
         current["system"] = args.system
+    # checked before measuring: rank 0 writes the table every few points, and a write
+    # failing then ends that rank only, the others waiting for it until the timeout
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output):
+        return f"--output {args.output} is a folder; name the table's file", None
+    if not os.path.isdir(folder):
+        return f"--output {args.output}: the folder {folder} does not exist", None
+    if not os.access(folder, os.W_OK):
+        return f"--output {args.output}: the folder {folder} is not writable", None
     if not os.path.exists(args.output) or args.force:
+        if args.resume and not os.path.exists(args.output):
+            print(f"mcrdl-tune: --resume: {args.output} does not exist yet; starting a new "
+                  "table", file=sys.stderr)
         return None, TuningTable(current).to_dict()
     if not args.resume:
         return (f"{args.output} exists; pass --resume to continue it or --force to overwrite "
