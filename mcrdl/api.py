@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
 from . import _C
@@ -46,6 +47,9 @@ _sessions = 0  # runtimes made so far: a group of an earlier one is refused
 #: The runtime's dispatch table (backend name and "auto" -> the top of its layers): the
 #: hot path is one lookup here. Empty before init and after finalize.
 _dispatch: dict = {}
+
+
+_hook_installed = False
 
 
 def _launch() -> LaunchInfo:
@@ -132,8 +136,42 @@ def init(backends: str | Sequence[str] | None = None, *, timeout: float | None =
         _dispatch = _runtime.dispatch
     _runtime.set_timeout(timeout)
     _runtime.add_backends(names, tuning_table)
+    _end_job_on_uncaught_exception()
     log.info("mcrdl: initialized %s on rank %d of %d", list(_runtime.backends),
              _runtime.world.rank, _runtime.world.size)
+
+
+def _end_job_on_uncaught_exception() -> None:
+    """Chain a sys.excepthook that ends the job when an exception nobody caught ends this
+    rank's program while mcrdl is initialized in a world of several ranks: the other
+    ranks may be waiting for this one (in a collective, or in finalize's barrier) and
+    would otherwise wait out the timeout (MPI_Abort in an MPI world, else a non-zero
+    exit, which torchrun and srun --kill-on-bad-exit take as the job's end; what
+    `python -m mpi4py` does). MCRDL_ABORT_ON_ERROR=0 keeps Python's plain exit."""
+    global _hook_installed
+    if _hook_installed or os.environ.get("MCRDL_ABORT_ON_ERROR", "1") == "0":
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        runtime = _runtime
+        if runtime is None or runtime.world.size < 2 or not runtime.backends:
+            return
+        sys.stderr.write(
+            f"mcrdl: rank {runtime.world.rank}: {kind.__name__} was not caught; ending the "
+            f"job (the other ranks may be waiting for this one; MCRDL_ABORT_ON_ERROR=0 "
+            f"exits this rank alone)\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if runtime.bootstrap.mpi and mpi is not None and mpi.Is_initialized() \
+                and not mpi.Is_finalized():
+            mpi.COMM_WORLD.Abort(1)
+        os._exit(1)
+
+    sys.excepthook = hook
+    _hook_installed = True
 
 
 def finalize() -> None:

@@ -121,6 +121,17 @@ def test_init_past_its_timeout_raises():
     assert time.monotonic() - start < late + limit + 30, out
 
 
+def test_uncaught_exception_ends_the_job():
+    """Rank 1 raises and nobody catches it: mcrdl's excepthook prints the traceback and
+    ends the job with MPI_Abort within seconds, not after the others' 60 s timeout."""
+    start = time.monotonic()
+    out = launch(3, "uncaught.py", timeout=60, expect_rc="nonzero")
+    assert time.monotonic() - start < 30, out
+    assert "RuntimeError: not caught on rank 1" in out, out
+    assert "mcrdl: rank 1: RuntimeError was not caught; ending the job" in out, out
+    assert "went on without rank 1" not in out, out
+
+
 def test_fused_call_one_rank_never_joins_times_out(tmp_path):
     """Tensor fusion, on "mpi" then on "gloo": the round's agreement times out instead of
     hanging; the (backend, group) then refuses fused calls."""
