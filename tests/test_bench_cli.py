@@ -79,6 +79,24 @@ def test_two_ranks_json_rows_are_sane(tmp_path):
                 assert row["busbw_gbps"] == pytest.approx(algbw * factors[op], rel=1e-9)
 
 
+def test_pccl_alone_is_measured(tmp_path):
+    """pccl has no barrier: alone, every op was skipped ("barrier: backend 'pccl' does not
+    implement it") and the run exited 0 having measured nothing; the ranks now line up
+    on another backend, as beside one that has barrier."""
+    if MPIEXEC is None:
+        skip_without("mpiexec not found on PATH")
+    out = tmp_path / "bench.json"
+    command = [MPIEXEC, "-n", "2", sys.executable, "-m", "mcrdl.tools.bench", "--max-bytes",
+               "64", "--iters", "2", "--warmup", "1", "--op", "all_reduce", "--backend",
+               "pccl", "--json", str(out)]
+    result = run_command(command, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    report = json.loads(out.read_text())
+    assert report["skipped"] == [], report["skipped"]
+    rows = [r for r in report["rows"] if r["backend"] == "pccl"]
+    assert [r["size_bytes"] for r in rows] == [8, 16, 32, 64], report["rows"]
+
+
 def test_bad_size_suffix_exits_nonzero_with_message():
     result = run_command([sys.executable, "-m", "mcrdl.tools.bench", "--max-bytes", "4X"],
                          timeout=120)

@@ -268,21 +268,23 @@ def time_call(
     return statistics.median(worst.tolist())
 
 
+def _lines_up(backend: str) -> bool:
+    """Whether `backend` has what the timing loop lines the ranks up with."""
+    from mcrdl.backends.registry import backend_class
+
+    ops = backend_class(backend).supported_ops()
+    return "barrier" in ops and "all_reduce" in ops
+
+
 def barrier_backend(backend: str) -> str:
     """`backend` when it has barrier (and all_reduce), else the first initialized one
     that has (the ranks line up before each timed call and agree on the slowest)."""
-    from mcrdl.backends.registry import backend_class
-
     if backend == "auto":  # routes both to a backend that has them
         return backend
 
-    def has(b: str) -> bool:
-        ops = backend_class(b).supported_ops()
-        return "barrier" in ops and "all_reduce" in ops
-
-    if has(backend):
+    if _lines_up(backend):
         return backend
-    return next((b for b in mcrdl.get_backends() if has(b)), backend)
+    return next((b for b in mcrdl.get_backends() if _lines_up(b)), backend)
 
 
 def device_for(backend: str) -> torch.device:
@@ -351,7 +353,14 @@ def run_table(
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mcrdl-bench``; returns the process exit status."""
     args = parse_args(argv)
-    mcrdl.init([name for name in args.backend if name != "auto"] or None)
+    names = [name for name in args.backend if name != "auto"]
+    mcrdl.init(names or None)
+    if names and not any(_lines_up(n) for n in names):
+        # none of them has barrier and all_reduce (pccl alone): the ranks line up on
+        # another backend, as they do beside one that has them
+        helper = next((b for b in ("mpi", "gloo") if b in mcrdl.available_backends()), None)
+        if helper is not None:
+            mcrdl.init(names + [helper])
     rank, nranks = mcrdl.get_rank(), mcrdl.get_size()
 
     def emit(line: str) -> None:
