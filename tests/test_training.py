@@ -319,6 +319,13 @@ def test_cli_config_and_errors(tmp_path):
         parse_args(["--timeout", "0"])
     with pytest.raises(ValueError, match="--seed is -3; expected >= 0"):
         parse_args(["--seed", "-3"])
+    # backend names: a typo was a traceback about mcrdl.init() once the ranks had started
+    for argv, option in ((["--backends", "mpi,foo"], "--backends"),
+                         (["--p2p-backend", "foo"], "--p2p-backend"),
+                         (["--axis-backends", "z=foo"], "--axis-backends")):
+        with pytest.raises(ValueError, match=f"{option} .*unknown backend 'foo'; mcrdl's"):
+            parse_args(argv)
+    assert parse_args(["--backends", "mpi,gloo", "--axis-backends", "z=pccl", "--G-z", "2"])
 
 
 def test_resume_refuses_another_dtype(tmp_path):

@@ -167,6 +167,8 @@ class PipelineOptions(Options):
     def check(self) -> None:
         self.axis_order()
         self.blocks_per_stage()
+        if self.p2p_backend is not None:
+            check_backend_names("--p2p-backend", self.p2p_backend, [self.p2p_backend])
 
 
 @dataclass
@@ -223,7 +225,8 @@ class TensorOptions(Options):
                    "pipeline": ("layers_per_stage", "pipeline_limit", "p2p_backend")}
 
     def check(self) -> None:
-        self.backend_of_axis()
+        check_backend_names("--axis-backends", self.axis_backends,
+                            list(self.backend_of_axis().values()))
         engine = "4d" if self.uses_4d() else "pipeline"
         other = "pipeline" if engine == "4d" else "4d"
         defaults = {f.name: f.default for f in fields(self)}
@@ -283,6 +286,18 @@ class OptimizerOptions(Options):
                            bucket_mib=self.bucket_mib, coarsening=self.coarsening)
 
 
+def check_backend_names(option: str, given: str, names: list[str]) -> None:
+    """ValueError naming `option` when one of `names` is no mcrdl backend (a typo would
+    otherwise surface only at init, as a traceback about mcrdl.init)."""
+    from mcrdl.backends.registry import known_names
+
+    known = known_names()
+    bad = [n.strip() for n in names if n.strip() not in (*known, "auto")]
+    if bad:
+        raise ValueError(f"{option} {given!r}: unknown backend {bad[0]!r}; mcrdl's backends "
+                         f"are {', '.join(known)} (and auto)")
+
+
 @dataclass
 class RunOptions(Options):
     section = "run"
@@ -326,6 +341,10 @@ class RunOptions(Options):
         return bool(every) or step == self.last_step
 
     def check(self) -> None:
+        if self.backends:  # names, or KIND=NAME pins (train_moe)
+            check_backend_names("--backends", self.backends,
+                                [item.partition("=")[2] or item.partition("=")[0]
+                                 for item in self.backends.split(",") if item.strip()])
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after {self.stop_after}: expected 1..--steps ({self.steps})")
         if (self.checkpoint_every or self.stop_after) and not self.checkpoint_dir:
