@@ -552,12 +552,7 @@ class PcclComm {
     Flat out = flat_contiguous(output, op, "output");
     Flat in = flat_contiguous(input, op, "input");
     Gather g = gather_plan(out, in, inter_algo, intra_algo, op, "output", "the input");
-    auto s = std::make_shared<Schedule>();
-    s->op = "pccl all_gather";
-    std::unique_lock<std::mutex> posted(post_mu_);
-    auto w = make_work(op, *s);
-    add_gather(*s, g);
-    return launch(w, s, async_op, posted);
+    return post(op, "pccl all_gather", async_op, [&](Schedule& s) { add_gather(s, g); });
   }
 
   // in: size * n elements (rank order), out: n elements. code: SUM..BXOR (not AVG).
@@ -569,12 +564,7 @@ class PcclComm {
     Flat out = flat_contiguous(output, op, "output");
     Flat in = flat_contiguous(input, op, "input");
     Scatter r = scatter_plan(out, in, code, inter_algo, intra_algo, op, "the output", "input");
-    auto s = std::make_shared<Schedule>();
-    s->op = "pccl reduce_scatter";
-    std::unique_lock<std::mutex> posted(post_mu_);
-    auto w = make_work(op, *s);
-    add_scatter(*s, r);
-    return launch(w, s, async_op, posted);
+    return post(op, "pccl reduce_scatter", async_op, [&](Schedule& s) { add_scatter(s, r); });
   }
 
   // buffer: size * m elements (a zero-padded copy of the caller's tensor, which the
@@ -591,16 +581,25 @@ class PcclComm {
     Flat mine = flat_contiguous(piece, op, "piece");
     Scatter r = scatter_plan(mine, buf, code, inter_algo, intra_algo, op, "piece", "buffer", true);
     Gather g = gather_plan(buf, mine, inter_algo, intra_algo, op, "buffer", "piece");
-    auto s = std::make_shared<Schedule>();
-    s->op = "pccl all_reduce";
-    std::unique_lock<std::mutex> posted(post_mu_);
-    auto w = make_work(op, *s);
-    add_scatter(*s, r);  // done with buffer before the all-gather writes it
-    add_gather(*s, g);
-    return launch(w, s, async_op, posted);
+    return post(op, "pccl all_reduce", async_op, [&](Schedule& s) {
+      add_scatter(s, r);  // done with buffer before the all-gather writes it
+      add_gather(s, g);
+    });
   }
 
  private:
+  // One op: its schedule, whose steps `add` appends under the post lock once the op has
+  // its sequence number (the tags), then posted or run (blocking) by launch.
+  template <typename Add>
+  py::object post(const char* op, const char* schedule_name, bool async_op, Add&& add) {
+    auto s = std::make_shared<Schedule>();
+    s->op = schedule_name;
+    std::unique_lock<std::mutex> posted(post_mu_);
+    auto w = make_work(op, *s);
+    add(*s);
+    return launch(w, s, async_op, posted);
+  }
+
   // An all-gather's arguments and buffers (allocated before the post lock is taken).
   struct Gather {
     Flat out, in, t1, t2;
