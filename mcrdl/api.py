@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from . import _C
@@ -164,6 +165,7 @@ def _end_job_on_uncaught_exception() -> None:
             f"exits this rank alone)\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        time.sleep(0.5)  # the launcher forwards what was printed before the abort's kill
         mpi = sys.modules.get("mpi4py.MPI")
         if runtime.bootstrap.mpi and mpi is not None and mpi.Is_initialized() \
                 and not mpi.Is_finalized():
