@@ -279,13 +279,9 @@ class Bootstrap:
         every member raised alike breaks the group's object collectives."""
         try:
             return run()
-        except DesyncError as exc:
-            if getattr(exc, "in_step", False):
-                raise
-            self._broken[g.id] = f"{type(exc).__name__}: {exc}"
-            raise
         except BaseException as exc:
-            self._broken[g.id] = f"{type(exc).__name__}: {exc}"
+            if not getattr(exc, "in_step", False):  # set on _mpi_header's DesyncError
+                self._broken[g.id] = f"{type(exc).__name__}: {exc}"
             raise
 
     def _next(self, g: Group) -> int:

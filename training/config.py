@@ -341,10 +341,11 @@ class RunOptions(Options):
         return bool(every) or step == self.last_step
 
     def check(self) -> None:
-        if self.backends:  # names, or KIND=NAME pins (train_moe)
+        if self.backends:  # names, or KIND=NAME pins (train_moe): every name it initializes
+            from .collectives import Backends
+
             check_backend_names("--backends", self.backends,
-                                [item.partition("=")[2] or item.partition("=")[0]
-                                 for item in self.backends.split(",") if item.strip()])
+                                Backends.parse(self.backends).init)
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"--stop-after {self.stop_after}: expected 1..--steps ({self.steps})")
         if (self.checkpoint_every or self.stop_after) and not self.checkpoint_dir:

@@ -354,13 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mcrdl-bench``; returns the process exit status."""
     args = parse_args(argv)
     names = [name for name in args.backend if name != "auto"]
-    mcrdl.init(names or None)
     if names and not any(_lines_up(n) for n in names):
         # none of them has barrier and all_reduce (pccl alone): the ranks line up on
         # another backend, as they do beside one that has them
-        helper = next((b for b in ("mpi", "gloo") if b in mcrdl.available_backends()), None)
-        if helper is not None:
-            mcrdl.init(names + [helper])
+        names += [b for b in ("mpi", "gloo") if b in mcrdl.available_backends()][:1]
+    mcrdl.init(names or None)
     rank, nranks = mcrdl.get_rank(), mcrdl.get_size()
 
     def emit(line: str) -> None:
