@@ -15,7 +15,7 @@ from mcrdl.backends import mpi
 from mcrdl.tuning.schema import op_variants
 
 from ._launch import mpiexec_or_skip, run_launcher, run_scripts
-from .test_mixing import _alive
+from .test_mixing import _left_behind
 
 HERE = os.path.join(os.path.dirname(__file__), "mixing")
 
@@ -276,10 +276,7 @@ def test_blocking_call_past_timeout_ends_the_job(backend, tmp_path):
         assert "the call kept the GIL" in out and "MCRDL_HOLD_GIL=never" in out, out
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
     assert len(pids) == 2, out
-    deadline = time.monotonic() + 5  # the aborting rank may still be exiting
-    while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], out
+    assert not _left_behind(pids), out
 
 
 def test_async_call_past_timeout_still_raises(tmp_path):

@@ -195,13 +195,18 @@ def test_dead_rank_makes_the_job_exit_nonzero(backend, cleanup):
     assert "rank 1: reached iteration 50" in out, out  # the kill ended it, not a timeout
     assert took < limit + 30, took
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
-    # a survivor's uncaught error ends the job with MPI_Abort (mcrdl's excepthook), whose
-    # kill of the others may land just after mpiexec returned
-    deadline = time.monotonic() + 5
+    alive = _left_behind(pids)
+    assert not alive, f"processes left behind: {alive}"
+
+
+def _left_behind(pids: list[int], grace: float = 5.0) -> list[int]:
+    """The pids still alive after up to `grace` seconds. A rank's MPI_Abort (mcrdl's
+    excepthook, or the blocking path's watchdog) kills the others, and that kill, or the
+    aborting rank's own exit, may land just after mpiexec returned."""
+    deadline = time.monotonic() + grace
     while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = [p for p in pids if _alive(p)]
-    assert not alive, f"processes left behind: {alive}"
+    return [p for p in pids if _alive(p)]
 
 
 def _alive(pid: int) -> bool:

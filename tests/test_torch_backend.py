@@ -27,7 +27,7 @@ from mcrdl.torch_backend.process_group import (
 )
 
 from ._launch import FULL, mpiexec_or_skip, run_launcher, skip_without
-from .test_mixing import _alive
+from .test_mixing import _left_behind
 
 HERE = os.path.join(os.path.dirname(__file__), "torch_backend")
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", "torch_ddp.py")
@@ -380,7 +380,7 @@ def test_dead_rank_ends_the_job():
     assert "loop finished" not in out, out
     assert time.monotonic() - start < limit + 60
     pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
-    assert len(pids) == 3 and not [p for p in pids if _alive(p)], out
+    assert len(pids) == 3 and not _left_behind(pids), out
 
 
 def test_example_torch_ddp():
