@@ -38,7 +38,7 @@ from .errors import (
     InvalidArgumentError,
     UnsupportedOperationError,
 )
-from .work import ChainedWork, Work
+from .work import ChainedWork, Work, wait_timeout
 
 #: Errors raised before anything was posted: a task failing with one of these leaves
 #: the ranks in step, so the queue stays usable.
@@ -92,6 +92,7 @@ class DeferredWork(Work):
         self._error: BaseException | None = None
 
     def wait(self, timeout: float | None = None) -> bool:
+        timeout = wait_timeout(timeout)
         if self._completed:
             return True
         deadline = self._queue.deadline(timeout)

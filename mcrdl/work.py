@@ -27,6 +27,25 @@ from collections.abc import Callable, Sequence
 import torch
 
 
+def wait_timeout(timeout: object, where: str = "Work.wait") -> float | None:
+    """A ``wait(timeout=)`` argument checked: None (the op's own timeout) or seconds >= 0
+    as a float; else InvalidArgumentError naming `where` (a string "1" had been taken as
+    1 s by some Works and a raw TypeError by others)."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, bool) and not isinstance(timeout, (str, bytes)):
+        try:
+            seconds = float(timeout)  # int, float, numpy scalars
+        except (TypeError, ValueError):
+            seconds = None
+        if seconds is not None and seconds >= 0:
+            return seconds
+    from .errors import InvalidArgumentError
+
+    raise InvalidArgumentError(f"{where}: 'timeout' is {timeout!r}; expected seconds >= 0, "
+                               "or None for the op's own timeout")
+
+
 class Work(abc.ABC):
     """Handle returned by every operation called with ``async_op=True``.
 
@@ -71,9 +90,10 @@ class ChainedWork(Work):
         self.backend = backend
 
     def wait(self, timeout: float | None = None) -> bool:
+        timeout = wait_timeout(timeout)
         if self._done:
             return True
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._error is not None:
                 raise self._error

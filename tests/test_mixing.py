@@ -104,6 +104,10 @@ def test_collective_one_rank_never_joins_times_out(debug, tmp_path):
                  env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never",
                       "TIMEOUT_DONE_DIR": str(tmp_path)}, timeout=120)
     _check_timeouts(out, limit, backends)
+    if debug == "0":  # the mpi backend's Work had waited its whole timeout again
+        for backend in backends:
+            for r in (1, 2):
+                assert f"rank {r}: {backend}: second wait raised again after" in out, out
 
 
 def test_init_past_its_timeout_raises():

@@ -31,7 +31,7 @@ from .. import _C
 from ..errors import BackendUnavailableError, CommTimeoutError, MCRDLError
 from ..groups import Group, bad_group_error
 from ..ops import ReduceOp, reduce_plan
-from ..work import ChainedWork, ThreadedWait, poll_until
+from ..work import ChainedWork, ThreadedWait, poll_until, wait_timeout
 from .base import Backend, InitContext
 
 _TORCH_OP = {
@@ -116,9 +116,10 @@ class LibraryWait:
         return self._waiter
 
     def wait(self, timeout: float | None = None) -> bool:
+        timeout = wait_timeout(timeout)
         if self._done:
             return True
-        limit = self._timeout if timeout is None else float(timeout)
+        limit = self._timeout if timeout is None else timeout
         try:
             if self._wait_only and (timeout is not None or self._waiter is not None):
                 waiter = self._start_waiter()

@@ -187,12 +187,26 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work",
                                           "Handle of an async operation (API.md 'Work').")
       .def("wait",
-           [](Work& w, std::optional<double> timeout) {
-             if (timeout && !(*timeout >= 0))
-               throw_invalid("Work.wait: 'timeout' is " + std::to_string(*timeout) +
-                             "; expected seconds >= 0, or None for the init timeout");
+           [](Work& w, py::handle timeout) {
+             // as mcrdl.work.wait_timeout: None, or seconds >= 0 (not a bool or a string)
+             double seconds = -1.0;
+             if (!timeout.is_none()) {
+               PyObject* t = timeout.ptr();
+               PyObject* f = PyBool_Check(t) || PyUnicode_Check(t) || PyBytes_Check(t)
+                                 ? nullptr
+                                 : PyNumber_Float(t);
+               if (f) {
+                 seconds = PyFloat_AS_DOUBLE(f);
+                 Py_DECREF(f);
+               } else {
+                 PyErr_Clear();
+               }
+               if (!f || !(seconds >= 0))
+                 throw_invalid("Work.wait: 'timeout' is " + py::repr(timeout).cast<std::string>() +
+                               "; expected seconds >= 0, or None for the op's own timeout");
+             }
              py::gil_scoped_release nogil;
-             w.wait(timeout ? *timeout : -1.0);
+             w.wait(seconds);
              return true;
            },
            py::arg("timeout") = py::none(),

@@ -49,6 +49,7 @@ from .. import _C
 from ..errors import DesyncError
 from ..ops import FUSABLE_OPS, OPS, OpSpec, ReduceOp
 from ..ordering import IssueQueue, Task
+from ..work import wait_timeout
 from .base import layers
 from .config import FusionConfig
 from .ordered import OrderedLayer
@@ -246,6 +247,7 @@ class FusionBuffer(IssueQueue):
 
     def wait_call(self, call, timeout: float | None) -> bool:
         """``_C.FusedCall.wait`` before its batch is known done."""
+        timeout = wait_timeout(timeout)
         batch = call.batch
         if batch is not None and batch.done:
             return True

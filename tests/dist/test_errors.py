@@ -587,6 +587,25 @@ def test_async_op_must_be_a_bool(ctx, backend):
     ex.done()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wait_timeout_must_be_seconds(ctx, backend):
+    """Work.wait(timeout="1") was a raw TypeError (C++ Works) or 1 s (Python ones): every
+    Work kind now takes None or seconds >= 0 (numpy scalars too) and names the rest."""
+    ex, b, n = Expect(ctx, backend), backend, ctx.size
+    for kind, make in (("plain", lambda: torch.ones(4)),  # the backend's own Work
+                       ("chained", lambda: torch.ones(4, dtype=torch.float16))):
+        t = make()
+        w = ex.guard(f"{kind} post", lambda t=t: mcrdl.all_reduce(b, t, async_op=True))
+        if w is None:
+            continue
+        for bad in ("1", True, -1, float("nan"), [1]):
+            ex(f"{kind} wait(timeout={bad!r})", IAE, lambda bad=bad, w=w: w.wait(timeout=bad),
+               "'timeout' is", repr(bad))
+        ok = ex.guard(f"{kind} wait(np.float64)", lambda w=w: w.wait(timeout=np.float64(60)))
+        ex.check(f"{kind} result", ok and torch.equal(t, make() * n), f"gave {t}")
+    ex.done()
+
+
 # ------------------------------------------------------------------- roots and p2p
 
 

@@ -2,8 +2,10 @@
 other rank must raise CommTimeoutError within timeout + 5 s, naming op, backend,
 group and sequence number; the backend then refuses calls. BACKENDS is a
 comma-separated list: each in turn, in one launch (the others keep working after one
-timed out). With "fusion", the calls go through tensor fusion: the round's agreement
-times out (async call, waited). Usage: timeout.py BACKENDS [TIMEOUT_S] [fusion]
+timed out). Outside debug mode the op is async, and a second wait() on its Work
+raises the same error at once (is_completed() True). With "fusion", the calls go
+through tensor fusion: the round's agreement times out (async call, waited).
+Usage: timeout.py BACKENDS [TIMEOUT_S] [fusion]
 
 Rank 0 stays out until the others are through (idle_rank.py), or (limit + 1) s per
 backend."""
@@ -30,17 +32,21 @@ for backend in backends:
 
 def one_rank_missing(backend: str) -> None:
     start = time.monotonic()
+    debug = os.environ.get("MCRDL_DEBUG") == "1"
+    work = None
     try:
         if fusion:  # buffered; the wait posts the round, whose agreement times out
             mcrdl.all_reduce(backend, torch.ones(4), async_op=True).wait()
-        else:
+        elif debug:
             mcrdl.all_reduce(backend, torch.ones(4))
+        else:  # async: its Work is waited on again below
+            work = mcrdl.all_reduce(backend, torch.ones(4), async_op=True)
+            work.wait()
         raise AssertionError(f"all_reduce on {backend} without rank 0 returned")
     except mcrdl.CommTimeoutError as e:
         took = time.monotonic() - start
         msg = str(e)
         assert took < limit + 5, took
-        debug = os.environ.get("MCRDL_DEBUG") == "1"
         # pccl's all_reduce is one C++ op: it is numbered and named like the others'
         parts = (("never called it", "world rank(s) [0]", "sequence number 2") if debug
                  else ("sequence number",) if fusion else ("sequence number 2",))
@@ -49,6 +55,16 @@ def one_rank_missing(backend: str) -> None:
             assert part in msg, (part, msg)
         print(f"rank {rank}: {backend}: CommTimeoutError after {took:.2f} s "
               f"(timeout {limit} s): {msg}", flush=True)
+    if work is not None:  # past its own timeout: done, and the same error at once
+        start = time.monotonic()
+        try:
+            work.wait()
+            raise AssertionError(f"a second wait on {backend} returned")
+        except mcrdl.CommTimeoutError as e:
+            again = time.monotonic() - start
+            assert str(e) == msg and again < 0.5 and work.is_completed(), (again, str(e))
+            print(f"rank {rank}: {backend}: second wait raised again after {again:.3f} s",
+                  flush=True)
     try:  # the backend is unusable after a timeout: say so instead of mismatching ops
         mcrdl.all_reduce(backend, torch.ones(4))
         raise AssertionError(f"op on {backend} after a timeout did not raise")
