@@ -3,6 +3,7 @@ routing by a crafted table."""
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -27,7 +28,11 @@ def test_run_resume_and_plot(tmp_path):
               "barrier", "--min-bytes", "4", "--max-bytes", "1K",
               "--factor", "4", "--group-sizes", "2", "3", "--iters", "2", "--warmup", "1",
               "--confirm", "0", "--output", str(out)]
-    tune(common)
+    printed = tune(common)
+    # not on a terminal: plain progress lines, a few (every tenth of the plan), to the end
+    shown = [(int(a), int(b)) for a, b in re.findall(r"^mcrdl-tune: (\d+)/(\d+) ", printed,
+                                                      re.M)]
+    assert 3 <= len(shown) <= 15 and shown[-1][0] == shown[-1][1], printed
     data = json.loads(out.read_text())
     assert data["schema"] == "mcrdl-tuning-table"
     assert data["provenance"]["command"].startswith("mcrdl-tune run")

@@ -180,9 +180,22 @@ def _start(args, command: str) -> tuple[str | None, dict | None]:
 
 
 class _progress:
-    """A rich progress bar on rank 0 (plain lines when not on a terminal)."""
+    """Rank 0's progress on stderr: a rich bar on a terminal; elsewhere (under mpiexec,
+    into a log file) a plain line at the first point, then at every tenth of the plan or
+    after 30 s, whichever comes first, and at the end."""
+
+    _EVERY_S = 30.0
 
     def __init__(self):
+        import time
+
+        self._clock = time.monotonic
+        self._task = None
+        self._p = None
+        self._last, self._last_tenth = None, -1
+        if not sys.stderr.isatty():
+            return
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -193,17 +206,25 @@ class _progress:
         )
 
         self._p = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                           TimeElapsedColumn(), TimeRemainingColumn(), transient=False)
-        self._task = None
+                           TimeElapsedColumn(), TimeRemainingColumn(), transient=False,
+                           console=Console(stderr=True))
         self._p.start()
 
     def update(self, done: int, total: int, what: str) -> None:
-        if self._task is None:
-            self._task = self._p.add_task("tuning", total=total)
-        self._p.update(self._task, completed=done, description=f"tuning: {what:<48}")
+        if self._p is not None:
+            if self._task is None:
+                self._task = self._p.add_task("tuning", total=total)
+            self._p.update(self._task, completed=done, description=f"tuning: {what:<48}")
+            return
+        now, tenth = self._clock(), (10 * done) // max(total, 1)
+        if (self._last is None or tenth > self._last_tenth or done >= total
+                or now - self._last >= self._EVERY_S):
+            print(f"mcrdl-tune: {done}/{total} {what}", file=sys.stderr, flush=True)
+            self._last, self._last_tenth = now, tenth
 
     def close(self) -> None:
-        self._p.stop()
+        if self._p is not None:
+            self._p.stop()
 
 
 def _model(args) -> int:
