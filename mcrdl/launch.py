@@ -217,3 +217,17 @@ def detect() -> LaunchInfo:
             "use 'srun --mpi=pmix' (or pmi2) to use MPI")
     # A plain 'python script.py': a world of one; MPI runs as a singleton.
     return LaunchInfo("single", 0, 1, 0, 1, True)
+
+
+def launch_command(ranks: int) -> str:
+    """How to start `ranks` processes with the launcher that started this one (for the
+    errors that ask for another world size): ``mpiexec -n 8``, ``srun -n 8``, torchrun's
+    ``--nproc-per-node`` (per node: the count in all where the job spans nodes)."""
+    info = detect()
+    if info.launcher == "torchrun":
+        if info.local_size == info.size:
+            return f"torchrun --nproc-per-node {ranks}"
+        return f"torchrun with {ranks} processes in all (--nnodes x --nproc-per-node)"
+    if info.launcher == "slurm" or "SLURM_PROCID" in os.environ:
+        return f"srun -n {ranks}"
+    return f"mpiexec -n {ranks}"

@@ -59,6 +59,26 @@ def test_detect(monkeypatch, env, expected):
     assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == expected
 
 
+@pytest.mark.parametrize("env, command", [
+    ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpiexec -n 8"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "srun -n 8"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "srun -n 8"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+     "torchrun --nproc-per-node 8"),
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
+     "torchrun with 8 processes in all (--nnodes x --nproc-per-node)"),
+    ({}, "mpiexec -n 8"),
+])
+def test_launch_command(monkeypatch, env, command):
+    """The errors asking for another world size name this job's launcher (a torchrun job
+    was told "launch with -n 8")."""
+    from mcrdl.launch import launch_command
+    without_launcher(monkeypatch)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launch_command(8) == command
+
+
 @pytest.mark.parametrize("spec, node, tasks", [
     ("4(x2),3", 0, 4), ("4(x2),3", 1, 4), ("4(x2),3", 2, 3), ("4(x2),3", 3, None),
     ("2,1,2(x3)", 4, 2), ("16", 0, 16), (" 8(x2) ", 1, 8),

@@ -363,6 +363,7 @@ def test_cli_is_fast_for_thousands_of_ranks():
      "--micro-batches"),
     (["--ranks", "8"], "--model"),
     (["--model", "mini", "--ranks", "8", "--min-model-parallel", "0"], "--min-model-parallel"),
+    (["--model", "mini", "--ranks", "8", "--ranks-per-node", "3"], "--ranks-per-node 3"),
 ])
 def test_cli_bad_arguments_name_the_option(args, option, capsys):
     with pytest.raises(SystemExit) as e:

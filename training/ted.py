@@ -47,6 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mcrdl.launch import launch_command
+
 from .cac import checkpointed
 from .collectives import (
     KINDS,
@@ -98,7 +100,8 @@ class TEDLayout:
         if world_size is not None and world_size != self.world_size:
             raise ValueError(f"G_tensor={self.g_tensor} x G_data_nonexp={self.g_data} = "
                              f"{self.world_size} ranks, but the world has {world_size}; launch "
-                             f"with -n {self.world_size} or change --G-tensor/--G-data")
+                             f"with {launch_command(self.world_size)} or change --G-tensor/"
+                             "--G-data")
         if moe is not None and moe.experts % self.g_expert:
             raise ValueError(f"experts={moe.experts} is not divisible by G_expert="
                              f"{self.g_expert}: every expert rank holds experts/G_expert "
@@ -302,11 +305,20 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.ln_2(x)), None
 
 
+def _load_from(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
+    """Load `module` (a serial unit, or one expert) from the serial model's `state_dict`
+    entries under `prefix` (checked against the model: checkpoint.read_serial_state_dict)."""
+    module.load_state_dict({k: state_dict[prefix + k] for k in module.state_dict()})
+
+
 class TEDGPT(nn.Module):
     """This rank's share of the MoE GPT (training/moe.py's MoEGPT) under a TED layout.
     Parameter names are the serial model's; each parameter carries its ``split``
     (training/parallel4d/layers.py: X is the tensor group) and expert parameters
     ``expert = True``.
+
+    ``state_dict``: start from the serial model's weights (any layout's, consolidated)
+    instead of `seed`'s draws; every rank takes its pieces.
 
     ``activation_checkpointing`` runs the blocks in segments of checkpoint_interval(N)
     blocks; ``cac`` stashes their forward collectives for the recomputation;
@@ -314,7 +326,8 @@ class TEDGPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, groups: TEDGroups, seed: int = 0, *,
                  dtd: bool = False, cac: bool = False, activation_checkpointing: bool = False,
-                 early_stop: bool = True, debug_checks: bool = False):
+                 early_stop: bool = True, debug_checks: bool = False,
+                 state_dict: dict[str, torch.Tensor] | None = None):
         super().__init__()
         groups.layout.check(cfg, moe)
         self.cfg, self.moe_cfg, self.groups = cfg, moe, groups
@@ -325,6 +338,8 @@ class TEDGPT(nn.Module):
         for i in range(cfg.n_units):
             # the serial unit without its experts; this rank's experts drawn on their own
             serial = make_moe_unit(cfg, moe, i, seed, with_experts=False)
+            if state_dict is not None:
+                _load_from(serial, state_dict, f"units.{i}.")
             if isinstance(serial, (Embedding, Head)):
                 units[str(i)] = serial
                 continue
@@ -334,6 +349,8 @@ class TEDGPT(nn.Module):
                 for e in local:
                     experts[e] = MLP(cfg)
                     init_expert(experts[e], cfg, seed, i, e)
+                    if state_dict is not None:
+                        _load_from(experts[e], state_dict, f"units.{i}.moe.experts.{e}.")
             assert isinstance(serial, (Block, MoEBlock))
             units[str(i)] = ParallelBlock(serial, cfg, moe, groups, experts, dtd, debug_checks,
                                           f"units.{i}")

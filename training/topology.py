@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from enum import Enum
 
 import mcrdl
+from mcrdl.launch import launch_command
 
 
 class Axis(str, Enum):
@@ -98,8 +99,8 @@ class ProcessGrid:
             shown = " x ".join(f"{a}={n}" for a, n in sizes.items())
             where = "the world has" if world is None else f"its group {list(world.ranks)} has"
             raise GridError(f"process grid {shown} needs {total} ranks but {where} "
-                            f"{self.world_size}; launch with -n {total} or change the degrees "
-                            f"so that their product is {self.world_size}")
+                            f"{self.world_size}; launch with {launch_command(total)} or change "
+                            f"the degrees so that their product is {self.world_size}")
         self.sizes = sizes
         self.order = order
         self._stride = {}

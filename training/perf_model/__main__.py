@@ -110,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    if args.ranks > args.ranks_per_node and args.ranks % args.ranks_per_node:
+        p.error(f"--ranks {args.ranks} is not a whole number of nodes of --ranks-per-node "
+                f"{args.ranks_per_node}: Eq. 5.7 takes nodes of that many consecutive ranks, "
+                f"all full; use a multiple of {args.ranks_per_node}")
     model = get_config(args.model, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
     batch = args.ranks if args.batch is None else args.batch
     try:

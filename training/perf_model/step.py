@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mcrdl.launch import launch_command
+
 from ..models.gpt import GPTConfig
 from ..topology import GridError
 
@@ -194,8 +196,9 @@ def check_grid(step: TrainingStep, grid: Grid4D, world_size: int | None = None) 
     problems = [msg for _, msg in constraint_violations(step, grid)]
     if world_size is not None and world_size != grid.size:
         problems.insert(0, f"the grid needs G_x*G_y*G_z*G_data={grid.size} ranks but the "
-                           f"world has {world_size}; launch with -n {grid.size} or change the "
-                           f"degrees so that their product is {world_size}")
+                           f"world has {world_size}; launch with "
+                           f"{launch_command(grid.size)} or change the degrees so that their "
+                           f"product is {world_size}")
     if problems:
         raise GridError(f"grid {grid} cannot run this step: " + "; ".join(problems))
 
