@@ -52,7 +52,8 @@ def test_moe_layouts(n, token_dir, tmp_path):
         assert "all_to_all_single" in out.split("moe skip OK")[1], out
     if n == 4:
         assert out.count("bitwise identical") == 2, out
-        for part in ("moe comm OK", "moe debug check OK", "moe memory OK", "moe resume OK"):
+        for part in ("moe comm OK", "moe debug check OK", "moe memory OK", "moe resume OK",
+                     "moe init-from OK"):
             assert part in out, out
 
 

@@ -139,7 +139,7 @@ def test_schedule_and_config_errors():
     assert (cfg.samo, cfg.prune_sparsity, cfg.prune_scope) == (True, 0.9, "global")
     bad = {("--prune-sparsity", "1"): "expected a fraction in [0, 1)",
            ("--prune-sparsity", "-0.1"): "expected a fraction in [0, 1)",
-           ("--prune-sparsity", "nan"): "expected a fraction in [0, 1)",
+           ("--prune-sparsity", "nan"): "--prune-sparsity is nan; expected a finite number",
            ("--samo",): "--samo needs --prune-sparsity",
            ("--samo", "--prune-sparsity", "0.9", "--offload-optimizer"):
                "--samo with --offload-optimizer",

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +256,66 @@ def test_saving_a_step_again_keeps_the_old_checkpoint_until_the_new_one_is_whole
     assert not (tmp_path / "x.json").exists()
 
 
+def test_checkpoint_list_says_which_load(tmp_path, capsys):
+    """``checkpoint list`` had stopped at the first unreadable manifest and shown
+    checkpoints with bad shards as fine; the hints of the load errors named them too."""
+    from training import checkpoint as ckpt
+    root = tmp_path / "ck"
+
+    def save(step: int, publish: bool = True) -> Path:
+        final = ckpt.step_dir(root, step)
+        staging = ckpt.staging_dir(final, f"t{step}")
+        staging.mkdir(parents=True)
+        shard = ckpt.save_shard(staging, 0, {"w": torch.full((64,), float(step))})
+        manifest = {"format": ckpt.FORMAT, "step": step, "grid": {"G_inter": 1},
+                    "shards": [shard]}
+        if publish:
+            ckpt.write_manifest(staging, manifest, publish_as=final)
+        else:
+            staging.rename(final)  # a save that never wrote its manifest
+        return final
+
+    good, short, flipped, torn = save(2), save(4), save(6), save(8, publish=False)
+    shard = short / "stage_00.pt"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    shard = flipped / "stage_00.pt"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert ckpt.main(["list", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"^{good}  step 2 .* ok$", out, re.M), out
+    assert re.search(rf"^{short}  step 4 .*UNUSABLE: shard stage_00.pt is \d+ bytes", out,
+                     re.M), out
+    assert re.search(rf"^{flipped}  step 6 .*\(latest\)  ok$", out, re.M), out  # same size
+    assert re.search(rf"^{torn}  UNUSABLE: checkpoint .* has no manifest.json", out, re.M), out
+    assert "# 2 of 4 cannot be loaded; the newest usable: --resume " + str(flipped) in out
+    assert ckpt.main(["list", str(root), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"^{flipped}  step 6 .*UNUSABLE: shard stage_00.pt is corrupt", out,
+                     re.M), out
+    assert re.search(rf"^{good}  step 2 .* ok \(sha256 verified\)$", out, re.M), out
+    # a load error's hint names only checkpoints whose shards are whole
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.read_manifest(torn)
+    assert "complete checkpoints: step_000002, step_000006 (" in str(e.value), e.value
+    assert ckpt.main(["list", str(tmp_path / "none")]) == 2
+
+
+def test_resume_names_the_engine_that_wrote_the_checkpoint():
+    """A train_gpt checkpoint given to train_moe said "tensor-parallel layers are None",
+    the reverse KeyError 'G_inter': the engine is checked first, naming the command."""
+    from training import checkpoint as ckpt
+    ckpt.check_engine({"engine": "ted"}, Path("d"), "ted")
+    ckpt.check_engine({}, Path("d"), "pipeline")  # manifests before "engine" existed
+    for saved, engine, command in (("ted", "pipeline", "python -m training.train_moe"),
+                                   (None, "ted", "python -m training.train_gpt with G_x"),
+                                   ("4d", "ted", "python -m training.train_gpt with --G-x")):
+        manifest = {} if saved is None else {"engine": saved}
+        with pytest.raises(ckpt.CheckpointError, match=f"resume it with {command}"):
+            ckpt.check_engine(manifest, Path("d"), engine)
+
+
 def test_token_memmap(tmp_path):
     import numpy as np
 
@@ -326,6 +387,72 @@ def test_cli_config_and_errors(tmp_path):
         with pytest.raises(ValueError, match=f"{option} .*unknown backend 'foo'; mcrdl's"):
             parse_args(argv)
     assert parse_args(["--backends", "mpi,gloo", "--axis-backends", "z=pccl", "--G-z", "2"])
+    # values that trained on, or failed only at the first save, or as raw tracebacks
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv, message in (
+            (["--lr", "-1"], "--lr is -1.0; expected > 0"),
+            (["--lr", "nan"], "--lr is nan; expected a finite number"),
+            (["--grad-clip", "inf"], "--grad-clip is inf; expected a finite number"),
+            (["--bucket-mib", "0"], "--bucket-mib is 0.0; expected > 0"),
+            (["--min-lr", "0.5"], "--min-lr 0.5 is above --lr 0.001"),
+            (["--weight-decay", "-0.1"], "--weight-decay is -0.1; expected >= 0"),
+            (["--out-dir", str(afile)], f"--out-dir {afile} is a file; expected a directory"),
+            (["--checkpoint-dir", str(afile / "ck")], f"is inside the file {afile}"),
+            (["--metrics", str(tmp_path)], f"--metrics: {tmp_path} is a directory"),
+            (["--init-from", str(tmp_path / "nope.pt")], "--init-from .*nope.pt: no such file"),
+            (["--init-from", str(afile), "--resume", str(tmp_path), "--checkpoint-dir",
+              str(tmp_path)], "--init-from with --resume")):
+        with pytest.raises(ValueError, match=message):
+            parse_args(argv)
+
+
+def test_init_from_a_serial_state_dict(tmp_path):
+    """--init-from: each pipeline stage takes its units from a serial state_dict (another
+    seed's here), bit for bit; a file of another model or kind is refused by name, on
+    every rank, before training (CheckpointError: exit 3)."""
+    from ._launch import RESULT_MARK, fresh_probe
+    script = f"""
+import json, sys
+sys.path.insert(0, {ROOT!r})
+import torch
+import mcrdl
+from training.checkpoint import CheckpointError
+from training.config import TrainConfig
+from training.models.gpt import GPTStage
+from training.trainer import Trainer
+mcrdl.init(["gloo"])
+def cfg(**kw):
+    return TrainConfig(model="tiny", steps=2, micro_batch_size=2, global_batch_size=4,
+                       plot=False, progress=False, quiet=True, out_dir={str(tmp_path)!r}, **kw)
+c = cfg()
+tr = Trainer(c)
+full = GPTStage(tr.model_cfg, 0, tr.model_cfg.n_units - 1, seed=99).state_dict()
+torch.save(full, {str(tmp_path / "w.pt")!r})
+mine = tr.model_stage.state_dict()
+before = sum(not torch.equal(v, full[k]) for k, v in mine.items())
+got = Trainer(cfg(init_from={str(tmp_path / "w.pt")!r})).model_stage.state_dict()
+same = sorted(k for k, v in got.items() if torch.equal(v, full[k]))
+errors = []
+for name, obj in (("small", {{k: v[..., :1] for k, v in full.items()}}),
+                  ("shard", {{"model": full, "step": 3}}),
+                  ("extra", {{**full, "units.99.w": torch.zeros(1)}})):
+    torch.save(obj, {str(tmp_path)!r} + f"/{{name}}.pt")
+    try:
+        Trainer(cfg(init_from={str(tmp_path)!r} + f"/{{name}}.pt"))
+        errors.append(None)
+    except CheckpointError as e:
+        errors.append(str(e))
+mcrdl.finalize()
+print({RESULT_MARK!r} + json.dumps([len(mine), before, same == sorted(mine), errors]))
+"""
+    n, before, same, errors = fresh_probe(script)
+    assert n > 10 and before > 0 and same, (n, before, same)  # another seed, then its copy
+    small, shard, extra = errors
+    assert small and "does not fit this run's model" in small and "this model's" in small
+    assert shard and "is not a state_dict (names to tensors) but a dict of 'model', 'step'" \
+        in shard, shard
+    assert extra and "has names this model lacks: units.99.w" in extra, extra
 
 
 def test_resume_refuses_another_dtype(tmp_path):

@@ -122,8 +122,8 @@ def test_4d_options_and_errors():
         (["--axis-backends", "w=mpi"], "AXIS one of x, y, z, data"),
         (["--overlap", "most"], "--overlap 'most'"),
         # options the other engine reads: they had been ignored without a word
-        (["--init-from", "x.pt", "--overlap", "all"],
-         "--overlap, --init-from: only the 4d engine reads them, and this run uses the "
+        (["--tune-matmul", "--overlap", "all"],
+         "--overlap, --tune-matmul: only the 4d engine reads them, and this run uses the "
          "pipeline engine"),
         (["--G-x", "2", "--pipeline-limit", "3"],
          "--pipeline-limit: only the pipeline engine reads it"),

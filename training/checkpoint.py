@@ -23,7 +23,13 @@ ranks agree before any state changes: a truncated or corrupt shard raises
 writes one ordinary PyTorch ``state_dict`` of the whole model (load it with
 ``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config;
 for train_moe's checkpoints, the serial ``MoEGPT``'s state_dict and its model and MoE
-configs.
+configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a file
+(``read_serial_state_dict`` checks its names and shapes against the run's model).
+
+    python -m training.checkpoint list runs/ckpt [--verify]
+
+prints each step directory and whether it can be loaded (its manifest, its shards'
+sizes, with ``--verify`` their sha256), and exits 1 when one cannot.
 
 A pruned run's shard also holds its mask (``"pruning"``: each tensor's int32 index of
 unpruned entries, ``training/pruning.py``); SAMO's shards store the model compressed, as
@@ -133,6 +139,26 @@ def build_manifest(*, step: int, grid: dict[str, int], partition: list[tuple[int
             "shards": sorted(shards, key=lambda s: s["stage"])}
 
 
+#: The command that writes and resumes each engine's checkpoints (manifest "engine").
+ENGINE_COMMANDS = {"pipeline": "python -m training.train_gpt with G_x = G_y = G_z = 1",
+                   "4d": "python -m training.train_gpt with --G-x/--G-y/--G-z",
+                   "ted": "python -m training.train_moe"}
+
+
+def check_engine(manifest: dict, directory: Path, engine: str) -> None:
+    """CheckpointError unless `manifest` was written by `engine` ("pipeline", "4d" or
+    "ted"), naming the command that resumes it: checked before anything else, whose
+    names differ between the engines' manifests."""
+    saved = manifest.get("engine", "pipeline")
+    if saved != engine:
+        command = ENGINE_COMMANDS.get(saved, f"the engine {saved!r}")
+        raise CheckpointError(
+            f"checkpoint {directory} was written by the {saved} engine ({command}); this run "
+            f"uses the {engine} engine ({ENGINE_COMMANDS[engine]}): resume it with {command}, "
+            "or consolidate it (python -m training.checkpoint consolidate) and start from "
+            "its weights with --init-from")
+
+
 def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
                     partition: list[tuple[int, int]], model: dict, optimizer: str) -> None:
     """CheckpointError unless `manifest` was written by a run with the same pipeline
@@ -147,7 +173,9 @@ def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
             raise CheckpointError(
                 f"checkpoint {directory} was written with {key}={have[key]}, this run has "
                 f"{key}={wanted}; resume with the same model, --G-inter, --layers-per-stage, "
-                "--offload-optimizer and --samo (--G-data may change)")
+                "--offload-optimizer and --samo (--G-data may change), or consolidate it "
+                "(python -m training.checkpoint consolidate) and start from its weights with "
+                "--init-from")
 
 
 def check_dtype(manifest: dict, directory: Path, dtype: str) -> None:
@@ -159,7 +187,7 @@ def check_dtype(manifest: dict, directory: Path, dtype: str) -> None:
         raise CheckpointError(
             f"checkpoint {directory} was written with --dtype {saved}, this run has --dtype "
             f"{dtype}; resume with --dtype {saved}, or consolidate it (python -m "
-            "training.checkpoint consolidate) and start from its weights")
+            "training.checkpoint consolidate) and start from its weights with --init-from")
 
 
 def staging_dir(final: Path, token: str) -> Path:
@@ -228,8 +256,44 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def shard_problems(directory: Path, manifest: dict, *, verify: bool = False) -> list[str]:
+    """What would keep checkpoint `directory` from loading, from its files' sizes (and,
+    with `verify`, their sha256, which reads every byte): [] when nothing."""
+    problems = []
+    for entry in manifest.get("shards", []):
+        path = directory / entry["file"]
+        try:
+            size = path.stat().st_size
+        except OSError:
+            problems.append(f"shard {entry['file']} is missing")
+            continue
+        if size != entry["bytes"]:
+            problems.append(f"shard {entry['file']} is {size} bytes, the manifest says "
+                            f"{entry['bytes']}")
+        elif verify and _sha256(path) != entry["sha256"]:
+            problems.append(f"shard {entry['file']} is corrupt (its sha256 differs)")
+    return problems
+
+
+def usable(directory: Path) -> bool:
+    """Whether checkpoint `directory` has a readable manifest and shards of its sizes."""
+    try:
+        return not shard_problems(directory, read_manifest(directory))
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return False
+
+
 def _alternatives(directory: Path) -> str:
-    others = [p for p in complete_checkpoints(directory.parent) if p.name != directory.name]
+    others = [p for p in complete_checkpoints(directory.parent)
+              if p.name != directory.name and usable(p)]
     if not others:
         return "; no other complete checkpoint exists in " + str(directory.parent)
     return ("; complete checkpoints: " + ", ".join(p.name for p in others[-3:])
@@ -255,6 +319,47 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
     import io
 
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+def read_serial_state_dict(path: str | os.PathLike, template: torch.nn.Module,
+                           option: str = "--init-from") -> dict[str, torch.Tensor]:
+    """The serial ``state_dict`` in file `path` (``consolidate``'s output, or
+    ``torch.save(model.state_dict())``), checked against `template`, the serial model
+    of this run's options (built on the meta device: names and shapes only).
+    CheckpointError naming `option` and what differs: a name missing or extra (another
+    model, or a file of another kind), or a shape (another size)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{option} {path}: no such file") from None
+    except Exception as e:  # pickle's and torch's errors of a file of another kind
+        raise CheckpointError(f"{option} {path}: not a state_dict torch can load "
+                              f"({type(e).__name__}: {e})") from None
+    want = template.state_dict()
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                              for v in state.values()):
+        held = (f"a dict of {', '.join(map(repr, list(state)[:4]))}"
+                if isinstance(state, dict) else f"a {type(state).__name__}")
+        raise CheckpointError(f"{option} {path} is not a state_dict (names to tensors) but "
+                              f"{held} (a checkpoint's shard?); python -m training.checkpoint "
+                              "consolidate writes a checkpoint's state_dict")
+    problems = []
+    missing = [k for k in want if k not in state]
+    extra = [k for k in state if k not in want]
+    for what, names in (("lacks", missing), ("has names this model lacks:", extra)):
+        if names:
+            problems.append(f"{what} {', '.join(names[:3])}"
+                            + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+    shapes = [f"{k} is {tuple(state[k].shape)}, this model's {tuple(v.shape)}"
+              for k, v in want.items() if k in state and state[k].shape != v.shape]
+    if shapes:
+        problems.append("; ".join(shapes[:3]) + (f" and {len(shapes) - 3} more"
+                                                 if len(shapes) > 3 else ""))
+    if problems:
+        raise CheckpointError(f"{option} {path} does not fit this run's model: "
+                              + "; ".join(problems) + " (give the model options it was "
+                              "trained with: its .json beside it holds them)")
+    return state
 
 
 def shard_model(shard: dict) -> dict[str, torch.Tensor]:
@@ -327,15 +432,15 @@ def main(argv=None) -> int:
     c = sub.add_parser("consolidate", help="merge a checkpoint's shards into one state_dict")
     c.add_argument("checkpoint", help="a step directory, or a checkpoint dir (its latest)")
     c.add_argument("-o", "--out", required=True, help="output .pt (state_dict); config -> .json")
-    ls = sub.add_parser("list", help="list the complete checkpoints of a directory")
+    ls = sub.add_parser("list", help="list the checkpoints of a directory and whether "
+                        "each can be loaded (exit 1 when one cannot)")
     ls.add_argument("directory")
+    ls.add_argument("--verify", action="store_true",
+                    help="also check every shard's sha256 (reads every byte)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
-            for p in complete_checkpoints(args.directory):
-                m = read_manifest(p)
-                print(f"{p}  step {m['step']}  grid {m['grid']}  {len(m['shards'])} shards")
-            return 0
+            return _list(Path(args.directory), verify=args.verify)
         path = Path(args.checkpoint)
         if not (path / "manifest.json").exists() and latest_checkpoint(path):
             path = latest_checkpoint(path)
@@ -353,6 +458,37 @@ def main(argv=None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _list(root: Path, *, verify: bool) -> int:
+    """``list``: one line per step directory (complete or not), the newest usable one."""
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)),
+                   key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    latest = latest_checkpoint(root)
+    good, bad = [], 0
+    for p in steps:
+        mark = "  (latest)" if latest is not None and p.name == latest.name else ""
+        try:
+            m = read_manifest(p)
+            problems = shard_problems(p, m, verify=verify)
+            line = f"{p}  step {m['step']}  grid {m['grid']}  {len(m['shards'])} shards"
+        except (CheckpointError, OSError, KeyError, TypeError) as e:
+            problems, line = [str(e) if isinstance(e, CheckpointError)
+                              else f"manifest unreadable ({type(e).__name__}: {e})"], str(p)
+        if problems:
+            bad += 1
+            print(f"{line}{mark}  UNUSABLE: {'; '.join(problems)}")
+        else:
+            good.append(p)
+            print(f"{line}{mark}  ok{' (sha256 verified)' if verify else ''}")
+    if not steps:
+        print(f"no checkpoint in {root}")
+    elif bad:
+        print(f"# {bad} of {len(steps)} cannot be loaded"
+              + (f"; the newest usable: --resume {good[-1]}" if good else ""))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

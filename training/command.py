@@ -24,7 +24,7 @@ from typing import Any
 import mcrdl
 
 from . import report
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, resume_path
 from .report import MetricsFile, ProgressLog, TrainResult
 
 
@@ -86,6 +86,11 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
     verbose = is_rank0 and not cfg.quiet
     if verbose:
         print(trainer.describe(), flush=True)
+        if cfg.resume:
+            where = resume_path(cfg.resume, cfg.checkpoint_dir)
+            print(f"resumed from {where} at step {result.start_step}", flush=True)
+        elif cfg.init_from:
+            print(f"weights from --init-from {cfg.init_from}", flush=True)
     metrics = MetricsFile(cfg.metrics_path, result.start_step) if is_rank0 else None
     progress = ProgressLog(cfg.last_step - result.start_step, lines=verbose,
                            bar=verbose and cfg.progress)

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
+import os
 import typing
 from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields
@@ -38,12 +40,13 @@ _TENSOR_AXES = (Axis.X, Axis.Y, Axis.Z)
 
 
 def option(default: Any, help: str, *, minimum: float | None = None,
-           choices: Sequence[str] | None = None, axis: Axis | None = None,
-           const: Any = None) -> Any:
-    """A config field. `minimum` and `choices` are checked by ``validate()``; `axis`
+           above: float | None = None, choices: Sequence[str] | None = None,
+           axis: Axis | None = None, const: Any = None) -> Any:
+    """A config field. ``validate()`` checks `minimum` (the least value), `above` (a
+    bound the value must exceed) and `choices`, and that a float is finite; `axis`
     marks a grid degree; `const` is the value of the flag given without a value."""
-    metadata = {"help": help, "minimum": minimum, "choices": choices, "axis": axis,
-                "const": const}
+    metadata = {"help": help, "minimum": minimum, "above": above, "choices": choices,
+                "axis": axis, "const": const}
     return field(default=default, metadata=metadata)
 
 
@@ -193,8 +196,6 @@ class TensorOptions(Options):
                                        "z=pccl,data=auto (default auto everywhere)")
     regather_weights: bool = option(False, "4D: gather each weight again in the backward "
                                     "instead of keeping it from the forward")
-    init_from: str | None = option(None, "4D: start from a serial state_dict (.pt, e.g. "
-                                   "from 'python -m training.checkpoint consolidate'), any grid")
 
     def tensor_degrees(self) -> dict[str, int]:
         return {"x": self.G_x, "y": self.G_y, "z": self.G_z}
@@ -220,8 +221,7 @@ class TensorOptions(Options):
         return out
 
     #: Options that only one engine reads: given to the other they would be ignored.
-    ENGINE_ONLY = {"4d": ("overlap", "tune_matmul", "axis_backends", "regather_weights",
-                          "init_from"),
+    ENGINE_ONLY = {"4d": ("overlap", "tune_matmul", "axis_backends", "regather_weights"),
                    "pipeline": ("layers_per_stage", "pipeline_limit", "p2p_backend")}
 
     def check(self) -> None:
@@ -266,17 +266,23 @@ class TensorOptions(Options):
 @dataclass
 class OptimizerOptions(Options):
     section = "optimizer"
-    lr: float = option(1e-3, "peak learning rate")
-    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
+    lr: float = option(1e-3, "peak learning rate", above=0)
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay", minimum=0)
     warmup_steps: int = option(5, "steps of linear warm-up", minimum=0)
     decay_steps: int | None = option(None, "step where the decay reaches --min-lr "
                                      "(default --steps)", minimum=1)
-    weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings")
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings",
+                                 minimum=0)
     grad_clip: float = option(1.0, "global gradient norm bound (0: no clipping)", minimum=0)
     offload_optimizer: bool = option(False, "fp32 master weights and Adam states in host "
                                      "memory (always on for bf16/fp16)")
-    bucket_mib: float = option(4.0, "offloaded optimizer's bucket size in MiB")
+    bucket_mib: float = option(4.0, "offloaded optimizer's bucket size in MiB", above=0)
     coarsening: int = option(2, "buckets per all-reduce chunk", minimum=1)
+
+    def check(self) -> None:
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the decay "
+                             "goes from --lr down to --min-lr")
 
     def optimizer_config(self, total_steps: int) -> OptimConfig:
         """The optimizers' settings for a run of `total_steps` steps."""
@@ -318,6 +324,9 @@ class RunOptions(Options):
     stop_after: int | None = option(None, "stop (with a checkpoint) after this step")
     resume: str | None = option(None, "resume from --checkpoint-dir's latest checkpoint, or "
                                 "from a path", const="latest")
+    init_from: str | None = option(None, "start from a serial state_dict (.pt: 'python -m "
+                                   "training.checkpoint consolidate' writes one) instead of "
+                                   "--seed's weights; any grid or layout")
     log_interval: int = option(1, "steps between log lines", minimum=1)
     plot: bool = option(True, "save the loss curve as <out-dir>/loss.png")
     progress: bool = option(True, "progress bar on a terminal")
@@ -352,6 +361,16 @@ class RunOptions(Options):
             raise ValueError("--checkpoint-every/--stop-after need --checkpoint-dir")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("--resume without a path needs --checkpoint-dir")
+        if self.init_from is not None:
+            if self.resume:
+                raise ValueError("--init-from with --resume: a resumed run takes its weights "
+                                 "(and optimizer state) from the checkpoint; drop one")
+            if not Path(self.init_from).is_file():
+                raise ValueError(f"--init-from {self.init_from}: no such file")
+        _check_directory("--out-dir", self.out_dir)
+        if self.checkpoint_dir:
+            _check_directory("--checkpoint-dir", self.checkpoint_dir)
+        _check_file("--metrics" if self.metrics else "--out-dir", self.metrics_path)
 
 
 @dataclass
@@ -400,6 +419,38 @@ class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, Pipe
         return self.optimizer_config(self.steps)
 
 
+# -- paths ------------------------------------------------------------------------------
+
+def _existing_ancestor(path: Path) -> Path:
+    """`path` itself, else its nearest ancestor that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_directory(option: str, given: str | Path) -> None:
+    """ValueError naming `option` when directory `given` cannot be made or written: it or
+    an ancestor is a file, or the nearest existing ancestor is not writable (a run would
+    train and then fail at its first save)."""
+    path = Path(given)
+    found = _existing_ancestor(path)
+    if not found.is_dir():
+        what = "is a file" if found == path.absolute() else f"is inside the file {found}"
+        raise ValueError(f"{option} {given} {what}; expected a directory (made if missing)")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise ValueError(f"{option} {given}: {found} is not writable by this user")
+
+
+def _check_file(option: str, given: str | Path) -> None:
+    """ValueError naming `option` when file `given` cannot be written: it is a directory,
+    or its directory cannot be made (``_check_directory``)."""
+    path = Path(given)
+    if path.is_dir():
+        raise ValueError(f"{option}: {given} is a directory; expected a file")
+    _check_directory(option, path.parent)
+
+
 # -- types of values --------------------------------------------------------------------
 
 def _value_types(hint: Any) -> tuple[type, ...]:
@@ -428,6 +479,11 @@ def _check_value(f: Field, value: Any, hint: Any) -> None:
         ok = True
     if not ok:
         raise ValueError(f"{flag(f.name)} is {value!r}; expected {_EXPECTED[kind]}")
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{flag(f.name)} is {value!r}; expected a finite number")
+    above = f.metadata.get("above")
+    if above is not None and not value > above:
+        raise ValueError(f"{flag(f.name)} is {value!r}; expected > {above}")
     choices, minimum = f.metadata.get("choices"), f.metadata.get("minimum")
     if choices is not None and value not in choices:
         raise ValueError(f"{flag(f.name)} {value!r}: expected one of {', '.join(choices)}")

@@ -22,12 +22,12 @@ from .collectives import Backends
 from .config import DTYPES
 from .data import Batches, load_dataset
 from .models.gpt import CONFIGS, GPTConfig
-from .moe import MOE_BASES, moe_loss
+from .moe import MOE_BASES, MoEGPT, moe_loss
 from .optim import applied_lr
 from .parallel4d.layers import Split
 from .ted import TEDGPT, TEDGroups, count_parameters
 from .timers import PhaseTimers
-from .trainer import pick_device, raise_together, staged_save
+from .trainer import pick_device, raise_together, read_init_from, staged_save
 from .zero import ParamSet, ZeroAdamW
 
 ENGINE = "ted"
@@ -88,8 +88,12 @@ class MoETrainer:
         self.layout = cfg.layout(self.world_size)
         self.layout.check(self.model_cfg, self.moe_cfg, self.world_size)
         self.groups = TEDGroups(self.layout, self.backends)
+        state = None
+        if cfg.init_from:  # a serial MoEGPT state_dict: every rank cuts its pieces from it
+            state = read_init_from(cfg.init_from, lambda: MoEGPT(self.model_cfg, self.moe_cfg))
         torch.manual_seed(cfg.seed)
         self.model = TEDGPT(self.model_cfg, self.moe_cfg, self.groups, seed=cfg.seed,
+                            state_dict=state,
                             dtd=cfg.dtd, cac=cfg.cac,
                             activation_checkpointing=cfg.activation_checkpointing,
                             early_stop=early_stop,
@@ -220,8 +224,9 @@ class MoETrainer:
         try:
             path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
+            ckpt.check_engine(manifest, path, ENGINE)
             check_layers(manifest, path)
-            want = {"engine": ENGINE, "grid": {"G_tensor": self.layout.g_tensor,
+            want = {"grid": {"G_tensor": self.layout.g_tensor,
                                                "G_expert": self.layout.g_expert,
                                                "G_data": self.layout.g_data},
                     "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict()}
@@ -230,7 +235,8 @@ class MoETrainer:
                     raise ckpt.CheckpointError(
                         f"checkpoint {path} was written with {key}={manifest.get(key)}, this "
                         f"run has {key}={value}; resume with the same model, MoE options and "
-                        "layout (consolidate it to change the layout)")
+                        "layout, or to change the layout consolidate it (python -m "
+                        "training.checkpoint consolidate) and start from it with --init-from")
             ckpt.check_dtype(manifest, path, self.cfg.dtype)
             state = ckpt.load_shard(path, manifest, self.world_rank)
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
@@ -249,7 +255,7 @@ def check_layers(manifest: dict, path) -> None:
             f"checkpoint {path} was written by an earlier TED (its tensor-parallel layers "
             f"are {manifest.get('layers')!r}, this version reads {LAYERS!r}); resume or "
             "consolidate it with the mcrdl version that wrote it, then start from the "
-            "consolidated state_dict")
+            "consolidated state_dict with --init-from")
 
 
 def consolidate(directory: str | Path) -> tuple[dict, dict]:

@@ -17,7 +17,8 @@ dropped_fraction, lr, grad_norm, time_s, tokens_per_s), and at the end prints th
 per phase, the communication per collective kind (calls and bytes per step, from
 mcrdl's logger) and saves the loss curve as a PNG. ``--checkpoint-dir`` writes sharded
 atomic checkpoints (exact resume with ``--resume``); ``python -m training.checkpoint
-consolidate DIR -o moe.pt`` writes the serial MoEGPT ``state_dict``.
+consolidate DIR -o moe.pt`` writes the serial MoEGPT ``state_dict``, and ``--init-from
+moe.pt`` starts a run of any layout from it.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 import mcrdl
 
@@ -89,6 +91,22 @@ def raise_together(error: Exception | None, context: str,
     raise ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
 
 
+def read_init_from(path: str, make_template: Callable[[], nn.Module],
+                   group: mcrdl.Group | None = None) -> dict[str, torch.Tensor]:
+    """Collective over `group`: the serial state_dict ``--init-from`` names, read on every
+    rank and checked against ``make_template()`` (this run's serial model, built here on
+    the meta device); a problem on any rank raises CheckpointError on all of them."""
+    error, state = None, None
+    try:
+        with torch.device("meta"):
+            template = make_template()
+        state = ckpt.read_serial_state_dict(path, template)
+    except ckpt.CheckpointError as e:
+        error = e
+    raise_together(error, f"cannot read --init-from {path}", group)
+    return state
+
+
 class Trainer:
     """One configured training run on this rank (stage of the model, data, optimizer,
     pipeline engine). Every rank of the world builds it with the same config, or, given
@@ -123,6 +141,11 @@ class Trainer:
         dtype = DTYPES[cfg.dtype]
         self.model_stage = GPTStage(self.model_cfg, first_unit, last_unit, seed=cfg.seed,
                                     activation_checkpointing=cfg.activation_checkpointing)
+        if cfg.init_from:  # a serial state_dict: every stage takes its units
+            state = read_init_from(cfg.init_from, lambda: GPTStage(
+                self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
+            self.model_stage.load_state_dict({k: state[k]
+                                              for k in self.model_stage.state_dict()})
         self.model_stage.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.data_rank, self.n_replicas,
@@ -242,6 +265,7 @@ class Trainer:
         try:
             path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
+            ckpt.check_engine(manifest, path, "pipeline")
             ckpt.check_resumable(manifest, path, n_stages=self.n_stages,
                                  partition=self.partition, model=self.model_cfg.as_dict(),
                                  optimizer=type(self.optimizer).__name__)

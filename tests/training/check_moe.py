@@ -13,7 +13,9 @@ Run under ``mpiexec -n N`` (N in 2, 4, 8), one launch per world size:
   without CAC (torch's early stop off) = 1.5 x the calls and bytes of no checkpointing,
   with CAC = 1 x. Memory: parameter, gradient and optimizer-state storage per rank =
   the memory model; the tiled optimizer's temporary buffer = 4 x tile bytes.
-  "moe comm OK", "moe memory OK".
+  "moe comm OK", "moe memory OK". Resume: 3 + 3 resumed steps == 6 (bitwise), and the
+  consolidated state_dict starts a run of another layout (--init-from): "moe resume OK",
+  "moe init-from OK".
 - N = 2: with G_expert = 1 no all_to_all is issued ("moe G_expert=1 OK"); last, rank 1
   skips an MoE layer and rank 0 gets CommTimeoutError naming all_to_all_single ("moe
   skip OK").
@@ -200,6 +202,32 @@ def resume_check(data, rank):
         print(f"moe resume OK: 3 + 3 resumed steps == 6 steps bitwise; consolidated "
               f"{sum(t.numel() for t in state.values()):,} parameters into MoEGPT: loss "
               f"{serial_loss:.6f}, the parallel model's {parallel_loss:.6f}", flush=True)
+        torch.save(state, os.path.join(root, "serial.pt"))
+    init_from_check(data, rank, root, parallel_loss)
+
+
+def init_from_check(data, rank, root, parallel_loss):
+    """--init-from: the state_dict consolidated from layout (2, 2, 2) starts a run on
+    (1, 4, 4): its weights are the file's bit for bit (saved at step 0 and consolidated
+    again), and its loss on step 6's batch is the first layout's to 1e-5."""
+    from training.checkpoint import consolidate
+    from training.moe_trainer import MoETrainer
+
+    serial = mcrdl.broadcast_object(os.path.join(root, "serial.pt"))  # rank 0 wrote it
+    ck = os.path.join(root, "ck-init-from")
+    trainer = MoETrainer(tiny(G_tensor=1, G_expert=4, G_data=4, experts=4, top_k=2,
+                              init_from=serial, checkpoint_dir=ck), dataset=data)
+    loss = trainer.eval_loss(6)  # collective
+    trainer.save_checkpoint()
+    if rank == 0:
+        want = torch.load(serial)
+        got, _ = consolidate(os.path.join(ck, "step_000000"))
+        assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+        differ = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not differ, differ
+        assert abs(loss - parallel_loss) <= 1e-5 * abs(parallel_loss), (loss, parallel_loss)
+        print(f"moe init-from OK: (2, 2, 2)'s state_dict on (1, 4, 4): {len(want)} tensors "
+              f"bitwise, loss {loss:.6f} vs {parallel_loss:.6f}", flush=True)
 
 
 def skip_check(data, rank):

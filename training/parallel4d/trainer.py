@@ -27,12 +27,12 @@ import mcrdl
 from .. import checkpoint as ckpt
 from ..config import DTYPES, TrainConfig
 from ..data import Batches, load_dataset
-from ..models.gpt import get_config
+from ..models.gpt import GPTStage, get_config
 from ..optim import DataParallelAdamW, OffloadedAdamW, applied_lr
 from ..perf_model.step import Grid4D, TrainingStep, check_grid
 from ..timers import PhaseTimers
 from ..topology import Axis, GridError, ProcessGrid
-from ..trainer import init_comm, pick_device, raise_together, staged_save
+from ..trainer import init_comm, pick_device, raise_together, read_init_from, staged_save
 from .comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
 from .model import GPT4D
 
@@ -116,7 +116,9 @@ class Trainer4D:
                             "scaling yet); use bf16 or fp32")
         state = None
         if cfg.init_from:  # a serial state_dict: every rank cuts its pieces from it
-            state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+            state = read_init_from(cfg.init_from, lambda: GPTStage(self.model_cfg, 0,
+                                                                   self.model_cfg.n_units - 1),
+                                   world)
         self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed, state_dict=state)
         self.model.to(device=self.device, dtype=dtype)
         c = self.comms
@@ -234,10 +236,11 @@ class Trainer4D:
         try:
             path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
             manifest = ckpt.read_manifest(path)
-            want = {"engine": "4d", "model": self.model_cfg.as_dict(),
+            ckpt.check_engine(manifest, path, "4d")
+            want = {"model": self.model_cfg.as_dict(),
                     "optimizer": type(self.optimizer).__name__,
                     **{f"G_{a}": self.comms.axis(a).size for a in ("x", "y", "z")}}
-            have = {"engine": manifest.get("engine", "pipeline"), "model": manifest["model"],
+            have = {"model": manifest["model"],
                     "optimizer": manifest["optimizer"],
                     **{k: manifest["grid"].get(k, 1) for k in ("G_x", "G_y", "G_z")}}
             for key, wanted in want.items():
@@ -246,7 +249,8 @@ class Trainer4D:
                         f"checkpoint {path} was written with {key}={have[key]}, this run has "
                         f"{key}={wanted}; resume with the same model, --G-x/--G-y/--G-z and "
                         "--offload-optimizer (--G-data may change), or consolidate it "
-                        "(python -m training.checkpoint consolidate) into a serial state_dict")
+                        "(python -m training.checkpoint consolidate) and start from it with "
+                        "--init-from")
             ckpt.check_dtype(manifest, path, self.cfg.dtype)
             shard = ckpt.load_shard(path, manifest, self.tensor_rank)
         except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
