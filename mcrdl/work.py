@@ -36,7 +36,7 @@ def wait_timeout(timeout: object, where: str = "Work.wait") -> float | None:
     if not isinstance(timeout, bool) and not isinstance(timeout, (str, bytes)):
         try:
             seconds = float(timeout)  # int, float, numpy scalars
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             seconds = None
         if seconds is not None and seconds >= 0:
             return seconds

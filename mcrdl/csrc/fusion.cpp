@@ -147,7 +147,17 @@ PyObject* call_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
   if (nkw == 1) timeout = args[nargs];
   int done = call_done(as_call(self));
   if (done < 0) return nullptr;
-  if (done) Py_RETURN_TRUE;
+  if (done) {
+    if (timeout != Py_None) {  // the stream's wait_call checks it otherwise
+      static PyObject* work = PyImport_ImportModule("mcrdl.work");
+      static PyObject* check = work ? PyObject_GetAttrString(work, "wait_timeout") : nullptr;
+      if (!check) return nullptr;
+      PyObject* ok = PyObject_CallOneArg(check, timeout);
+      if (!ok) return nullptr;
+      Py_DECREF(ok);
+    }
+    Py_RETURN_TRUE;
+  }
   static PyObject* name = interned("wait_call");
   return PyObject_CallMethodObjArgs(as_call(self)->stream, name, self, timeout, nullptr);
 }

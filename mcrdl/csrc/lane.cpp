@@ -207,16 +207,8 @@ void Work::time_out(double timeout_s) {
   if (timeout_s < 0) timeout_s = timeout_s_;
   if (progress()) return;
   const std::string why = timeout_message(timeout_s);
-  if (timeout_s == timeout_s_) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!timed_out_.load(std::memory_order_relaxed)) {
-        timeout_why_ = why;
-        timed_out_.store(true, std::memory_order_release);
-      }
-    }
+  if (timeout_s == timeout_s_)
     if (auto lane = lane_.lock()) lane->fail(why, nullptr);
-  }
   throw Error(ErrorKind::Timeout, why);
 }
 
@@ -252,9 +244,6 @@ bool wait_polling(bool (*done)(void*), void* ctx, double timeout_s) {
 
 void Work::wait(double timeout_s) {
   if (timeout_s < 0) timeout_s = timeout_s_;
-  // Past its own timeout once: the same error at once, unless it has completed since.
-  if (timed_out_.load(std::memory_order_acquire) && !progress())
-    throw Error(ErrorKind::Timeout, timeout_why_);
   if (!poll_until([this] { return progress(); }, [this] { return advances(); }, timeout_s))
     time_out(timeout_s);  // raises, unless the op completed meanwhile
   if (state_.load(std::memory_order_acquire) == kFailed) throw Error(err_kind_, err_);

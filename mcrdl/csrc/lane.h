@@ -60,10 +60,7 @@ class Work {
   std::function<void()> finish;
 
   bool progress();
-  // True once complete, failed, or timed out under its own timeout (then wait() raises
-  // the timeout again at once): as gloo's and pccl's Works report. The op itself may still
-  // be in MPI's hands then; the lane keeps it (finished() stays false).
-  bool is_completed() { return progress() || timed_out_.load(std::memory_order_acquire); }
+  bool is_completed() { return progress(); }
   // A multi-step op (pccl's schedules) reports each completed step: a lane that sees steps
   // complete keeps polling at full rate instead of backing off into sleeps.
   void advanced() { advances_.fetch_add(1, std::memory_order_relaxed); }
@@ -108,9 +105,6 @@ class Work {
   double timeout_s_;
   std::weak_ptr<Lane> lane_;  // told when the op times out under the default timeout
   std::atomic<int> state_{kPending};
-  // Set (after timeout_why_) when a wait reached the op's own timeout.
-  std::atomic<bool> timed_out_{false};
-  std::string timeout_why_;
   std::atomic<uint64_t> advances_{0};
   std::mutex claim_;
   std::mutex mu_;

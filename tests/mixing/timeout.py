@@ -3,8 +3,9 @@ other rank must raise CommTimeoutError within timeout + 5 s, naming op, backend,
 group and sequence number; the backend then refuses calls. BACKENDS is a
 comma-separated list: each in turn, in one launch (the others keep working after one
 timed out). Outside debug mode the op is async, and a second wait() on its Work
-raises the same error at once (is_completed() True). With "fusion", the calls go
-through tensor fusion: the round's agreement times out (async call, waited).
+raises the same error: at once on gloo and pccl, after waiting again on mpi. With
+"fusion", the calls go through tensor fusion: the round's agreement times out (async
+call, waited).
 Usage: timeout.py BACKENDS [TIMEOUT_S] [fusion]
 
 Rank 0 stays out until the others are through (idle_rank.py), or (limit + 1) s per
@@ -55,14 +56,18 @@ def one_rank_missing(backend: str) -> None:
             assert part in msg, (part, msg)
         print(f"rank {rank}: {backend}: CommTimeoutError after {took:.2f} s "
               f"(timeout {limit} s): {msg}", flush=True)
-    if work is not None:  # past its own timeout: done, and the same error at once
+    if work is not None:  # a second wait raises the same error (docs/api.md "Work")
         start = time.monotonic()
         try:
             work.wait()
             raise AssertionError(f"a second wait on {backend} returned")
         except mcrdl.CommTimeoutError as e:
             again = time.monotonic() - start
-            assert str(e) == msg and again < 0.5 and work.is_completed(), (again, str(e))
+            assert str(e) == msg, (msg, str(e))
+            if backend == "mpi":  # still in flight: it waits again, and could complete
+                assert limit <= again < limit + 5 and not work.is_completed(), again
+            else:  # failed for good: at once
+                assert again < 0.5 and work.is_completed(), again
             print(f"rank {rank}: {backend}: second wait raised again after {again:.3f} s",
                   flush=True)
     try:  # the backend is unusable after a timeout: say so instead of mismatching ops
