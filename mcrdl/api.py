@@ -9,9 +9,11 @@ in :data:`mcrdl.ops.OPS`, so their parameters, defaults and docstrings are the s
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -66,7 +68,9 @@ def _alternatives(exc: UnsupportedOperationError) -> UnsupportedOperationError:
     if exc.backend is None or exc.alternatives is not None:
         return exc
     others = [b for b in registry.backends_supporting(exc.op) if b != exc.backend]
-    return UnsupportedOperationError(exc.op, exc.backend, others)
+    usable = set(available_backends())
+    return UnsupportedOperationError(exc.op, exc.backend, [b for b in others if b in usable],
+                                     [b for b in others if b not in usable])
 
 
 def _async_flag(value: object, op: str) -> bool:
@@ -163,17 +167,37 @@ def _end_job_on_uncaught_exception() -> None:
             f"mcrdl: rank {runtime.world.rank}: {kind.__name__} was not caught; ending the "
             f"job (the other ranks may be waiting for this one; MCRDL_ABORT_ON_ERROR=0 "
             f"exits this rank alone)\n")
+        # A hook chained after this one may hold what this one printed until it returns
+        # (torch.distributed's buffers the traceback to prefix it with the rank): end the
+        # job after it, as the first exit handler, or in 2 s whatever else runs first.
+        end = _JobEnd(runtime)
+        atexit.register(end)
+        threading.Thread(target=end, args=(2.0,), name="mcrdl-end-job", daemon=True).start()
+
+    sys.excepthook = hook
+    _hook_installed = True
+
+
+class _JobEnd:
+    """Ends the job once (MPI_Abort in an MPI world, else exit code 1), from whichever
+    of the exit handler and the timer thread comes first."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+        self.once = threading.Lock()
+
+    def __call__(self, delay: float = 0.0) -> None:
+        time.sleep(delay)
+        if not self.once.acquire(blocking=False):
+            return
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(0.5)  # the launcher forwards what was printed before the abort's kill
         mpi = sys.modules.get("mpi4py.MPI")
-        if runtime.bootstrap.mpi and mpi is not None and mpi.Is_initialized() \
+        if self.runtime.bootstrap.mpi and mpi is not None and mpi.Is_initialized() \
                 and not mpi.Is_finalized():
             mpi.COMM_WORLD.Abort(1)
         os._exit(1)
-
-    sys.excepthook = hook
-    _hook_installed = True
 
 
 def finalize() -> None:

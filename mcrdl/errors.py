@@ -17,22 +17,28 @@ class UnsupportedOperationError(MCRDLError):
     """The backend cannot do this operation at all; the message names backends that can.
 
     ``op`` and ``backend`` name the call; ``alternatives`` (the backends that have the
-    operation) is filled in by the front, which knows the registry. Given one argument
-    (as the C++ core raises it), that is the whole message."""
+    operation and are usable in this process) and ``unusable`` (those that have it but
+    are not usable here: nccl without a GPU) are filled in by the front, which knows the
+    registry. Given one argument (as the C++ core raises it), that is the whole message."""
 
     def __init__(self, op: str, backend: str | None = None,
-                 alternatives: list[str] | None = None):
-        self.op, self.backend, self.alternatives = op, backend, alternatives
+                 alternatives: list[str] | None = None, unusable: list[str] | None = None):
+        self.op, self.backend = op, backend
+        self.alternatives, self.unusable = alternatives, unusable
         if backend is None:
             super().__init__(op)
             return
         text = f"{op}: backend '{backend}' does not implement it"
         if alternatives is not None:
-            text += f"; backends that do: {', '.join(alternatives) if alternatives else 'none'}"
+            text += (f"; backends that do: {', '.join(alternatives)}" if alternatives
+                     else "; no backend usable in this process does")
+        if unusable:
+            text += f" ({', '.join(unusable)} also do{'es' if len(unusable) == 1 else ''}, but " \
+                    "cannot run in this process)"
         super().__init__(text)
 
     def __reduce__(self):
-        return type(self), (self.op, self.backend, self.alternatives)
+        return type(self), (self.op, self.backend, self.alternatives, self.unusable)
 
 
 class CommTimeoutError(MCRDLError, TimeoutError):

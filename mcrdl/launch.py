@@ -228,6 +228,8 @@ def launch_command(ranks: int) -> str:
         if info.local_size == info.size:
             return f"torchrun --nproc-per-node {ranks}"
         return f"torchrun with {ranks} processes in all (--nnodes x --nproc-per-node)"
-    if info.launcher == "slurm" or "SLURM_PROCID" in os.environ:
+    if info.launcher == "slurm":
         return f"srun -n {ranks}"
+    if "SLURM_PROCID" in os.environ:  # srun's, or an sbatch script's mpiexec inherited it
+        return f"srun -n {ranks} (or mpiexec -n {ranks})"
     return f"mpiexec -n {ranks}"

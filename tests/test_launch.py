@@ -61,7 +61,8 @@ def test_detect(monkeypatch, env, expected):
 
 @pytest.mark.parametrize("env, command", [
     ({"PMI_RANK": "0", "PMI_SIZE": "2"}, "mpiexec -n 8"),
-    ({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "srun -n 8"),
+    ({"PMI_RANK": "0", "PMI_SIZE": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+     "srun -n 8 (or mpiexec -n 8)"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "srun -n 8"),
     ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"},
      "torchrun --nproc-per-node 8"),

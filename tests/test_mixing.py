@@ -34,6 +34,8 @@ MERGED = [
     ("debug_cross_group.py", [",".join(BOTH), "10"], {"MCRDL_DEBUG": "1"}),
     ("p2p_timed_wait.py", [",".join(BOTH)], {}),
     ("object_collectives.py", [], {}),
+    ("mismatch.py", [], {"MCRDL_MPI_BLOCKING": "never"}),
+    ("mismatch.py", [], {"MCRDL_MPI_BLOCKING": "always"}),
 ]
 
 
@@ -104,10 +106,21 @@ def test_collective_one_rank_never_joins_times_out(debug, tmp_path):
                  env={"MCRDL_DEBUG": debug, "MCRDL_MPI_BLOCKING": "never",
                       "TIMEOUT_DONE_DIR": str(tmp_path)}, timeout=120)
     _check_timeouts(out, limit, backends)
-    if debug == "0":  # the mpi backend's Work had waited its whole timeout again
+    if debug == "0":  # docs/api.md "Work": the same error again
         for backend in backends:
             for r in (1, 2):
                 assert f"rank {r}: {backend}: second wait raised again after" in out, out
+
+
+def test_sizes_that_differ_are_named_outside_debug_mode(merged):
+    """A bcast whose receiver expects fewer elements: the truncation MPI reports (on the
+    nonblocking path only "See the MPI_ERROR field in MPI_Status") comes with the likely
+    cause and MCRDL_DEBUG=1, on both paths (tests/mixing/mismatch.py)."""
+    for mode, mpi_text in (("never", "See the MPI_ERROR field"), ("always", "truncated")):
+        m = re.search(rf"rank 1: mismatch \({mode}\): MCRDLError: (.*)", merged)
+        assert m and mpi_text in m.group(1), merged
+        assert "The likeliest cause: the ranks' calls differ" in m.group(1), m.group(1)
+        assert "MCRDL_DEBUG=1" in m.group(1), m.group(1)
 
 
 def test_init_past_its_timeout_raises():
@@ -125,13 +138,18 @@ def test_init_past_its_timeout_raises():
     assert time.monotonic() - start < late + limit + 30, out
 
 
-def test_uncaught_exception_ends_the_job():
+@pytest.mark.parametrize("hooks", ["mcrdl", "buffered"])
+def test_uncaught_exception_ends_the_job(hooks):
     """Rank 1 raises and nobody catches it: mcrdl's excepthook prints the traceback and
-    ends the job with MPI_Abort within seconds, not after the others' 60 s timeout."""
+    ends the job with MPI_Abort within seconds, not after the others' 60 s timeout.
+    "buffered": a hook chained after mcrdl's (torch.distributed's) prints the traceback
+    once mcrdl's returned; the abort had come first, and the job ended without a word."""
     start = time.monotonic()
-    out = launch(3, "uncaught.py", timeout=60, expect_rc="nonzero")
+    out = launch(3, "uncaught.py", *(["buffered"] if hooks == "buffered" else []),
+                 timeout=60, expect_rc="nonzero")
     assert time.monotonic() - start < 30, out  # before: the others' 60 s timeout
-    assert "RuntimeError: not caught on rank 1" in out, out
+    prefix = "[rank1]: " if hooks == "buffered" else ""
+    assert f"{prefix}RuntimeError: not caught on rank 1" in out, out
     assert "went on without rank 1" not in out, out
     # mcrdl's line follows the traceback; the abort's kill may cut the launcher's
     # forwarding of it (seen once in CI), so it is not required here

@@ -84,7 +84,16 @@ inline void check_mpi(int rc, const char* what) {
   char buf[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, buf, &len);
-  throw Error(ErrorKind::Runtime, std::string(what) + " failed: " + std::string(buf, len));
+  std::string msg = std::string(what) + " failed: " + std::string(buf, len);
+  // A request's own error (the statuses are not kept: the hot path passes
+  // MPI_STATUSES_IGNORE) or a truncated message: outside debug mode nothing compared the
+  // ranks' calls, and this is how MPI reports that they differ.
+  int cls = MPI_ERR_OTHER;
+  MPI_Error_class(rc, &cls);
+  if (cls == MPI_ERR_IN_STATUS || cls == MPI_ERR_TRUNCATE)
+    msg += ". The likeliest cause: the ranks' calls differ (counts, sizes, dtypes or roots, "
+           "or a rank skipped a call); run with MCRDL_DEBUG=1 to compare every rank's call";
+  throw Error(ErrorKind::Runtime, msg);
 }
 
 // mpi4py's Comm.handle: an int for MPICH-ABI libraries, a pointer value for Open MPI.
