@@ -300,6 +300,16 @@ def test_checkpoint_list_says_which_load(tmp_path, capsys):
         ckpt.read_manifest(torn)
     assert "complete checkpoints: step_000002, step_000006 (" in str(e.value), e.value
     assert ckpt.main(["list", str(tmp_path / "none")]) == 2
+    # two unreadable manifests: each one's error names the usable others, without
+    # reading the other broken one's hints in turn (that had recursed without end)
+    (short / "manifest.json").write_text("{")
+    (good / "manifest.json").write_text("[]")
+    with pytest.raises(ckpt.CheckpointError, match="is not valid JSON .*complete checkpoints: "
+                                                   "step_000006 \\("):
+        ckpt.read_manifest(short)
+    assert ckpt.main(["list", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"^{good}  UNUSABLE: .*format \[\], expected", out, re.M), out
 
 
 def test_resume_names_the_engine_that_wrote_the_checkpoint():
@@ -310,10 +320,13 @@ def test_resume_names_the_engine_that_wrote_the_checkpoint():
     ckpt.check_engine({}, Path("d"), "pipeline")  # manifests before "engine" existed
     for saved, engine, command in (("ted", "pipeline", "python -m training.train_moe"),
                                    (None, "ted", "python -m training.train_gpt with G_x"),
-                                   ("4d", "ted", "python -m training.train_gpt with --G-x")):
+                                   ("4d", "ted", "python -m training.train_gpt with --G-x"),
+                                   ("4d", "pipeline", "python -m training.train_gpt with --G-x")):
         manifest = {} if saved is None else {"engine": saved}
-        with pytest.raises(ckpt.CheckpointError, match=f"resume it with {command}"):
+        with pytest.raises(ckpt.CheckpointError, match=f"resume it with {command}") as e:
             ckpt.check_engine(manifest, Path("d"), engine)
+        # the serial GPT fits the other GPT engine only: --init-from offered there alone
+        assert ("--init-from" in str(e.value)) == ("ted" not in (saved, engine)), e.value
 
 
 def test_token_memmap(tmp_path):
@@ -400,11 +413,15 @@ def test_cli_config_and_errors(tmp_path):
             (["--out-dir", str(afile)], f"--out-dir {afile} is a file; expected a directory"),
             (["--checkpoint-dir", str(afile / "ck")], f"is inside the file {afile}"),
             (["--metrics", str(tmp_path)], f"--metrics: {tmp_path} is a directory"),
-            (["--init-from", str(tmp_path / "nope.pt")], "--init-from .*nope.pt: no such file"),
-            (["--init-from", str(afile), "--resume", str(tmp_path), "--checkpoint-dir",
-              str(tmp_path)], "--init-from with --resume")):
+            (["--init-from", str(tmp_path / "nope.pt")], "--init-from .*nope.pt: no such file")):
         with pytest.raises(ValueError, match=message):
             parse_args(argv)
+    # a fine-tuning rate below the default --min-lr: no decay, not an error
+    assert parse_args(["--lr", "5e-5"]).optim().min_lr == 5e-5
+    assert parse_args([]).optim().min_lr == 1e-4
+    # nothing goes to --out-dir with --metrics and --no-plot: not checked
+    assert parse_args(["--out-dir", str(afile), "--metrics", str(tmp_path / "m.jsonl"),
+                       "--no-plot"])
 
 
 def test_init_from_a_serial_state_dict(tmp_path):

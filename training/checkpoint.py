@@ -152,11 +152,13 @@ def check_engine(manifest: dict, directory: Path, engine: str) -> None:
     saved = manifest.get("engine", "pipeline")
     if saved != engine:
         command = ENGINE_COMMANDS.get(saved, f"the engine {saved!r}")
+        other = ("; train_moe's model and train_gpt's differ" if "ted" in (saved, engine)
+                 else ", or consolidate it (python -m training.checkpoint consolidate) and "
+                 "start from its weights with --init-from")
         raise CheckpointError(
             f"checkpoint {directory} was written by the {saved} engine ({command}); this run "
-            f"uses the {engine} engine ({ENGINE_COMMANDS[engine]}): resume it with {command}, "
-            "or consolidate it (python -m training.checkpoint consolidate) and start from "
-            "its weights with --init-from")
+            f"uses the {engine} engine ({ENGINE_COMMANDS[engine]}): resume it with "
+            f"{command}{other}")
 
 
 def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
@@ -248,11 +250,21 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {directory} has no manifest.json: it was not "
                               f"completely written{_alternatives(directory)}")
     try:
+        return _parse_manifest(mpath)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_alternatives(directory)}") from e
+
+
+def _parse_manifest(mpath: Path) -> dict:
+    """Manifest file `mpath` as a dict of this format; CheckpointError (without hints:
+    ``usable`` calls it on other checkpoints while building one) when it is not."""
+    try:
         manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath} is not valid JSON ({e}){_alternatives(directory)}") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    except (OSError, ValueError) as e:  # JSON's and UTF-8's errors are ValueErrors
+        raise CheckpointError(f"{mpath} is not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+        raise CheckpointError(f"{mpath}: format {got!r}, expected {FORMAT!r}")
     return manifest
 
 
@@ -286,8 +298,8 @@ def shard_problems(directory: Path, manifest: dict, *, verify: bool = False) -> 
 def usable(directory: Path) -> bool:
     """Whether checkpoint `directory` has a readable manifest and shards of its sizes."""
     try:
-        return not shard_problems(directory, read_manifest(directory))
-    except (CheckpointError, OSError, KeyError, TypeError):
+        return not shard_problems(directory, _parse_manifest(directory / "manifest.json"))
+    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -348,7 +360,7 @@ def read_serial_state_dict(path: str | os.PathLike, template: torch.nn.Module,
     extra = [k for k in state if k not in want]
     for what, names in (("lacks", missing), ("has names this model lacks:", extra)):
         if names:
-            problems.append(f"{what} {', '.join(names[:3])}"
+            problems.append(f"{what} {', '.join(map(str, names[:3]))}"
                             + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
     shapes = [f"{k} is {tuple(state[k].shape)}, this model's {tuple(v.shape)}"
               for k, v in want.items() if k in state and state[k].shape != v.shape]
@@ -474,7 +486,7 @@ def _list(root: Path, *, verify: bool) -> int:
             m = read_manifest(p)
             problems = shard_problems(p, m, verify=verify)
             line = f"{p}  step {m['step']}  grid {m['grid']}  {len(m['shards'])} shards"
-        except (CheckpointError, OSError, KeyError, TypeError) as e:
+        except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as e:
             problems, line = [str(e) if isinstance(e, CheckpointError)
                               else f"manifest unreadable ({type(e).__name__}: {e})"], str(p)
         if problems:

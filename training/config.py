@@ -267,7 +267,8 @@ class TensorOptions(Options):
 class OptimizerOptions(Options):
     section = "optimizer"
     lr: float = option(1e-3, "peak learning rate", above=0)
-    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay", minimum=0)
+    min_lr: float | None = option(None, "learning rate at the end of the cosine decay "
+                                  "(default 1e-4, or --lr where that is lower)", minimum=0)
     warmup_steps: int = option(5, "steps of linear warm-up", minimum=0)
     decay_steps: int | None = option(None, "step where the decay reaches --min-lr "
                                      "(default --steps)", minimum=1)
@@ -280,13 +281,14 @@ class OptimizerOptions(Options):
     coarsening: int = option(2, "buckets per all-reduce chunk", minimum=1)
 
     def check(self) -> None:
-        if self.min_lr > self.lr:
+        if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the decay "
                              "goes from --lr down to --min-lr")
 
     def optimizer_config(self, total_steps: int) -> OptimConfig:
         """The optimizers' settings for a run of `total_steps` steps."""
-        return OptimConfig(lr=self.lr, min_lr=self.min_lr, warmup_steps=self.warmup_steps,
+        min_lr = min(1e-4, self.lr) if self.min_lr is None else self.min_lr
+        return OptimConfig(lr=self.lr, min_lr=min_lr, warmup_steps=self.warmup_steps,
                            decay_steps=self.decay_steps or total_steps,
                            weight_decay=self.weight_decay, grad_clip=self.grad_clip,
                            bucket_mib=self.bucket_mib, coarsening=self.coarsening)
@@ -326,7 +328,8 @@ class RunOptions(Options):
                                 "from a path", const="latest")
     init_from: str | None = option(None, "start from a serial state_dict (.pt: 'python -m "
                                    "training.checkpoint consolidate' writes one) instead of "
-                                   "--seed's weights; any grid or layout")
+                                   "--seed's weights; any grid or layout (with --resume, the "
+                                   "checkpoint's weights)")
     log_interval: int = option(1, "steps between log lines", minimum=1)
     plot: bool = option(True, "save the loss curve as <out-dir>/loss.png")
     progress: bool = option(True, "progress bar on a terminal")
@@ -361,13 +364,10 @@ class RunOptions(Options):
             raise ValueError("--checkpoint-every/--stop-after need --checkpoint-dir")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("--resume without a path needs --checkpoint-dir")
-        if self.init_from is not None:
-            if self.resume:
-                raise ValueError("--init-from with --resume: a resumed run takes its weights "
-                                 "(and optimizer state) from the checkpoint; drop one")
-            if not Path(self.init_from).is_file():
-                raise ValueError(f"--init-from {self.init_from}: no such file")
-        _check_directory("--out-dir", self.out_dir)
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise ValueError(f"--init-from {self.init_from}: no such file")
+        if self.plot or not self.metrics:  # else nothing goes to --out-dir
+            _check_directory("--out-dir", self.out_dir)
         if self.checkpoint_dir:
             _check_directory("--checkpoint-dir", self.checkpoint_dir)
         _check_file("--metrics" if self.metrics else "--out-dir", self.metrics_path)

@@ -89,7 +89,7 @@ class MoETrainer:
         self.layout.check(self.model_cfg, self.moe_cfg, self.world_size)
         self.groups = TEDGroups(self.layout, self.backends)
         state = None
-        if cfg.init_from:  # a serial MoEGPT state_dict: every rank cuts its pieces from it
+        if cfg.init_from and not cfg.resume:  # the serial MoEGPT: each rank its pieces
             state = read_init_from(cfg.init_from, lambda: MoEGPT(self.model_cfg, self.moe_cfg))
         torch.manual_seed(cfg.seed)
         self.model = TEDGPT(self.model_cfg, self.moe_cfg, self.groups, seed=cfg.seed,

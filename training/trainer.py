@@ -141,7 +141,7 @@ class Trainer:
         dtype = DTYPES[cfg.dtype]
         self.model_stage = GPTStage(self.model_cfg, first_unit, last_unit, seed=cfg.seed,
                                     activation_checkpointing=cfg.activation_checkpointing)
-        if cfg.init_from:  # a serial state_dict: every stage takes its units
+        if cfg.init_from and not cfg.resume:  # a serial state_dict: each stage its units
             state = read_init_from(cfg.init_from, lambda: GPTStage(
                 self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
             self.model_stage.load_state_dict({k: state[k]

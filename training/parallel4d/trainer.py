@@ -115,7 +115,7 @@ class Trainer4D:
             raise GridError("--dtype fp16 is not supported by the 4D engine (no loss "
                             "scaling yet); use bf16 or fp32")
         state = None
-        if cfg.init_from:  # a serial state_dict: every rank cuts its pieces from it
+        if cfg.init_from and not cfg.resume:  # a serial state_dict: each rank its pieces
             state = read_init_from(cfg.init_from, lambda: GPTStage(self.model_cfg, 0,
                                                                    self.model_cfg.n_units - 1),
                                    world)
