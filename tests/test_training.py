@@ -424,24 +424,35 @@ def test_cli_config_and_errors(tmp_path):
                        "--no-plot"])
 
 
-def test_init_from_a_serial_state_dict(tmp_path):
-    """--init-from: each pipeline stage takes its units from a serial state_dict (another
-    seed's here), bit for bit; a file of another model or kind is refused by name, on
-    every rank, before training (CheckpointError: exit 3)."""
+def _trainer_probe(tmp_path, body: str):
+    """Run `body` in a fresh one-rank gloo world with Trainer, TrainConfig, torch and
+    ``cfg(**options)`` (a 2-step tiny run writing under `tmp_path`) at hand; it leaves
+    its result in ``rows`` (JSON), which this returns."""
     from ._launch import RESULT_MARK, fresh_probe
-    script = f"""
+    return fresh_probe(f"""
 import json, sys
 sys.path.insert(0, {ROOT!r})
 import torch
 import mcrdl
-from training.checkpoint import CheckpointError
 from training.config import TrainConfig
-from training.models.gpt import GPTStage
 from training.trainer import Trainer
 mcrdl.init(["gloo"])
 def cfg(**kw):
     return TrainConfig(model="tiny", steps=2, micro_batch_size=2, global_batch_size=4,
                        plot=False, progress=False, quiet=True, out_dir={str(tmp_path)!r}, **kw)
+{body}
+mcrdl.finalize()
+print({RESULT_MARK!r} + json.dumps(rows))
+""")
+
+
+def test_init_from_a_serial_state_dict(tmp_path):
+    """--init-from: each pipeline stage takes its units from a serial state_dict (another
+    seed's here), bit for bit; a file of another model or kind is refused by name, on
+    every rank, before training (CheckpointError: exit 3)."""
+    script = f"""
+from training.checkpoint import CheckpointError
+from training.models.gpt import GPTStage
 c = cfg()
 tr = Trainer(c)
 full = GPTStage(tr.model_cfg, 0, tr.model_cfg.n_units - 1, seed=99).state_dict()
@@ -460,16 +471,51 @@ for name, obj in (("small", {{k: v[..., :1] for k, v in full.items()}}),
         errors.append(None)
     except CheckpointError as e:
         errors.append(str(e))
-mcrdl.finalize()
-print({RESULT_MARK!r} + json.dumps([len(mine), before, same == sorted(mine), errors]))
+rows = [len(mine), before, same == sorted(mine), errors]
 """
-    n, before, same, errors = fresh_probe(script)
+    n, before, same, errors = _trainer_probe(tmp_path, script)
     assert n > 10 and before > 0 and same, (n, before, same)  # another seed, then its copy
     small, shard, extra = errors
     assert small and "does not fit this run's model" in small and "this model's" in small
     assert shard and "is not a state_dict (names to tensors) but a dict of 'model', 'step'" \
         in shard, shard
     assert extra and "has names this model lacks: units.99.w" in extra, extra
+
+
+def test_consolidate_masters_of_a_bf16_run(tmp_path):
+    """consolidate --masters: a bf16 run's fp32 master weights (OffloadedAdamW's) instead of
+    its bf16 model, bit for bit, which --init-from then starts an fp32 run from; refused by
+    name where no masters are kept apart (an fp32 run)."""
+    script = f"""
+from training import checkpoint as ckpt
+tr = Trainer(cfg(dtype="bf16", checkpoint_dir={str(tmp_path / "bf16")!r}))
+for _ in range(2):
+    tr.train_step()
+path = tr.save_checkpoint()
+names = [n for n, _ in tr.model_stage.named_parameters()]
+name_of = {{id(p): n for n, p in tr.model_stage.named_parameters()}}
+opt = tr.optimizer
+kept = {{name_of[id(p)]: opt.master[off:off + p.numel()].clone()
+        for p, off in zip(opt.params, opt.offsets)}}
+model, _ = ckpt.consolidate(path)
+masters, _ = ckpt.consolidate(path, masters=True)
+rows = [sorted({{str(t.dtype) for t in model.values()}}),
+        sorted({{str(t.dtype) for t in masters.values()}}),
+        all(torch.equal(masters[n].reshape(-1), kept[n]) for n in names),
+        sum(not torch.equal(masters[n].bfloat16(), model[n]) for n in names)]
+torch.save(masters, {str(tmp_path / "m.pt")!r})
+fp32 = Trainer(cfg(init_from={str(tmp_path / "m.pt")!r}, checkpoint_dir={str(tmp_path / "fp32")!r}))
+rows.append(all(torch.equal(p, masters[n]) for n, p in fp32.model_stage.named_parameters()))
+try:
+    ckpt.consolidate(fp32.save_checkpoint(), masters=True)
+    rows.append(None)
+except ckpt.CheckpointError as e:
+    rows.append(str(e))
+"""
+    model, masters, equal, rounded_apart, loaded, refused = _trainer_probe(tmp_path, script)
+    assert model == ["torch.bfloat16"] and masters == ["torch.float32"], (model, masters)
+    assert equal and rounded_apart == 0 and loaded, (equal, rounded_apart, loaded)
+    assert refused and "--masters: its optimizer (DataParallelAdamW) keeps no" in refused
 
 
 def test_resume_refuses_another_dtype(tmp_path):

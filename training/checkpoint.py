@@ -20,7 +20,8 @@ ranks agree before any state changes: a truncated or corrupt shard raises
 
     python -m training.checkpoint consolidate runs/ckpt/step_000020 -o gpt.pt
 
-writes one ordinary PyTorch ``state_dict`` of the whole model (load it with
+writes one ordinary PyTorch ``state_dict`` of the whole model (``--masters``: the fp32
+master weights of a bf16/fp16 or --offload-optimizer run instead; load it with
 ``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config;
 for train_moe's checkpoints, the serial ``MoEGPT``'s state_dict and its model and MoE
 configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a file
@@ -388,20 +389,59 @@ def shard_model(shard: dict) -> dict[str, torch.Tensor]:
     return dense
 
 
-def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
-    """(state_dict of the whole model, model config dict) from a checkpoint's shards.
-    A TED MoE checkpoint (train_moe) gives the serial MoEGPT's state_dict and
-    ``{"model": ..., "moe": ...}`` (training/moe_trainer.py)."""
+def _weights(shard: dict, manifest: dict, directory, masters: bool) -> dict:
+    """A shard's model state; with `masters`, each parameter's fp32 master weight from
+    the optimizer state instead (OffloadedAdamW keeps one per parameter, flat; "order"
+    gives each one's position among the model's parameters, the shard's model order:
+    the models have no buffers)."""
+    model = shard_model(shard)
+    if not masters:
+        return model
+    optimizer = shard.get("optimizer") or {}
+    kept = optimizer.get("master")
+    if manifest.get("optimizer") != "OffloadedAdamW" or kept is None:
+        raise CheckpointError(
+            f"{directory}: --masters: its optimizer ({manifest.get('optimizer')}) keeps no "
+            "fp32 master weights apart from the model (fp32 runs without "
+            "--offload-optimizer: the model is fp32 already; SAMO and train_moe keep "
+            "their own); consolidate without --masters")
+    if "order" not in optimizer:
+        raise CheckpointError(f"{directory}: --masters: written before the optimizer state "
+                              "recorded its parameters' order; consolidate without --masters")
+    items = list(model.items())
+    if sorted(optimizer["order"]) != list(range(len(items))) or len(kept) != len(items):
+        raise CheckpointError(f"{directory}: the optimizer's master weights do not match "
+                              "the model's parameters")
+    out = dict(model)
+    for i, m in zip(optimizer["order"], kept, strict=True):
+        name, t = items[i]
+        if m.numel() != t.numel():
+            raise CheckpointError(f"{directory}: the master weight of {name} has "
+                                  f"{m.numel()} elements, the parameter {t.numel()}")
+        out[name] = m.reshape(t.shape)
+    return out
+
+
+def consolidate(directory: str | os.PathLike, *, masters: bool = False) -> tuple[dict, dict]:
+    """(state_dict of the whole model, model config dict) from a checkpoint's shards;
+    `masters`: the fp32 master weights of a bf16/fp16 or --offload-optimizer run
+    instead of the model's (in the training dtype). A TED MoE checkpoint (train_moe)
+    gives the serial MoEGPT's state_dict and ``{"model": ..., "moe": ...}``
+    (training/moe_trainer.py)."""
     manifest = read_manifest(directory)
     if manifest.get("engine") == "4d":
-        return _consolidate_4d(directory, manifest), manifest["model"]
+        return _consolidate_4d(directory, manifest, masters), manifest["model"]
     if manifest.get("engine") == "ted":
+        if masters:
+            raise CheckpointError(f"{directory}: --masters: train_moe's optimizer shards "
+                                  "its master weights (ZeRO-1); consolidate without it")
         from .moe_trainer import consolidate as consolidate_ted
 
         return consolidate_ted(directory)
     state: dict[str, torch.Tensor] = {}
     for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
-        model = shard_model(load_shard(directory, manifest, entry["stage"]))
+        model = _weights(load_shard(directory, manifest, entry["stage"]), manifest,
+                         directory, masters)
         overlap = set(state) & set(model)
         if overlap:
             raise CheckpointError(f"stage {entry['stage']} repeats parameters "
@@ -416,7 +456,7 @@ def consolidate(directory: str | os.PathLike) -> tuple[dict, dict]:
     return {k: state[k] for k in order}, manifest["model"]
 
 
-def _consolidate_4d(directory, manifest: dict) -> dict:
+def _consolidate_4d(directory, manifest: dict, masters: bool = False) -> dict:
     """The serial state_dict from a 4D checkpoint: every tensor rank's pieces put back
     where their splits say (undoing the Z flattening and c_attn's head permutation)."""
     from .parallel4d.layers import Split
@@ -429,10 +469,11 @@ def _consolidate_4d(directory, manifest: dict) -> dict:
     splits = {name: Split(**{k: tuple(v) if isinstance(v, list) else v
                              for k, v in spec.items()})
               for name, spec in shards[0]["splits"].items()}
+    weights = [_weights(s, manifest, directory, masters) for s in shards]
     state = {}
     for name, split in splits.items():
-        pieces = {(s["coords"]["x"], s["coords"]["y"], s["coords"]["z"]): s["model"][name]
-                  for s in shards}
+        pieces = {(s["coords"]["x"], s["coords"]["y"], s["coords"]["z"]): w[name]
+                  for s, w in zip(shards, weights, strict=True)}
         state[name] = split.assemble(pieces, sizes)
     return state
 
@@ -444,6 +485,10 @@ def main(argv=None) -> int:
     c = sub.add_parser("consolidate", help="merge a checkpoint's shards into one state_dict")
     c.add_argument("checkpoint", help="a step directory, or a checkpoint dir (its latest)")
     c.add_argument("-o", "--out", required=True, help="output .pt (state_dict); config -> .json")
+    c.add_argument("--masters", action="store_true",
+                   help="the fp32 master weights of a bf16/fp16 or --offload-optimizer run "
+                        "instead of the model in its training dtype (to go on training "
+                        "with --init-from)")
     ls = sub.add_parser("list", help="list the checkpoints of a directory and whether "
                         "each can be loaded (exit 1 when one cannot)")
     ls.add_argument("directory")
@@ -460,7 +505,7 @@ def main(argv=None) -> int:
         if out.suffix == ".json":  # the config goes to OUT with the suffix .json
             raise CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
                                   "the same file; name the state_dict .pt")
-        state, cfg = consolidate(path)
+        state, cfg = consolidate(path, masters=args.masters)
         atomic_save(state, out)
         _fsync_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
         n = sum(t.numel() for t in state.values())

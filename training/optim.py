@@ -326,9 +326,13 @@ class OffloadedAdamW(BucketedAdamW):
                  world_reduce: bool = False, timers: PhaseTimers | None = None,
                  loss_scaling: bool = False, world_group=None):
         super().__init__(cfg, data_group, pipe_group, world_reduce, timers, world_group)
-        params = [p for p in params if p.requires_grad]
+        given = [(i, p) for i, p in enumerate(params) if p.requires_grad]
         # decaying parameters first, so that a bucket holds at most two runs of equal decay
-        self.params = sorted(params, key=lambda p: not decays(p))
+        given.sort(key=lambda item: not decays(item[1]))
+        self.params = [p for _, p in given]
+        #: each of `params`' position in the parameters given (state_dict's "order": what
+        #: checkpoint.consolidate --masters maps the master weights back by)
+        self.order = [i for i, _ in given]
         if not self.params:
             raise ValueError("OffloadedAdamW: no trainable parameters")
         dev, dtype = self.params[0].device, self.params[0].dtype
@@ -391,9 +395,11 @@ class OffloadedAdamW(BucketedAdamW):
             p.grad = None
 
     def state_dict(self) -> dict:
-        """Master weights and moments per parameter (by position in `params`)."""
+        """Master weights and moments per parameter (by position in `params`; "order":
+        their positions among the parameters given)."""
         out = {"kind": "offloaded-adamw", "step_count": self.step_count,
-               "scaler": self.scaler.state_dict(), "master": [], "exp_avg": [], "exp_avg_sq": []}
+               "scaler": self.scaler.state_dict(), "order": list(self.order), "master": [],
+               "exp_avg": [], "exp_avg_sq": []}
         for p, off in zip(self.params, self.offsets, strict=True):
             s = slice(off, off + p.numel())
             out["master"].append(self.master[s].clone())

@@ -303,6 +303,10 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
         assert start == 10 and after == full[10:], (grid, after, full[10:])
         state, mcfg = ckpt.consolidate(saved)
         assert list(state) == list(live) and all(torch.equal(state[k], live[k]) for k in live)
+        if options.get("offload_optimizer"):  # fp32: the masters are the model, bitwise
+            masters, _ = ckpt.consolidate(saved, masters=True)
+            assert list(masters) == list(state), list(masters)[:4]
+            assert all(torch.equal(masters[k], state[k]) for k in state), grid
         _, model = serial_run(config(directory, shape, 20), dataset, steps=10)
         ref = model.state_dict()
         assert list(state) == list(ref), (list(state)[:4], list(ref)[:4])
