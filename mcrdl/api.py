@@ -53,6 +53,7 @@ _dispatch: dict = {}
 
 
 _hook_installed = False
+_job_end: _JobEnd | None = None  # set once an uncaught exception ends the job
 
 
 def _launch() -> LaunchInfo:
@@ -170,9 +171,12 @@ def _end_job_on_uncaught_exception() -> None:
         # A hook chained after this one may hold what this one printed until it returns
         # (torch.distributed's buffers the traceback to prefix it with the rank): end the
         # job after it, as the first exit handler, or in 2 s whatever else runs first.
-        end = _JobEnd(runtime)
-        atexit.register(end)
-        threading.Thread(target=end, args=(2.0,), name="mcrdl-end-job", daemon=True).start()
+        global _job_end
+        if _job_end is None:
+            _job_end = _JobEnd(runtime)
+            atexit.register(_job_end)
+            threading.Thread(target=_job_end, args=(2.0,), name="mcrdl-end-job",
+                             daemon=True).start()
 
     sys.excepthook = hook
     _hook_installed = True
@@ -180,7 +184,8 @@ def _end_job_on_uncaught_exception() -> None:
 
 class _JobEnd:
     """Ends the job once (MPI_Abort in an MPI world, else exit code 1), from whichever
-    of the exit handler and the timer thread comes first."""
+    of the exit handler and the timer thread comes first; the other one then waits for
+    it (the exit must not go on into MPI_Finalize meanwhile)."""
 
     def __init__(self, runtime: Runtime):
         self.runtime = runtime
@@ -189,7 +194,7 @@ class _JobEnd:
     def __call__(self, delay: float = 0.0) -> None:
         time.sleep(delay)
         if not self.once.acquire(blocking=False):
-            return
+            threading.Event().wait()  # the other caller ends the process
         sys.stderr.flush()
         sys.stdout.flush()
         time.sleep(0.5)  # the launcher forwards what was printed before the abort's kill

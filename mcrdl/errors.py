@@ -33,8 +33,9 @@ class UnsupportedOperationError(MCRDLError):
             text += (f"; backends that do: {', '.join(alternatives)}" if alternatives
                      else "; no backend usable in this process does")
         if unusable:
-            text += f" ({', '.join(unusable)} also do{'es' if len(unusable) == 1 else ''}, but " \
-                    "cannot run in this process)"
+            also = " also" if alternatives else ""
+            text += (f" ({', '.join(unusable)}{also} do{'es' if len(unusable) == 1 else ''}, "
+                     "but cannot run in this process)")
         super().__init__(text)
 
     def __reduce__(self):

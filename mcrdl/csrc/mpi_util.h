@@ -91,8 +91,9 @@ inline void check_mpi(int rc, const char* what) {
   int cls = MPI_ERR_OTHER;
   MPI_Error_class(rc, &cls);
   if (cls == MPI_ERR_IN_STATUS || cls == MPI_ERR_TRUNCATE)
-    msg += ". The likeliest cause: the ranks' calls differ (counts, sizes, dtypes or roots, "
-           "or a rank skipped a call); run with MCRDL_DEBUG=1 to compare every rank's call";
+    msg += ". The likeliest cause: the ranks' calls differ (a collective's counts, sizes, "
+           "dtypes or roots, or a rank skipped a call: MCRDL_DEBUG=1 compares every rank's "
+           "collectives; for send/recv, a receive smaller than its send)";
   throw Error(ErrorKind::Runtime, msg);
 }
 
