@@ -484,8 +484,9 @@ rows = [len(mine), before, same == sorted(mine), errors]
 
 def test_consolidate_masters_of_a_bf16_run(tmp_path):
     """consolidate --masters: a bf16 run's fp32 master weights (OffloadedAdamW's) instead of
-    its bf16 model, bit for bit, which --init-from then starts an fp32 run from; refused by
-    name where no masters are kept apart (an fp32 run)."""
+    its bf16 model, bit for bit, which --init-from then starts an fp32 run from, or a bf16
+    run whose masters keep them whole; refused by name where no masters are kept apart
+    (an fp32 run)."""
     script = f"""
 from training import checkpoint as ckpt
 tr = Trainer(cfg(dtype="bf16", checkpoint_dir={str(tmp_path / "bf16")!r}))
@@ -506,15 +507,24 @@ rows = [sorted({{str(t.dtype) for t in model.values()}}),
 torch.save(masters, {str(tmp_path / "m.pt")!r})
 fp32 = Trainer(cfg(init_from={str(tmp_path / "m.pt")!r}, checkpoint_dir={str(tmp_path / "fp32")!r}))
 rows.append(all(torch.equal(p, masters[n]) for n, p in fp32.model_stage.named_parameters()))
+# a bf16 run from them: its model rounds them, its masters keep them whole
+b = Trainer(cfg(dtype="bf16", init_from={str(tmp_path / "m.pt")!r}))
+of_b = {{id(p): n for n, p in b.model_stage.named_parameters()}}
+rows.append(all(torch.equal(b.optimizer.master[off:off + p.numel()],
+                            masters[of_b[id(p)]].reshape(-1))
+                and torch.equal(p, masters[of_b[id(p)]].bfloat16())
+                for p, off in zip(b.optimizer.params, b.optimizer.offsets)))
 try:
     ckpt.consolidate(fp32.save_checkpoint(), masters=True)
     rows.append(None)
 except ckpt.CheckpointError as e:
     rows.append(str(e))
 """
-    model, masters, equal, rounded_apart, loaded, refused = _trainer_probe(tmp_path, script)
+    model, masters, equal, rounded_apart, loaded, bf16_kept, refused = _trainer_probe(
+        tmp_path, script)
     assert model == ["torch.bfloat16"] and masters == ["torch.float32"], (model, masters)
     assert equal and rounded_apart == 0 and loaded, (equal, rounded_apart, loaded)
+    assert bf16_kept  # its masters had been the rounded weights
     assert refused and "--masters: its optimizer (DataParallelAdamW) keeps no" in refused
 
 

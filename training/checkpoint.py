@@ -487,9 +487,8 @@ def main(argv=None) -> int:
     c.add_argument("-o", "--out", required=True, help="output .pt (state_dict); config -> .json")
     c.add_argument("--masters", action="store_true",
                    help="the fp32 master weights of a bf16/fp16 or --offload-optimizer run "
-                        "instead of the model in its training dtype (to go on in fp32 with "
-                        "--init-from: a bf16/fp16 run seeds its masters from its rounded "
-                        "weights)")
+                        "instead of the model in its training dtype (to go on from with "
+                        "--init-from: a bf16/fp16 run keeps them whole as its masters)")
     ls = sub.add_parser("list", help="list the checkpoints of a directory and whether "
                         "each can be loaded (exit 1 when one cannot)")
     ls.add_argument("directory")

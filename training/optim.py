@@ -30,6 +30,7 @@ update.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -359,6 +360,13 @@ class OffloadedAdamW(BucketedAdamW):
         self.buckets = make_buckets(spans, max(1, int(cfg.bucket_mib * 2**20) // 4))
         self.scaler = LossScaler(loss_scaling)
         self.last_grad_norm = float("nan")
+
+    def seed_masters(self, weights: Sequence[torch.Tensor]) -> None:
+        """Master weights from `weights`, the fp32 values of the parameters given (in
+        their order), which the model holds rounded to its dtype: a bf16/fp16 run
+        started from fp32 weights (--init-from) keeps them whole."""
+        for p, off, i in zip(self.params, self.offsets, self.order, strict=True):
+            self.master[off:off + p.numel()].copy_(weights[i].reshape(-1))
 
     def _gather_grads(self) -> None:
         for p, off in zip(self.params, self.offsets, strict=True):

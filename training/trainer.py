@@ -139,6 +139,7 @@ class Trainer:
         self.partition = partition(self.model_cfg.n_layer, self.n_stages, cfg.blocks_per_stage())
         first_unit, last_unit = self.partition[self.stage_index]
         dtype = DTYPES[cfg.dtype]
+        fp32 = None  # --init-from's weights, before the cast to dtype
         self.model_stage = GPTStage(self.model_cfg, first_unit, last_unit, seed=cfg.seed,
                                     activation_checkpointing=cfg.activation_checkpointing)
         if cfg.init_from and not cfg.resume:  # a serial state_dict: each stage its units
@@ -146,6 +147,8 @@ class Trainer:
                 self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
             self.model_stage.load_state_dict({k: state[k]
                                               for k in self.model_stage.state_dict()})
+            if dtype != torch.float32:  # the fp32 masters start from them, unrounded
+                fp32 = [p.detach().clone() for p in self.model_stage.parameters()]
         self.model_stage.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.data_rank, self.n_replicas,
@@ -164,6 +167,8 @@ class Trainer:
         elif cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
             self.optimizer = OffloadedAdamW(self.model_stage.parameters(), cfg.optim(),
                                             loss_scaling=dtype == torch.float16, **comm)
+            if fp32 is not None and self.pruning is None:  # pruned: the masters are masked
+                self.optimizer.seed_masters(fp32)
         else:
             self.optimizer = DataParallelAdamW(self.model_stage.parameters(), cfg.optim(),
                                                **comm)

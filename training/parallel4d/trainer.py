@@ -120,6 +120,8 @@ class Trainer4D:
                                                                    self.model_cfg.n_units - 1),
                                    world)
         self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed, state_dict=state)
+        fp32 = (None if state is None or dtype == torch.float32  # the masters start from it
+                else [p.detach().clone() for p in self.model.parameters()])
         self.model.to(device=self.device, dtype=dtype)
         c = self.comms
         self.shard, self.n_shards = c.data.rank * c.z.size + c.z.rank, c.z.size * c.data.size
@@ -130,6 +132,8 @@ class Trainer4D:
                     timers=self.timers)
         if cfg.offload_optimizer or dtype != torch.float32:
             self.optimizer = OffloadedAdamW(self.model.parameters(), cfg.optim(), **comm)
+            if fp32 is not None:
+                self.optimizer.seed_masters(fp32)
         else:
             self.optimizer = DataParallelAdamW(self.model.parameters(), cfg.optim(), **comm)
         self.engine = _NoEvents()
