@@ -336,6 +336,16 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
     mcrdl.all_gather_object(None)  # the serial.pt files are written
     moved = Trainer4D(config(directory, shape, 20, grid2,
                              init_from=os.path.join(ck, "serial.pt")), grid=layout2)
+    # in bf16: the model rounds the file's weights, the fp32 masters keep them whole
+    low = Trainer4D(config(directory, shape, 20, grid2, dtype="bf16",
+                           init_from=os.path.join(ck, "serial.pt")), grid=layout2)
+    whole = list(moved.model.parameters())
+    position = {id(p): i for i, p in enumerate(low.model.parameters())}
+    for p, off in zip(low.optimizer.params, low.optimizer.offsets, strict=True):
+        want = whole[position[id(p)]]
+        assert torch.equal(low.optimizer.master[off:off + p.numel()], want.reshape(-1)), grid2
+        assert torch.equal(p, want.bfloat16()), grid2
+    del low
     moved.step = 10
     loss11 = moved.train_step()[0]
     if out is not None:
