@@ -159,6 +159,18 @@ with mcrdl.extensions(fusion=True):
         res["error"] = None
     except mcrdl.BackendUnavailableError as exc:
         res["error"] = str(exc)
+    # a fused call's wait(timeout=) is checked before its batch is done and after
+    res["timeouts"] = []
+    for done in (False, True):
+        call = mcrdl.all_reduce("gloo", torch.ones(4), async_op=True)
+        if done:
+            call.wait()
+        try:
+            call.wait(timeout="1")
+            res["timeouts"].append(None)
+        except mcrdl.InvalidArgumentError as exc:
+            res["timeouts"].append(str(exc))
+        call.wait()
 mcrdl.finalize()
 res["reached"] = got
 print("@@RESULT@@" + json.dumps(res))
@@ -176,3 +188,5 @@ def test_fusion_wraps_only_backends_that_take_cpu_tensors():
     assert res["fused"] == {"gloo": True, "gpuonly": False}, res
     assert res["reached"] == ["cpu"] and "gpuonly: got a tensor on cpu" in res["error"], res
     assert "bcast" in res["lacking"] and "'some'" in res["lacking"], res
+    assert res["timeouts"] == ["Work.wait: 'timeout' is '1'; expected seconds >= 0, or None "
+                               "for the op's own timeout"] * 2, res
