@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .errors import InvalidArgumentError
+
 
 def wait_timeout(timeout: object, where: str = "Work.wait") -> float | None:
     """A ``wait(timeout=)`` argument checked: None (the op's own timeout) or seconds >= 0
@@ -40,8 +42,6 @@ def wait_timeout(timeout: object, where: str = "Work.wait") -> float | None:
             seconds = None
         if seconds is not None and seconds >= 0:
             return seconds
-    from .errors import InvalidArgumentError
-
     raise InvalidArgumentError(f"{where}: 'timeout' is {timeout!r}; expected seconds >= 0, "
                                "or None for the op's own timeout")
 

@@ -375,6 +375,13 @@ def read_serial_state_dict(path: str | os.PathLike, template: torch.nn.Module,
     return state
 
 
+def load_serial_part(module: torch.nn.Module, state_dict: dict[str, torch.Tensor],
+                     prefix: str = "") -> None:
+    """Load `module` (a stage, a unit, one expert) from the serial model's `state_dict`
+    entries under `prefix`, one per name of its own (read_serial_state_dict checked them)."""
+    module.load_state_dict({k: state_dict[prefix + k] for k in module.state_dict()})
+
+
 def shard_model(shard: dict) -> dict[str, torch.Tensor]:
     """A shard's model state as dense tensors: SAMO shards (``shard["pruning"]["compressed"]``)
     store each tensor's values at its index, expanded here with zeros elsewhere."""

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from mcrdl.launch import launch_command
 
 from .cac import checkpointed
+from .checkpoint import load_serial_part
 from .collectives import (
     KINDS,
     Backends,
@@ -305,12 +306,6 @@ class ParallelBlock(nn.Module):
         return x + self.mlp(self.ln_2(x)), None
 
 
-def _load_from(module: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str) -> None:
-    """Load `module` (a serial unit, or one expert) from the serial model's `state_dict`
-    entries under `prefix` (checked against the model: checkpoint.read_serial_state_dict)."""
-    module.load_state_dict({k: state_dict[prefix + k] for k in module.state_dict()})
-
-
 class TEDGPT(nn.Module):
     """This rank's share of the MoE GPT (training/moe.py's MoEGPT) under a TED layout.
     Parameter names are the serial model's; each parameter carries its ``split``
@@ -339,7 +334,7 @@ class TEDGPT(nn.Module):
             # the serial unit without its experts; this rank's experts drawn on their own
             serial = make_moe_unit(cfg, moe, i, seed, with_experts=False)
             if state_dict is not None:
-                _load_from(serial, state_dict, f"units.{i}.")
+                load_serial_part(serial, state_dict, f"units.{i}.")
             if isinstance(serial, (Embedding, Head)):
                 units[str(i)] = serial
                 continue
@@ -350,7 +345,7 @@ class TEDGPT(nn.Module):
                     experts[e] = MLP(cfg)
                     init_expert(experts[e], cfg, seed, i, e)
                     if state_dict is not None:
-                        _load_from(experts[e], state_dict, f"units.{i}.moe.experts.{e}.")
+                        load_serial_part(experts[e], state_dict, f"units.{i}.moe.experts.{e}.")
             assert isinstance(serial, (Block, MoEBlock))
             units[str(i)] = ParallelBlock(serial, cfg, moe, groups, experts, dtd, debug_checks,
                                           f"units.{i}")

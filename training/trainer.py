@@ -145,8 +145,7 @@ class Trainer:
         if cfg.init_from and not cfg.resume:  # a serial state_dict: each stage its units
             state = read_init_from(cfg.init_from, lambda: GPTStage(
                 self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
-            self.model_stage.load_state_dict({k: state[k]
-                                              for k in self.model_stage.state_dict()})
+            ckpt.load_serial_part(self.model_stage, state)
             if dtype != torch.float32:  # the fp32 masters start from them, unrounded
                 fp32 = [p.detach().clone() for p in self.model_stage.parameters()]
         self.model_stage.to(device=self.device, dtype=dtype)

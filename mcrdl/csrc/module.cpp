@@ -188,22 +188,13 @@ PYBIND11_MODULE(_C, m) {
                                           "Handle of an async operation (API.md 'Work').")
       .def("wait",
            [](Work& w, py::handle timeout) {
-             // as mcrdl.work.wait_timeout: None, or seconds >= 0 (not a bool or a string)
-             double seconds = -1.0;
-             if (!timeout.is_none()) {
-               PyObject* t = timeout.ptr();
-               PyObject* f = PyBool_Check(t) || PyUnicode_Check(t) || PyBytes_Check(t)
-                                 ? nullptr
-                                 : PyNumber_Float(t);
-               if (f) {
-                 seconds = PyFloat_AS_DOUBLE(f);
-                 Py_DECREF(f);
-               } else {
-                 PyErr_Clear();
-               }
-               if (!f || !(seconds >= 0))
-                 throw_invalid("Work.wait: 'timeout' is " + py::repr(timeout).cast<std::string>() +
-                               "; expected seconds >= 0, or None for the op's own timeout");
+             double seconds = -1.0;  // None: the op's own timeout
+             if (!timeout.is_none()) {  // one rule for every kind of Work
+               static PyObject* check =
+                   py::object(py::module_::import("mcrdl.work").attr("wait_timeout"))
+                       .release()
+                       .ptr();
+               seconds = py::handle(check)(timeout).cast<double>();
              }
              py::gil_scoped_release nogil;
              w.wait(seconds);
