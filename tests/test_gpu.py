@@ -82,3 +82,44 @@ def test_entry_point_on_gpu(name, tmp_path):
                        timeout=300)
     losses = [float(x) for x in re.findall(r"step +\d+/3 \| loss (\S+)", out)]
     assert len(losses) == 3 and all(math.isfinite(v) and 0 < v < 10 for v in losses), out
+
+
+def _losses(out: str, steps: int) -> dict[int, str]:
+    return {int(s): v for s, v in re.findall(rf"step +(\d+)/{steps} \| loss (\S+)", out)}
+
+
+# A checkpoint written on the GPU: resume equals the uninterrupted run (the optimizer state,
+# masters and RNG come back onto the device), and consolidate (--masters where a bf16 run
+# keeps them) feeds --init-from.
+ROUND_TRIPS = {
+    "pipeline-bf16-offload": (["training.train_gpt", "--dtype", "bf16", "--offload-optimizer"],
+                              ["--masters"]),
+    "moe": (["training.train_moe"], []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUND_TRIPS))
+def test_checkpoint_round_trip_on_gpu(name, tmp_path):
+    entry, consolidate = ROUND_TRIPS[name]
+    env = dict(os.environ, PYTHONPATH=pythonpath(ROOT), MCRDL_TIMEOUT="120")
+
+    def train(*extra):
+        cmd = [mpiexec_or_skip(), "-n", "1", sys.executable, "-m", *entry, "--model", "tiny",
+               "--steps", "4", "--device", "cuda", "--no-plot", "--no-progress",
+               "--out-dir", str(tmp_path), *extra]
+        return run_launcher(cmd, env=env, timeout=300)
+
+    whole = _losses(train("--checkpoint-dir", str(tmp_path / "a")), 4)
+    first = train("--checkpoint-dir", str(tmp_path / "b"), "--stop-after", "2")
+    resumed = train("--checkpoint-dir", str(tmp_path / "b"), "--resume")
+    assert sorted(whole) == [1, 2, 3, 4] and "resumed from" in resumed and "at step 2" in resumed
+    got = {**_losses(first, 4), **_losses(resumed, 4)}
+    assert got == whole, (whole, first, resumed)
+    out = run_launcher([sys.executable, "-m", "training.checkpoint", "consolidate",
+                        str(tmp_path / "b"), "-o", str(tmp_path / "w.pt"), *consolidate],
+                       env=env, timeout=120)
+    assert os.path.exists(tmp_path / "w.pt"), out
+    started = train("--init-from", str(tmp_path / "w.pt"))
+    losses = _losses(started, 4)
+    assert "--init-from" in started and sorted(losses) == [1, 2, 3, 4], started
+    assert all(math.isfinite(float(v)) and 0 < float(v) < 10 for v in losses.values()), started
