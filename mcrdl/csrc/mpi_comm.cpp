@@ -191,17 +191,15 @@ int or_all_gather(const void* sd, void* rd, int64_t per, int rank, int64_t total
 }
 
 // reduce_scatter's kVarAllReduce: the whole input `sd` (size blocks of `n` elements of
-// `type`) reduced into this thread's scratch buffer, this rank's block copied to `rd`.
-int reduce_all_pick(const void* sd, void* rd, mcount n, int rank, int size, MPI_Datatype type,
-                    MPI_Op op, MPI_Comm c) {
-  int tsize = 0;
-  int rc = MPI_Type_size(type, &tsize);
-  if (rc != MPI_SUCCESS) return rc;
-  const size_t per = static_cast<size_t>(n) * tsize;
-  char* buf = scratch_.get(per * size);
-  rc = MPIC(MPI_Allreduce)(sd, buf, n * size, type, op, c);
-  if (rc == MPI_SUCCESS) std::memcpy(rd, buf + rank * per, per);
-  scratch_.trim();
+// `type`, `per` bytes each) reduced into this thread's scratch buffer, this rank's block
+// copied to `rd`.
+int reduce_all_pick(const void* sd, void* rd, mcount n, int64_t per, int rank, int size,
+                    MPI_Datatype type, MPI_Op op, MPI_Comm c) {
+  Scratch& scratch = scratch_;  // one look-up of the thread-local (__tls_get_addr)
+  char* buf = scratch.get(static_cast<size_t>(per) * size);
+  const int rc = MPIC(MPI_Allreduce)(sd, buf, n * size, type, op, c);
+  if (rc == MPI_SUCCESS) std::memcpy(rd, buf + rank * per, static_cast<size_t>(per));
+  scratch.trim();
   return rc;
 }
 
@@ -493,20 +491,45 @@ class MpiComm {
 
   py::object reduce_scatter(py::handle output, py::handle input, int rop, bool async_op) {
     const at::Tensor& out = to_tensor(output, "reduce_scatter", "output");
+    if (is_tensor(input.ptr())) {  // one tensor of `size` blocks: a small call's path
+      const at::Tensor& in = unpack_tensor(input.ptr());
+      validate_reduce_scatter(out, in, rop, size_);
+      check_device("reduce_scatter", out);
+      return reduce_scatter_from(out, in, rop, async_op);
+    }
     BlockArg in = to_blocks(input, "reduce_scatter", "input", false);
     validate_reduce_scatter(out, in, rop, size_);
     check_device("reduce_scatter", out);
-    ReducePlan p = reduce_plan(out.scalar_type(), rop);
-    c10::MaybeOwned<at::Tensor> send, recv = c10::MaybeOwned<at::Tensor>::borrowed(out);
+    at::Tensor send;
     {
       c10::NoGradGuard ng;
-      send = in.is_list ? c10::MaybeOwned<at::Tensor>::owned(flat_cat(in.list))
-                        : c10::MaybeOwned<at::Tensor>::borrowed(in.tensor());
-      if (p.upcast) send = c10::MaybeOwned<at::Tensor>::owned(send->to(at::kFloat));
-      else if (overlaps(*send, out)) send = c10::MaybeOwned<at::Tensor>::owned(send->clone());
-      if (p.upcast)
-        recv = c10::MaybeOwned<at::Tensor>::owned(
-            at::empty({out.numel()}, out.options().dtype(at::kFloat)));
+      send = flat_cat(in.list);
+    }
+    return reduce_scatter_from(out, send, rop, async_op);
+  }
+
+  // reduce_scatter of validated tensors: `input_t` (`size` blocks) into `out`.
+  py::object reduce_scatter_from(const at::Tensor& out, const at::Tensor& input_t, int rop,
+                                 bool async_op) {
+    ReducePlan p = reduce_plan(out.scalar_type(), rop);
+    auto send = c10::MaybeOwned<at::Tensor>::borrowed(input_t);
+    auto recv = c10::MaybeOwned<at::Tensor>::borrowed(out);
+    // Each tensor's pointer and byte count read once (both contiguous, validated).
+    const int64_t per = dense_nbytes(out);
+    const int64_t nbytes = per * size_;
+    const void* sd = input_t.data_ptr();
+    void* rd = out.data_ptr();
+    if (C10_UNLIKELY(p.upcast)) {
+      c10::NoGradGuard ng;
+      send = c10::MaybeOwned<at::Tensor>::owned(input_t.to(at::kFloat));
+      recv = c10::MaybeOwned<at::Tensor>::owned(
+          at::empty({out.numel()}, out.options().dtype(at::kFloat)));
+      sd = send->data_ptr();
+      rd = recv->data_ptr();
+    } else if (ranges_overlap(sd, nbytes, rd, per)) {
+      c10::NoGradGuard ng;  // the output is part of the input: send a copy
+      send = c10::MaybeOwned<at::Tensor>::owned(input_t.clone());
+      sd = send->data_ptr();
     }
     const mcount n = to_mcount(out.numel(), "reduce_scatter");
     std::function<void()> finish;
@@ -516,16 +539,14 @@ class MpiComm {
         if (p.average) recv.div_(size);
         if (p.upcast) out.view({-1}).copy_(recv);
       };
-    const int64_t nbytes = dense_nbytes(out) * size_;
-    const void* sd = send->data_ptr();
-    void* rd = recv->data_ptr();
     auto held = [&] { return std::vector<at::Tensor>{*send, *recv, out}; };
     const int var = blocking_.use(kReduceScatter, nbytes);
     if (var == kVarAllReduce) {
       to_mcount(n * static_cast<int64_t>(size_), "reduce_scatter");
+      const int64_t rper = p.upcast ? dense_nbytes(*recv) : per;
       return run_blocking("reduce_scatter", "MPI_Allreduce", async_op, std::move(finish),
-                          [sd, rd, n, p, r = rank_, size = size_, c = comm_] {
-                            return reduce_all_pick(sd, rd, n, r, size, p.type, p.op, c);
+                          [sd, rd, n, rper, p, r = rank_, size = size_, c = comm_] {
+                            return reduce_all_pick(sd, rd, n, rper, r, size, p.type, p.op, c);
                           },
                           held);
     }

@@ -250,6 +250,14 @@ void validate_reduce_scatter(const at::Tensor& out, const BlockArg& in, int rop,
   check_blocks("reduce_scatter", "input", in, out, "output", size);
 }
 
+void validate_reduce_scatter_failed(const at::Tensor& out, const at::Tensor& in, int rop,
+                                    int size) {
+  BlockArg b;
+  b.borrowed = &in;
+  validate_reduce_scatter(out, b, rop, size);  // the same checks, one of which throws
+  fail("reduce_scatter", "internal error: an inline check failed where the full ones passed");
+}
+
 // The all-to-all block a rank sends itself is the one it receives from itself: the one
 // size mismatch of an all-to-all a rank can see alone (the others need MCRDL_DEBUG=1).
 static std::string own_block(const char* unit, const char* send_arg, int64_t sent,

@@ -78,6 +78,22 @@ inline void validate_all_gather(const at::Tensor& out, const at::Tensor& in, int
 void validate_gather(const BlockArg& out, const at::Tensor& in, int64_t dst, int rank, int size);
 void validate_scatter(const at::Tensor& out, const BlockArg& in, int64_t src, int rank, int size);
 void validate_reduce_scatter(const at::Tensor& out, const BlockArg& in, int rop, int size);
+[[noreturn, gnu::cold]] void validate_reduce_scatter_failed(const at::Tensor& out,
+                                                           const at::Tensor& in, int rop,
+                                                           int size);
+// An input given as one tensor: as validate_all_gather's tensor form above.
+inline void validate_reduce_scatter(const at::Tensor& out, const at::Tensor& in, int rop,
+                                    int size) {
+  check_tensor("reduce_scatter", "output", out);
+  check_reduce_op("reduce_scatter", rop, out.scalar_type());
+  if (C10_LIKELY(in.defined())) {
+    check_tensor("reduce_scatter", "input", in);
+    if (C10_LIKELY(in.scalar_type() == out.scalar_type() && in.device() == out.device() &&
+                   in.numel() == out.numel() * size))
+      return;
+  }
+  validate_reduce_scatter_failed(out, in, rop, size);
+}
 // Returns the (input, output) split sizes in rows, filled in when not given.
 std::pair<Counts, Counts> validate_all_to_all_single(const at::Tensor& out, const at::Tensor& in,
                                                      const std::optional<Counts>& out_splits,
