@@ -258,6 +258,13 @@ def test_check_grid_names_the_world_size():
                                         "world has 8"):
         check_grid(TrainingStep(MINI, 8), Grid4D(2, 2, 1, 1), world_size=8)
     check_grid(TrainingStep(MINI, 8), Grid4D(2, 2, 2, 1), world_size=8)
+    # the G_data that fits the world, where one does
+    with pytest.raises(GridError, match=r"product is 8 \(with these G_x, G_y, G_z: "
+                                        r"--G-data 2\)"):
+        check_grid(TrainingStep(MINI, 8), Grid4D(2, 2, 1, 1), world_size=8)
+    with pytest.raises(GridError) as e:
+        check_grid(TrainingStep(MINI, 8), Grid4D(2, 2, 1, 1), world_size=6)
+    assert "--G-data" not in str(e.value), e.value
 
 
 @pytest.mark.parametrize("bad, words", [

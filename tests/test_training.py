@@ -167,6 +167,23 @@ def test_auto_device_is_the_launchers_local_gpu(monkeypatch, launcher, local):
     assert pick_device(TrainConfig(device="auto")) == torch.device("cpu")
 
 
+def test_world_mismatch_names_the_options():
+    """A grid that does not fill the world is refused in the options' words, with the
+    launch that fits it and, where one does, the --G-data that fits the world."""
+    from training.config import TrainConfig
+    from training.topology import GridError
+    cfg = TrainConfig(model="tiny", G_inter=2)
+    cfg.check_world(2)
+    with pytest.raises(GridError, match=r"process grid G_inter=2 x G_data=1 needs 2 ranks but "
+                       r"the world has 4; launch with .* or change the degrees so that their "
+                       r"product is 4 \(with --G-inter 2: --G-data 2\)$"):
+        cfg.check_world(4)
+    with pytest.raises(GridError, match=r"product is 2 \(--G-data 2\)$"):
+        TrainConfig(model="tiny").check_world(2)
+    with pytest.raises(GridError, match=r"product is 3$"):
+        cfg.check_world(3)
+
+
 def test_process_grid():
     from training.topology import GridError, ProcessGrid
     g = ProcessGrid({"data": 2, "pipe": 4}, world_size=8, rank=5)

@@ -31,9 +31,11 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from mcrdl.launch import launch_command
+
 from .optim import OptimConfig
 from .pruning import SCOPES, check_sparsity, parse_schedule
-from .topology import Axis, to_axis
+from .topology import Axis, GridError, to_axis
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _TENSOR_AXES = (Axis.X, Axis.Y, Axis.Z)
@@ -88,6 +90,23 @@ class Options:
         if all(opts[name] == 1 for name in tensor):
             opts = {k: v for k, v in opts.items() if k not in tensor}
         return " x ".join(f"{name}={n}" for name, n in opts.items())
+
+    def check_world(self, world_size: int) -> None:
+        """Raise GridError unless the grid's degrees multiply to `world_size`, naming the
+        options, the launch that fits them and the --G-data that fits the world."""
+        opts = self.degree_options()
+        total = math.prod(opts.values())
+        if total == world_size:
+            return
+        fits = ""
+        if "G_data" in opts and world_size % (total // opts["G_data"]) == 0:
+            others = " and ".join(f"--G-{n[2:].replace('_', '-')} {v}"
+                                  for n, v in opts.items() if n != "G_data" and v > 1)
+            fits = (f" (with {others}: " if others else " (") + \
+                f"--G-data {world_size // (total // opts['G_data'])})"
+        raise GridError(f"process grid {self.describe_grid()} needs {total} ranks but the "
+                        f"world has {world_size}; launch with {launch_command(total)} or "
+                        f"change the degrees so that their product is {world_size}{fits}")
 
     def _degree_fields(self) -> list[Field]:
         return [f for f in fields(self) if f.metadata.get("axis") is not None]

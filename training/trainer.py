@@ -122,6 +122,7 @@ class Trainer:
         self.device = pick_device(cfg)
         self.p2p_backend = init_comm(cfg, self.device)
         if grid is None:
+            cfg.check_world(mcrdl.get_size())  # in the options' words, before the grid's
             grid = ProcessGrid(cfg.degrees(), order=cfg.axis_order())
         elif grid.sizes != cfg.degrees() or not grid.is_member:
             raise ValueError(f"Trainer: the grid {grid} is not this process's grid "

@@ -195,10 +195,13 @@ def check_grid(step: TrainingStep, grid: Grid4D, world_size: int | None = None) 
     when it differs from the grid's)."""
     problems = [msg for _, msg in constraint_violations(step, grid)]
     if world_size is not None and world_size != grid.size:
+        tensor = grid.x * grid.y * grid.z
+        fits = f" (with these G_x, G_y, G_z: --G-data {world_size // tensor})" \
+            if world_size % tensor == 0 else ""
         problems.insert(0, f"the grid needs G_x*G_y*G_z*G_data={grid.size} ranks but the "
                            f"world has {world_size}; launch with "
                            f"{launch_command(grid.size)} or change the degrees so that their "
-                           f"product is {world_size}")
+                           f"product is {world_size}{fits}")
     if problems:
         raise GridError(f"grid {grid} cannot run this step: " + "; ".join(problems))
 
