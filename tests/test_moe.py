@@ -86,6 +86,11 @@ def test_train_moe_entry_point(token_dir, tmp_path):
     cfgs = json.loads((tmp_path / "moe.json").read_text())
     model = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
     model.load_state_dict(torch.load(tmp_path / "moe.pt"), strict=True)
+    # a damaged checkpoint: the ranks refuse it together, and one of them reports it
+    (tmp_path / "ck" / "step_000004" / "manifest.json").write_text("{")
+    out = run_launcher(cmd + ["--resume"], env=_env(), timeout=300, expect_rc=3)
+    errors = re.findall(r"^error.*$", out, re.M)
+    assert len(errors) == 1 and "manifest.json is not valid JSON" in errors[0], out
 
 
 # --- single process --------------------------------------------------------------------

@@ -56,7 +56,12 @@ _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (missing, incomplete, truncated, corrupt, mismatched)."""
+    """A checkpoint that cannot be used (missing, incomplete, truncated, corrupt, mismatched).
+
+    ``agreed``: raised on every rank of the run with this message (``raise_together``),
+    so that one rank's report tells the whole story."""
+
+    agreed = False
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:

@@ -47,7 +47,10 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
     try:
         run(cfg)
     except CheckpointError as e:
-        print(f"error (rank {_rank()}): {e}", file=sys.stderr, flush=True)
+        if not e.agreed:
+            print(f"error (rank {_rank()}): {e}", file=sys.stderr, flush=True)
+        elif not mcrdl.is_initialized() or mcrdl.get_rank() == 0:  # the same on every rank
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
     except layout_errors as e:
         if not layout_errors_agree:

@@ -88,7 +88,9 @@ def raise_together(error: Exception | None, context: str,
     if not failed:
         return
     text = messages[failed[0]]
-    raise ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
+    error = ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
+    error.agreed = True
+    raise error
 
 
 def read_init_from(path: str, make_template: Callable[[], nn.Module],
