@@ -95,6 +95,17 @@ def test_run_resume_and_plot(tmp_path):
                     assert after.times("all_gather", g, b)[n] == t, (g, b, n)
                     kept += 1
     assert kept
+    # the pass records what it re-measured, and a resumed run does not re-measure it
+    done = {(op, int(g), n) for op, per_g in confirmed["ops"].items()
+            for g, e in per_g.items() for n in e.get("confirmed", [])}
+    assert ("all_reduce", 2, entry["sizes"][forged]) in done and done <= suspects, done
+    tune([*common[:-4], "--backend", "mpi", "gloo", "--confirm", "2", "--output", str(out),
+          "--resume"])
+    final = TuningTable.load(out)
+    for op, g, n in done:
+        assert final.is_confirmed(op, g, n)
+        for b in ("mpi", "gloo"):
+            assert final.times(op, g, b)[n] == after.times(op, g, b)[n], (op, g, n, b)
     model = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "model", str(out)],
                          timeout=120)
     rows = [line.split() for line in model.splitlines() if line.startswith("  ")]
@@ -135,7 +146,7 @@ def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
     """mpiexec -n 2 mcrdl-tune run --backend mpi: every op with a blocking variant gets
     its variants' times (all_gather and reduce_scatter three), the mpi time is the
     fastest at each size, and steps derived from them; a version 1 table (no variants)
-    resumes into a version 3 one."""
+    resumes into a version 4 one."""
     from mcrdl.backends.mpi import BLOCKING_OPS
     from mcrdl.tuning.schema import op_variants
     from mcrdl.tuning.table import TuningTable, derive_steps
@@ -148,7 +159,7 @@ def test_run_records_both_mpi_variants_and_resumes_a_version_1_table(tmp_path):
     env = dict(os.environ, MCRDL_TIMEOUT="60")
     run_launcher([*cmd, *args], env=env, timeout=120)
     doc = json.loads(out.read_text())
-    assert doc["version"] == 3 and set(doc["ops"]) == set(BLOCKING_OPS)
+    assert doc["version"] == 4 and set(doc["ops"]) == set(BLOCKING_OPS)
     for op in BLOCKING_OPS:
         entry = doc["ops"][op]["2"]
         var = entry["variants"]["mpi"]

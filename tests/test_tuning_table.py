@@ -198,9 +198,18 @@ BAD_DOCS = [
     ("bad mode", _rename_op("all_reduce@overlap1"), '$.ops["all_reduce@overlap1"]',
      '"all_reduce@overlap<K>" with K >= 2'),
     ("schema", _set(["schema"], "other-table"), "$.schema", '"mcrdl-tuning-table"'),
-    ("version 4", _set(["version"], 4), "$.version",
-     "expected 1, 2 or 3 (the table was written by a newer mcrdl: upgrade mcrdl"),
-    ("version str", _set(["version"], "1"), "$.version", "expected 1, 2 or 3 (this mcrdl reads"),
+    ("version 5", _set(["version"], 5), "$.version",
+     "expected 1, 2, 3 or 4 (the table was written by a newer mcrdl: upgrade mcrdl"),
+    ("version str", _set(["version"], "1"), "$.version",
+     "expected 1, 2, 3 or 4 (this mcrdl reads"),
+    ("v3 confirmed", lambda d: (d.update(version=3), _set(
+        ["ops", "all_reduce", "4", "confirmed"], [8])(d)), E, "unknown key 'confirmed'"),
+    ("confirmed int", _set(["ops", "all_reduce", "4", "confirmed"], 8), f"{E}.confirmed",
+     "a list of sizes of this entry"),
+    ("confirmed size", _set(["ops", "all_reduce", "4", "confirmed"], [8, 64]),
+     f"{E}.confirmed[1]", "a size of this entry's sizes"),
+    ("confirmed float", _set(["ops", "all_reduce", "4", "confirmed"], [8.0]),
+     f"{E}.confirmed[0]", "a size of this entry's sizes"),
     ("version bool", _set(["version"], True), "$.version", "re-run mcrdl-tune run"),
     ("v1 variants", lambda d: (d.update(version=1), _set(
         ["ops", "all_reduce", "4", "variants"], {})(d)), E, "unknown key 'variants'"),
@@ -344,8 +353,8 @@ def test_load_errors(tmp_path):
         TuningTable.load(wrong)
     old = tmp_path / "v0.json"
     old.write_text(json.dumps({**valid_doc(), "version": 0}))
-    with pytest.raises(TuningTableError, match=r"v0.json: \$.version: expected 1, 2 or 3 "
-                       r"\(this mcrdl reads versions 1, 2, 3; re-run mcrdl-tune run"):
+    with pytest.raises(TuningTableError, match=r"v0.json: \$.version: expected 1, 2, 3 or 4 "
+                       r"\(this mcrdl reads versions 1, 2, 3, 4; re-run mcrdl-tune run"):
         TuningTable.load(old)
 
 
@@ -813,7 +822,7 @@ def test_variants_round_trip_and_backend_time_is_the_faster(tmp_path):
     path = tmp_path / "v.json"
     t.save(path)
     doc = json.loads(path.read_text())
-    assert doc["version"] == VERSION == 3
+    assert doc["version"] == VERSION == 4
     entry = doc["ops"]["all_reduce"]["2"]
     assert entry["blocking"] == {"mpi": [list(s) for s in steps]}
     assert entry["variants"]["mpi"]["blocking"] == [_power_law(n, 1e-9, 1.0) for n in sizes]
@@ -928,13 +937,34 @@ def test_version_1_table_loads_and_the_mpi_backend_keeps_the_shipped_steps(tmp_p
     assert TuningTable.load(path) == t
 
 
+def test_confirmed_points_round_trip_and_older_versions_have_none(tmp_path):
+    """Version 4 records the points the confirmation pass re-measured (per entry, sizes
+    of that entry); a point of a size the entry lacks is not written; older versions
+    read as having none."""
+    t = TuningTable.from_dict(valid_doc())
+    t.mark_confirmed("all_reduce", 4, 16)
+    t.mark_confirmed("all_reduce", 4, 999)  # not a measured size: not written
+    path = tmp_path / "c.json"
+    t.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["ops"]["all_reduce"]["4"]["confirmed"] == [16]
+    back = TuningTable.load(path)
+    assert back.is_confirmed("all_reduce", 4, 16) and not back.is_confirmed("all_reduce", 4, 8)
+    assert not back.is_confirmed("all_reduce", 4, 999) and back != t
+    old = valid_doc()
+    old["version"] = 3
+    assert not any(TuningTable.from_dict(old).is_confirmed("all_reduce", 4, n)
+                   for n in (8, 16, 32))
+    assert "confirmed" not in valid_doc()["ops"]["all_reduce"]["4"]  # none: no key
+
+
 def test_newer_version_names_the_file_and_the_fix(tmp_path):
     path = tmp_path / "future.json"
     path.write_text(json.dumps({**valid_doc(), "version": VERSION + 1}))
     with pytest.raises(TuningTableError) as info:
         TuningTable.load(path)
     msg = str(info.value)
-    assert msg.startswith(f"{path}: $.version: expected 1, 2 or 3"), msg
+    assert msg.startswith(f"{path}: $.version: expected 1, 2, 3 or 4"), msg
     assert "upgrade mcrdl" in msg and "re-run mcrdl-tune run" in msg, msg
 
 

@@ -205,8 +205,8 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
         save(table)
     if progress is not None and rank == 0:
         progress(len(plan), len(plan), "measured")
-    if cfg.confirm > 0 and confirm_points(cfg, table, groups, progress) and rank == 0:
-        save(table)
+    if cfg.confirm > 0:
+        confirm_points(cfg, table, groups, progress, save)
     if progress is not None and rank == 0:
         progress(len(plan), len(plan), "done")
     return table
@@ -245,8 +245,12 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
 
 
 def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
-                   progress: Callable[[int, int, str], None] | None = None) -> int:
-    """Re-measure rank 0's suspicious points on every rank; returns how many."""
+                   progress: Callable[[int, int, str], None] | None = None,
+                   save: Callable[[TuningTable], None] | None = None) -> int:
+    """Re-measure rank 0's suspicious points that no earlier pass confirmed, on every
+    rank; each is recorded as confirmed and (rank 0) saved as it ends, so that an
+    interrupted pass keeps what it did and a resumed one does not redo it. Returns how
+    many points it re-measured."""
     import random
 
     from mcrdl.backends.registry import backend_class
@@ -254,7 +258,10 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
     rank = mcrdl.get_rank()
     dtype = DTYPES[cfg.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    points = suspicious_points(table, cfg.backends, cfg.confirm_margin) if rank == 0 else None
+    points = None
+    if rank == 0:
+        points = [p for p in suspicious_points(table, cfg.backends, cfg.confirm_margin)
+                  if not table.is_confirmed(*p)]
     points = mcrdl.broadcast_object(points)
     rng = random.Random(len(points))
     for i, (name, s, nbytes) in enumerate(points):
@@ -289,5 +296,8 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
                     table.add_variant(name, s, b, nbytes, v, seconds)
                 else:
                     table.add(name, s, b, nbytes, seconds)
+            table.mark_confirmed(name, s, nbytes)
+            if save is not None:
+                save(table)
     _quiet_barrier(cfg.backends[0])
     return len(points)

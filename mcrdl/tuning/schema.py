@@ -12,8 +12,11 @@ layout raises ``VERSION`` and says here how an older document reads, if it still
 - version 2: an entry may hold ``variants`` (per backend, the times of the blocking and
   the nonblocking MPI call) and ``blocking`` (per backend, the (largest bytes, blocking)
   steps its blocking calls run). It reads as it is.
-- version 3 (written now): as 2, and all_gather / reduce_scatter entries may hold the
-  times of the "allreduce" variant, which a step then names as ``"allreduce"``.
+- version 3: as 2, and all_gather / reduce_scatter entries may hold the times of the
+  "allreduce" variant, which a step then names as ``"allreduce"``.
+- version 4 (written now): as 3, and an entry may hold ``confirmed``: the sizes the
+  confirmation pass of ``mcrdl-tune run`` re-measured, which a resumed run does not
+  re-measure again. Older versions read as having none confirmed.
 
 A version above ``VERSION`` is refused with a message naming the file and the fix.
 """
@@ -32,9 +35,9 @@ from ..errors import InvalidArgumentError
 from ..ops import ALIASES, OPS
 
 SCHEMA = "mcrdl-tuning-table"
-VERSION = 3
+VERSION = 4
 #: The versions a reader accepts (see the module docstring for how each reads).
-READS = (1, 2, 3)
+READS = (1, 2, 3, 4)
 #: The ways an MPI backend runs a blocking call: the blocking MPI collective, the
 #: nonblocking one and a bounded wait, or (ALLREDUCE_OPS only) the blocking MPI_Allreduce
 #: of the whole buffer, of which each rank keeps its part (mcrdl/backends/mpi.py).
@@ -65,7 +68,8 @@ PROVENANCE_KEYS = ("host", "system", "cpu_model", "gpu_model", "mpi", "mpich_col
 _TOP_KEYS = ("schema", "version", "provenance", "ops")
 _ENTRY_KEYS = {1: ("sizes", "times", "winners"),
                2: ("sizes", "times", "winners", "variants", "blocking"),
-               3: ("sizes", "times", "winners", "variants", "blocking")}
+               3: ("sizes", "times", "winners", "variants", "blocking"),
+               4: ("sizes", "times", "winners", "variants", "blocking", "confirmed")}
 _MISS = object()
 
 #: The measured times of a table: op -> group size -> backend -> {nbytes: seconds}.
@@ -103,6 +107,8 @@ class Document(NamedTuple):
     provenance: dict
     points: list[Point]
     steps: dict[tuple[str, int, str], Steps]
+    #: (op, group size, bytes) the confirmation pass re-measured (version >= 4).
+    confirmed: frozenset = frozenset()
 
 
 def is_seconds(v: object) -> bool:
@@ -119,10 +125,12 @@ def is_seconds(v: object) -> bool:
 def encode(provenance: dict, times: Times,
            winners: Callable[[str, int], list[tuple[int, str]]],
            variants: VariantTimes | None = None,
-           steps: dict[tuple[str, int, str], Steps] | None = None) -> dict:
+           steps: dict[tuple[str, int, str], Steps] | None = None,
+           confirmed: set[tuple[str, int, int]] | frozenset = frozenset()) -> dict:
     """The JSON document of a table: its `provenance`, its `times`, each curve's
     `winners(op, group_size)` (written for readers; :func:`decode` re-derives them), the
-    `variants` times and the blocking `steps` per (op, group size, backend)."""
+    `variants` times, the blocking `steps` per (op, group size, backend) and the
+    `confirmed` (op, group size, bytes) points (those of a measured size)."""
     provenance = check_provenance(provenance, "<provenance>", "$.provenance")
     variants, steps = variants or {}, steps or {}
     curves = {(op, g) for op in times for g in times[op]} | {(op, g) for op, g, _ in steps}
@@ -144,6 +152,9 @@ def encode(provenance: dict, times: Times,
                   if (o, gs) == (op, g)}
         if chosen:
             entry["blocking"] = chosen
+        done = [n for n in sizes if (op, g, n) in confirmed]
+        if done:
+            entry["confirmed"] = done
         ops.setdefault(op, {})[str(g)] = entry
     return {"schema": SCHEMA, "version": VERSION, "provenance": provenance, "ops": ops}
 
@@ -165,15 +176,16 @@ def decode(d: object, source: str = "<dict>") -> Document:
         _fail(src, "$.ops", 'an object {op: {group size: entry}}', ops)
     points: list[Point] = []
     steps: dict[tuple[str, int, str], Steps] = {}
+    confirmed: set[tuple[str, int, int]] = set()
     for op, groups in ops.items():
         opath = f"$.ops[{_key(op)}]"
         _check_op(op, src, opath)
         if not isinstance(groups, dict):
             _fail(src, opath, 'an object {"<group size>": entry}', groups)
         for gkey, entry in groups.items():
-            points.extend(_read_entry(op, gkey, entry, version, steps, src,
+            points.extend(_read_entry(op, gkey, entry, version, steps, confirmed, src,
                                       f"{opath}[{_key(gkey)}]"))
-    return Document(provenance, points, steps)
+    return Document(provenance, points, steps, frozenset(confirmed))
 
 
 def _check_op(op: object, src: str, path: str) -> None:
@@ -285,10 +297,12 @@ def _check_version(version: object, src: str) -> int:
 
 
 def _read_entry(op: str, gkey: str, entry: object, version: int,
-                steps: dict[tuple[str, int, str], Steps], src: str,
+                steps: dict[tuple[str, int, str], Steps],
+                confirmed: set[tuple[str, int, int]], src: str,
                 path: str) -> Iterator[Point]:
-    """The points of one {"sizes", "times", "winners", "variants", "blocking"} entry,
-    validated; its blocking steps go to `steps`."""
+    """The points of one {"sizes", "times", "winners", "variants", "blocking",
+    "confirmed"} entry, validated; its blocking steps go to `steps`, its confirmed
+    sizes to `confirmed`."""
     if not (isinstance(gkey, str) and gkey.isascii() and gkey.isdigit()
             and str(int(gkey)) == gkey and int(gkey) >= 1):
         _fail(src, path, 'a group size key: a decimal integer >= 1 such as "4"', gkey)
@@ -333,6 +347,13 @@ def _read_entry(op: str, gkey: str, entry: object, version: int,
     for backend, st in blocking.items():
         steps[op, g, backend] = check_steps(st, src, f"{path}.blocking[{_key(backend)}]",
                                             op if version >= 3 else "")
+    done = entry.get("confirmed", [])
+    if not isinstance(done, list):
+        _fail(src, f"{path}.confirmed", "a list of sizes of this entry", done)
+    for i, n in enumerate(done):
+        if not isinstance(n, int) or isinstance(n, bool) or n not in sizes:
+            _fail(src, f"{path}.confirmed[{i}]", "a size of this entry's sizes", n)
+        confirmed.add((op, g, n))
     winners = entry.get("winners", [])
     if not isinstance(winners, list):
         _fail(src, f"{path}.winners", "a list of [from_bytes, backend] pairs", winners)

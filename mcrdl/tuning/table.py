@@ -65,6 +65,7 @@ class TuningTable:
         self._lookup_cache: dict[tuple, str | None] = {}
         self._variants: schema.VariantTimes = {}
         self._steps: dict[tuple[str, int, str], schema.Steps] = {}
+        self._confirmed: set[tuple[str, int, int]] = set()
 
     # -- building -------------------------------------------------------------------
 
@@ -106,6 +107,14 @@ class TuningTable:
         self._lookup_cache.clear()
 
     # -- queries --------------------------------------------------------------------
+
+    def mark_confirmed(self, op: str, group_size: int, nbytes: int) -> None:
+        """Record that the confirmation pass re-measured (op, group size, nbytes) on every
+        backend (``mcrdl-tune run``; a resumed run skips it)."""
+        self._confirmed.add((op, group_size, nbytes))
+
+    def is_confirmed(self, op: str, group_size: int, nbytes: int) -> bool:
+        return (op, group_size, nbytes) in self._confirmed
 
     def has(self, op: str, group_size: int, backend: str, nbytes: int) -> bool:
         """Whether this point was measured (the tuning suite skips it when resuming)."""
@@ -290,7 +299,7 @@ class TuningTable:
         """The JSON document of this table (mcrdl/tuning/tables/README.md)."""
         steps = {k: self.blocking_steps(*k) for k in set(self._steps) | set(self._variants)}
         return schema.encode(self.provenance, self._times, self.winners, self._variants,
-                             {k: st for k, st in steps.items() if st})
+                             {k: st for k, st in steps.items() if st}, self._confirmed)
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "<dict>") -> TuningTable:
@@ -305,6 +314,7 @@ class TuningTable:
             else:
                 table._set(p.op, p.group_size, p.backend, p.nbytes, p.seconds)
         table._steps = dict(doc.steps)
+        table._confirmed = set(doc.confirmed)
         return table
 
     def digest(self) -> str:
@@ -335,7 +345,7 @@ class TuningTable:
         if not isinstance(other, TuningTable):
             return NotImplemented
         return (self.provenance == other.provenance and self._times == other._times
-                and self._variants == other._variants
+                and self._variants == other._variants and self._confirmed == other._confirmed
                 and all(self.blocking_steps(*k) == other.blocking_steps(*k)
                         for k in set(self._steps) | set(other._steps)))
 
