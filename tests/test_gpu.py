@@ -88,9 +88,9 @@ def _losses(out: str, steps: int) -> dict[int, str]:
     return {int(s): v for s, v in re.findall(rf"step +(\d+)/{steps} \| loss (\S+)", out)}
 
 
-# A checkpoint written on the GPU: resume equals the uninterrupted run (the optimizer state,
-# masters and RNG come back onto the device), and consolidate (--masters where a bf16 run
-# keeps them) feeds --init-from.
+# A checkpoint written on the GPU: resuming it gives the uninterrupted run's losses (to the
+# printed digits, within 1e-4: CUDA's atomic scatter-adds may reorder sums), and
+# consolidate (--masters where a bf16 run keeps them) feeds --init-from.
 ROUND_TRIPS = {
     "pipeline-bf16-offload": (["training.train_gpt", "--dtype", "bf16", "--offload-optimizer"],
                               ["--masters"]),
@@ -114,7 +114,8 @@ def test_checkpoint_round_trip_on_gpu(name, tmp_path):
     resumed = train("--checkpoint-dir", str(tmp_path / "b"), "--resume")
     assert sorted(whole) == [1, 2, 3, 4] and "resumed from" in resumed and "at step 2" in resumed
     got = {**_losses(first, 4), **_losses(resumed, 4)}
-    assert got == whole, (whole, first, resumed)
+    assert sorted(got) == [1, 2, 3, 4], (first, resumed)
+    assert all(abs(float(got[s]) - float(whole[s])) <= 1e-4 for s in whole), (whole, got)
     out = run_launcher([sys.executable, "-m", "training.checkpoint", "consolidate",
                         str(tmp_path / "b"), "-o", str(tmp_path / "w.pt"), *consolidate],
                        env=env, timeout=120)

@@ -182,6 +182,23 @@ def test_world_mismatch_names_the_options():
         TrainConfig(model="tiny").check_world(2)
     with pytest.raises(GridError, match=r"product is 3$"):
         cfg.check_world(3)
+    # a --G-data the global batch (8 of 2-sequence microbatches) cannot split is not offered
+    with pytest.raises(GridError, match=r"product is 3$"):
+        TrainConfig(model="tiny").check_world(3)
+    with pytest.raises(GridError, match=r"product is 3 \(--G-data 3\)$"):
+        TrainConfig(model="tiny", global_batch_size=6).check_world(3)
+    TrainConfig(model="tiny", G_inter=0).check_world(2)  # validate() names a bad degree
+
+
+def test_world_mismatch_from_the_entry_point(tmp_path):
+    """The pipeline Trainer checks the grid in the options' words: exit 2, one line."""
+    r = subprocess.run([mpiexec_or_skip(), "-n", "1", sys.executable, "-m",
+                        "training.train_gpt", "--G-inter", "2", "--steps", "1", "--no-plot",
+                        "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                       env=_env(), timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "error: process grid G_inter=2 x G_data=1 needs 2 ranks but the world has 1" \
+        in r.stderr, r.stderr
 
 
 def test_process_grid():
@@ -605,6 +622,13 @@ def test_command_exit_codes(capsys):
     assert capsys.readouterr().err == "error: grid (3,1,1,1) cannot run\n"
     assert run_command(parse, run, ["ckpt"], **kw) == 3
     assert capsys.readouterr().err == "error (rank ?): manifest.json is damaged\n"
+    agreed = CheckpointError("(rank 1) shard 1 is truncated")
+    agreed.agreed = True  # raise_together's: every rank has it, one reports it
+
+    def run_agreed(what):
+        raise agreed
+    assert run_command(parse, run_agreed, ["x"], **kw) == 3
+    assert capsys.readouterr().err == "error: (rank 1) shard 1 is truncated\n"
     with pytest.raises(ValueError):  # not a layout error of this command
         run_command(parse, run, ["other"], **kw)
     with pytest.raises(KeyError):

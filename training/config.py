@@ -96,14 +96,18 @@ class Options:
         options, the launch that fits them and the --G-data that fits the world."""
         opts = self.degree_options()
         total = math.prod(opts.values())
-        if total == world_size:
-            return
+        if total == world_size or min(opts.values(), default=1) < 1:
+            return  # a bad degree: validate() and ProcessGrid name it
         fits = ""
-        if "G_data" in opts and world_size % (total // opts["G_data"]) == 0:
-            others = " and ".join(f"--G-{n[2:].replace('_', '-')} {v}"
-                                  for n, v in opts.items() if n != "G_data" and v > 1)
-            fits = (f" (with {others}: " if others else " (") + \
-                f"--G-data {world_size // (total // opts['G_data'])})"
+        rest = total // opts.get("G_data", 1)
+        data = world_size // rest
+        # --G-data that fills the world, where the global batch also splits over it
+        if ("G_data" in opts and world_size % rest == 0
+                and getattr(self, "global_batch_size", 0)
+                % (data * getattr(self, "micro_batch_size", 1)) == 0):
+            others = " and ".join(f"{flag(n)} {v}" for n, v in opts.items()
+                                  if n != "G_data" and v > 1)
+            fits = (f" (with {others}: " if others else " (") + f"--G-data {data})"
         raise GridError(f"process grid {self.describe_grid()} needs {total} ranks but the "
                         f"world has {world_size}; launch with {launch_command(total)} or "
                         f"change the degrees so that their product is {world_size}{fits}")

@@ -196,8 +196,11 @@ def check_grid(step: TrainingStep, grid: Grid4D, world_size: int | None = None) 
     problems = [msg for _, msg in constraint_violations(step, grid)]
     if world_size is not None and world_size != grid.size:
         tensor = grid.x * grid.y * grid.z
-        fits = f" (with these G_x, G_y, G_z: --G-data {world_size // tensor})" \
-            if world_size % tensor == 0 else ""
+        fitted = Grid4D(grid.x, grid.y, grid.z, world_size // tensor) \
+            if world_size % tensor == 0 else None
+        # --G-data that fills the world, where the step's constraints also hold with it
+        fits = f" (with these G_x, G_y, G_z: --G-data {fitted.data})" \
+            if fitted and not constraint_violations(step, fitted) else ""
         problems.insert(0, f"the grid needs G_x*G_y*G_z*G_data={grid.size} ranks but the "
                            f"world has {world_size}; launch with "
                            f"{launch_command(grid.size)} or change the degrees so that their "
