@@ -937,7 +937,7 @@ def test_version_1_table_loads_and_the_mpi_backend_keeps_the_shipped_steps(tmp_p
     assert TuningTable.load(path) == t
 
 
-def test_confirmed_points_round_trip_and_older_versions_have_none(tmp_path):
+def test_confirmed_points_round_trip_and_older_versions_have_none(tmp_path, capsys):
     """Version 4 records the points the confirmation pass re-measured (per entry, sizes
     of that entry); a point of a size the entry lacks is not written; older versions
     read as having none."""
@@ -956,6 +956,13 @@ def test_confirmed_points_round_trip_and_older_versions_have_none(tmp_path):
     assert not any(TuningTable.from_dict(old).is_confirmed("all_reduce", 4, n)
                    for n in (8, 16, 32))
     assert "confirmed" not in valid_doc()["ops"]["all_reduce"]["4"]  # none: no key
+    from mcrdl.tools.tune import main as tune_main
+    assert tune_main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in shown.splitlines() if line.startswith("  ")
+            and line.split()[0][0].isdigit()}
+    assert rows["16*"] and "8" in rows and "32" in rows, shown
+    assert "*: re-measured by the confirmation pass" in shown, shown
 
 
 def test_newer_version_names_the_file_and_the_fix(tmp_path):
@@ -1071,3 +1078,19 @@ def test_table_routes_each_payload_among_the_backends_of_its_device():
     sizes = (torch.zeros(2), torch.zeros(1 << 18))
     assert [normal.all_reduce(x, ReduceOp.SUM, None, False) for x in sizes] == ["mpi", "gloo"]
     assert {debug.all_reduce(x, ReduceOp.SUM, None, False) for x in sizes} == {"gloo"}
+
+
+@pytest.mark.parametrize("command", ["show", "model", "plot"])
+def test_reading_commands_refuse_a_bad_table_in_one_line(command, tmp_path, capsys):
+    """mcrdl-tune show/model/plot of a table that cannot be read: the loader's message on
+    one line and exit 2, not a traceback."""
+    from mcrdl.tools.tune import main as tune_main
+
+    missing = tmp_path / "none.json"
+    extra = ["--out-dir", str(tmp_path / "png")] if command == "plot" else []
+    with pytest.raises(SystemExit) as e:
+        tune_main([command, str(missing), *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mcrdl-tune {command}: error: {missing}: no such tuning table"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err

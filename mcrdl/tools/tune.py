@@ -263,8 +263,9 @@ def _model(args) -> int:
 
 
 def _show(args) -> int:
-    """Per op and group size: the time of every backend (us) at each size, the time of
-    each MPI variant and which one the backend's blocking calls run, the winners."""
+    """Per op and group size: the time of every backend (us) at each size (* where the
+    confirmation pass re-measured it), the time of each MPI variant and which one the
+    backend's blocking calls run, the winners."""
     from mcrdl.tuning.schema import VARIANTS, step_variant
     from mcrdl.tuning.sizes import format_size
     from mcrdl.tuning.table import TuningTable
@@ -289,11 +290,15 @@ def _show(args) -> int:
             print(f"\n{op}, {g} ranks (us)")
             w = [max(10, len(c)) for c in cols]
             print(f"  {'size':>8} " + " ".join(f"{c:>{x}}" for c, x in zip(cols, w, strict=True)))
-            for n in sorted({n for pts in per_b.values() for n in pts}):
+            sizes = sorted({n for pts in per_b.values() for n in pts})
+            for n in sizes:
                 row = [us(per_b[b].get(n)) for b in backends]
                 row += [us(per_v[b].get(v, {}).get(n)) for b in per_v for v in names]
-                print(f"  {format_size(n):>8} "
+                mark = "*" if table.is_confirmed(op, g, n) else " "
+                print(f"  {format_size(n):>8}{mark}"
                       + " ".join(f"{c:>{x}}" for c, x in zip(row, w, strict=True)))
+            if any(table.is_confirmed(op, g, n) for n in sizes):
+                print("  *: re-measured by the confirmation pass")
             print("  winners: " + ", ".join(f"{b} from {format_size(n)}"
                                             for n, b in table.winners(op, g)))
             for b, st in steps.items():
@@ -314,15 +319,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         check_size_sweep(parser, args)
         return _run(args)
-    if args.command == "model":
-        return _model(args)
-    if args.command == "show":
-        return _show(args)
-    from mcrdl.tuning.plot import plot_table
+    from mcrdl.tuning.schema import TuningTableError
 
-    for path in plot_table(args.table, args.out_dir):
-        print(path)
-    return 0
+    try:  # a table that cannot be read: one line naming it and the fix, exit 2
+        if args.command == "model":
+            return _model(args)
+        if args.command == "show":
+            return _show(args)
+        from mcrdl.tuning.plot import plot_table
+
+        for path in plot_table(args.table, args.out_dir):
+            print(path)
+        return 0
+    except TuningTableError as e:
+        parser.exit(2, f"mcrdl-tune {args.command}: error: {e}\n")
 
 
 if __name__ == "__main__":
