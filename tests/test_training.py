@@ -629,6 +629,9 @@ def test_command_exit_codes(capsys):
         raise agreed
     assert run_command(parse, run_agreed, ["x"], **kw) == 3
     assert capsys.readouterr().err == "error: (rank 1) shard 1 is truncated\n"
+    agreed.reporter = False  # another rank of the run reports it
+    assert run_command(parse, run_agreed, ["x"], **kw) == 3
+    assert capsys.readouterr().err == ""
     with pytest.raises(ValueError):  # not a layout error of this command
         run_command(parse, run, ["other"], **kw)
     with pytest.raises(KeyError):

@@ -59,9 +59,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (missing, incomplete, truncated, corrupt, mismatched).
 
     ``agreed``: raised on every rank of the run with this message (``raise_together``),
-    so that one rank's report tells the whole story."""
+    so that one rank's report tells the whole story: the rank with ``reporter`` set (the
+    run's rank 0)."""
 
     agreed = False
+    reporter = True
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:

@@ -49,7 +49,7 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
     except CheckpointError as e:
         if not e.agreed:
             print(f"error (rank {_rank()}): {e}", file=sys.stderr, flush=True)
-        elif not mcrdl.is_initialized() or mcrdl.get_rank() == 0:  # the same on every rank
+        elif e.reporter:  # the same on every rank of the run: its rank 0 reports it
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 3
     except layout_errors as e:

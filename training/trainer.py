@@ -90,6 +90,7 @@ def raise_together(error: Exception | None, context: str,
     text = messages[failed[0]]
     error = ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
     error.agreed = True
+    error.reporter = mcrdl.get_rank(group=group) == 0  # the run's rank 0, in a sub-group too
     raise error
 
 
