@@ -149,8 +149,15 @@ PyObject* call_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
   if (done < 0) return nullptr;
   if (done) {
     if (timeout != Py_None) {  // the stream's wait_call checks it otherwise
-      PyObject* rule = wait_timeout_rule();
-      PyObject* ok = rule ? PyObject_CallOneArg(rule, timeout) : nullptr;
+      static PyObject* check = nullptr;  // mcrdl.work.wait_timeout, kept once found
+      if (!check) {
+        PyObject* work = PyImport_ImportModule("mcrdl.work");
+        if (!work) return nullptr;
+        check = PyObject_GetAttrString(work, "wait_timeout");
+        Py_DECREF(work);
+        if (!check) return nullptr;
+      }
+      PyObject* ok = PyObject_CallOneArg(check, timeout);
       if (!ok) return nullptr;
       Py_DECREF(ok);
     }

@@ -206,7 +206,7 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     if progress is not None and rank == 0:
         progress(len(plan), len(plan), "measured")
     if cfg.confirm > 0:
-        confirm_points(cfg, table, groups, save, progress)
+        confirm_points(cfg, table, groups, progress, save)
     if progress is not None and rank == 0:
         progress(len(plan), len(plan), "done")
     return table
@@ -245,11 +245,12 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
 
 
 def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
-                   save: Callable[[TuningTable], None],
-                   progress: Callable[[int, int, str], None] | None = None) -> None:
+                   progress: Callable[[int, int, str], None] | None = None,
+                   save: Callable[[TuningTable], None] | None = None) -> int:
     """Re-measure rank 0's suspicious points that no earlier pass confirmed, on every
     rank; each is recorded as confirmed and (rank 0) saved as it ends, so that an
-    interrupted pass keeps what it did and a resumed one does not redo it."""
+    interrupted pass keeps what it did and a resumed one does not redo it. Returns how
+    many points it re-measured."""
     import random
 
     from mcrdl.backends.registry import backend_class
@@ -296,5 +297,7 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
                 else:
                     table.add(name, s, b, nbytes, seconds)
             table.mark_confirmed(name, s, nbytes)
-            save(table)
+            if save is not None:
+                save(table)
     _quiet_barrier(cfg.backends[0])
+    return len(points)
