@@ -6,13 +6,12 @@ import json
 import os
 import re
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher
+from .training.synthetic import write_token_file
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,12 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def token_dir(tmp_path_factory):
-    """A byte-level token file (vocabulary 256) of this repository's sources: loads
-    instantly, where ByteCorpus scans the whole stdlib in every rank (seconds each)."""
-    d = tmp_path_factory.mktemp("moe-data")
-    text = b"".join(p.read_bytes() for p in sorted(Path(ROOT, "mcrdl").rglob("*.py")))
-    np.frombuffer(text[: 1 << 19], np.uint8).astype(np.uint16).tofile(d / "train.bin")
-    return d
+    """A byte-level token file (vocabulary 256) of synthetic text fixed by its seed: it
+    loads instantly (ByteCorpus scans the whole stdlib in every rank, seconds each) and,
+    unlike this repository's sources, does not change with an edit. Seed 4: the serial
+    runs of every (experts, top-k) in check_moe.py's layouts keep each top-k choice of
+    their 20 steps at least 1e-6 apart in probability (tests/training/synthetic.py)."""
+    return write_token_file(tmp_path_factory.mktemp("moe-data"), 1 << 19, seed=4)
 
 
 def _env(**kw):
@@ -274,3 +273,21 @@ def test_aux_loss_against_hand_computation():
     r = route(torch.tensor([rows]), top_k=1, capacity=4)
     assert float(r.aux_loss) == pytest.approx(want, rel=1e-6)
     assert r.kept == 4 and r.assigned == 4
+
+
+def test_parity_data_is_fixed():
+    """The MoE parity data is the same bytes on every machine and numpy release (its
+    tie margin was measured on them), and top_k_margin measures what routing decides:
+    a tie between the k-th and the next expert, or between the first two."""
+    import hashlib
+
+    from .training.reference import top_k_margin
+    from .training.synthetic import synthetic_text
+
+    text = synthetic_text(1 << 19, seed=4)
+    assert hashlib.sha256(text).hexdigest() == (
+        "c344446d53446680f86fe53479a167119e10d9a1aa4e5b7a4a1fa1e13dafe7ac")
+    assert text.count(b". ") > 1000 and max(text) < 128
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.3, 0.2]]))
+    assert top_k_margin(logits, 1) == pytest.approx(0.05)   # row 2: 0.3 vs 0.25
+    assert top_k_margin(logits, 2) == pytest.approx(0.0, abs=1e-7)  # row 2's 2nd and 3rd

@@ -422,7 +422,7 @@ def main():
         for (grid, _, _), (_, problems) in results.items():
             bad = [(r, p) for r, p in enumerate(problems) if p is not None]
             if bad:
-                raise SystemExit(f"4d bytes FAILED on {grid}, rank {bad[0][0]}: {bad[0][1]}")
+                raise AssertionError(f"4d bytes FAILED on {grid}, rank {bad[0][0]}: {bad[0][1]}")
         print(f"4d bytes OK: {len(results)} grids x {steps} steps, every rank's calls and bytes "
               "per (op, axis) equal training.perf_model's; (G,1,1,1) sends only Megatron's "
               "collectives, (1,1,G,1) no activation collectives", flush=True)
@@ -436,7 +436,7 @@ def main():
             if worst > TOL:
                 for i, (a, b) in enumerate(zip(got, ref, strict=True)):
                     print(f"  step {i + 1}: parallel {a:.8f} serial {b:.8f}")
-                raise SystemExit(f"4d parity FAILED on {grid}: max rel diff {worst:.2e}")
+                raise AssertionError(f"4d parity FAILED on {grid}: max rel diff {worst:.2e}")
             assert got[-1] < got[0] - 0.1, (grid, got[0], got[-1])  # it trains
         assert len(results) == len(cases), (len(results), len(cases))
         print(f"4d parity OK: {len(results)} grids x {steps} steps, max rel diff "

@@ -257,9 +257,13 @@ def main():
     runs_here = RUNS[n] if "parity" in checks else []
     # the serial references, one per (experts, top_k), computed by the ranks in turn
     keys = sorted({(4 if ge == 4 else 2, k) for _, ge, _, k, _ in runs_here})
-    mine = {key: serial_moe_losses(tiny(steps=steps, experts=key[0], top_k=key[1]), data)
-            for i, key in enumerate(keys) if i % n == rank}
-    refs = {key: ref for part in mcrdl.all_gather_object(mine) for key, ref in part.items()}
+    mine = {}
+    for key in keys[rank::n]:
+        gaps = []
+        losses = serial_moe_losses(tiny(steps=steps, experts=key[0], top_k=key[1]), data, gaps)
+        mine[key] = (losses, gaps)
+    serial = {key: ref for part in mcrdl.all_gather_object(mine) for key, ref in part.items()}
+    refs = {key: losses for key, (losses, _) in serial.items()}
     twins, runs, worst_all = {}, 0, 0.0
     for gt, ge, gd, k, opts in runs_here:
         t0 = time.perf_counter()
@@ -282,9 +286,19 @@ def main():
               f"({time.perf_counter() - t0:.1f} s)",
               flush=True)
         if worst > TOL:
+            gaps = serial[key][1]
             for i, ((a, c), (b, d)) in enumerate(zip(got, refs[key], strict=True)):
-                print(f"  step {i + 1}: lm {a:.8f} vs {b:.8f}, aux {c:.8f} vs {d:.8f}")
-            raise SystemExit(f"moe parity FAILED: max rel diff {worst:.2e} > {TOL}")
+                print(f"  step {i + 1}: lm {a:.8f} vs {b:.8f}, aux {c:.8f} vs {d:.8f}, "
+                      f"closest top-{k} choice {gaps[i]:.2e}")
+            first = next(i for i, r in enumerate(rel) if r > TOL)
+            # the step's loss is its forward's: a tie in it, or in the step before (whose
+            # backward then differed), routes a token elsewhere in the parallel run
+            tie = min(gaps[max(first - 1, 0):first + 1]) < 1e-6
+            raise AssertionError(
+                f"moe parity FAILED: max rel diff {worst:.2e} > {TOL}, from step {first + 1}"
+                + (" (where the serial router's top-k choice is a near tie: a summation "
+                   "order may route a token elsewhere; see tests/training/synthetic.py)"
+                   if tie else ""))
         assert got[-1][0] < got[0][0] - 0.1, (got[0], got[-1])  # it trains
         # DTD and CAC move the same bytes to the same places: bitwise equal losses
         twin = (gt, ge, gd, k, opts.get("optimizer_tile"))

@@ -58,7 +58,7 @@ def main():
             if worst > TOL:
                 for i, (a, b) in enumerate(zip(got, ref, strict=True)):
                     print(f"  step {i + 1}: parallel {a:.8f} serial {b:.8f}")
-                raise SystemExit(f"parity FAILED: max rel diff {worst:.2e} > {TOL}")
+                raise AssertionError(f"parity FAILED: max rel diff {worst:.2e} > {TOL}")
             # the loss must actually go down: a run that trains nothing is not parity
             assert got[-1] < got[0] - 0.1, (got[0], got[-1])
     if rank == 0:

@@ -77,10 +77,16 @@ def serial_index(cfg: TrainConfig, vocab_size: int = 256) -> dict[str, torch.Ten
     return {n: i for (n, _), i in zip(named, index, strict=True)}
 
 
-def serial_moe_losses(cfg, dataset=None) -> list[tuple[float, float]]:
+def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
+                      ) -> list[tuple[float, float]]:
     """(LM loss, aux loss) of every step of the serial MoE GPT (training/moe.py MoEGPT):
     one process, the whole global batch in one forward, torch.optim.AdamW and
     clip_grad_norm_ on the sum of the LM loss and aux_loss_coef x the aux loss.
+
+    ``router_gaps``, where given, gets each step's smallest margin of a top-k choice
+    (over every token and router: the probability gap between the k-th and the next
+    expert, and between the first two): where it is a few ulps, another summation order
+    may route a token elsewhere, and a parallel run part from this one at that step.
 
     An expert that received no token in a step has no gradient; it gets a zero one, as
     in every data-parallel engine (the gradient all-reduce hands every replica a
@@ -100,10 +106,19 @@ def serial_moe_losses(cfg, dataset=None) -> list[tuple[float, float]]:
                             betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
+    margins = []
+    if router_gaps is not None:
+        for name, m in model.named_modules():
+            if name.endswith(".router"):
+                m.register_forward_hook(lambda _m, _i, out: margins.append(
+                    top_k_margin(out, moe.top_k)))
     out = []
     for step in range(cfg.steps):
         x, y = data.global_batch_at(step)
         logits, stats = model(x)
+        if router_gaps is not None:
+            router_gaps.append(min(margins))
+            margins.clear()
         loss, lm = moe_loss(logits, y, stats, moe)
         loss.backward()
         for p in model.parameters():
@@ -117,3 +132,13 @@ def serial_moe_losses(cfg, dataset=None) -> list[tuple[float, float]]:
         opt.zero_grad(set_to_none=True)
         out.append((lm.item(), stats.aux_loss.item()))
     return out
+
+
+def top_k_margin(logits: torch.Tensor, top_k: int) -> float:
+    """The smallest probability gap, over tokens, that decides a top-k routing: between
+    the first two experts (the order of a token's choices) and between the k-th and the
+    (k+1)-th (the choice itself)."""
+    probs = torch.softmax(logits.detach().float(), dim=-1)
+    top = probs.topk(min(top_k + 1, probs.shape[-1]), dim=-1).values
+    gaps = top[..., :-1] - top[..., 1:]
+    return gaps.min().item()
