@@ -150,7 +150,8 @@ class Trainer:
             state = read_init_from(cfg.init_from, lambda: GPTStage(
                 self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
             ckpt.load_serial_part(self.model_stage, state)
-            if dtype != torch.float32:  # the fp32 masters start from them, unrounded
+            # the fp32 masters start from them, unrounded (a pruned run's are masked)
+            if dtype != torch.float32 and cfg.prune_sparsity is None:
                 fp32 = [p.detach().clone() for p in self.model_stage.parameters()]
         self.model_stage.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
@@ -170,7 +171,7 @@ class Trainer:
         elif cfg.offload_optimizer or dtype != torch.float32:  # low precision: fp32 masters
             self.optimizer = OffloadedAdamW(self.model_stage.parameters(), cfg.optim(),
                                             loss_scaling=dtype == torch.float16, **comm)
-            if fp32 is not None and self.pruning is None:  # pruned: the masters are masked
+            if fp32 is not None:
                 self.optimizer.seed_masters(fp32)
         else:
             self.optimizer = DataParallelAdamW(self.model_stage.parameters(), cfg.optim(),

@@ -149,15 +149,8 @@ PyObject* call_wait(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
   if (done < 0) return nullptr;
   if (done) {
     if (timeout != Py_None) {  // the stream's wait_call checks it otherwise
-      static PyObject* check = nullptr;  // mcrdl.work.wait_timeout, kept once found
-      if (!check) {
-        PyObject* work = PyImport_ImportModule("mcrdl.work");
-        if (!work) return nullptr;
-        check = PyObject_GetAttrString(work, "wait_timeout");
-        Py_DECREF(work);
-        if (!check) return nullptr;
-      }
-      PyObject* ok = PyObject_CallOneArg(check, timeout);
+      PyObject* rule = wait_timeout_rule();
+      PyObject* ok = rule ? PyObject_CallOneArg(rule, timeout) : nullptr;
       if (!ok) return nullptr;
       Py_DECREF(ok);
     }

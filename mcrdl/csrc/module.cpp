@@ -190,11 +190,9 @@ PYBIND11_MODULE(_C, m) {
            [](Work& w, py::handle timeout) {
              double seconds = -1.0;  // None: the op's own timeout
              if (!timeout.is_none()) {  // one rule for every kind of Work
-               static PyObject* check =
-                   py::object(py::module_::import("mcrdl.work").attr("wait_timeout"))
-                       .release()
-                       .ptr();
-               seconds = py::handle(check)(timeout).cast<double>();
+               PyObject* rule = wait_timeout_rule();
+               if (!rule) throw py::error_already_set();
+               seconds = py::handle(rule)(timeout).cast<double>();
              }
              py::gil_scoped_release nogil;
              w.wait(seconds);

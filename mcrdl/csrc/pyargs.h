@@ -78,6 +78,19 @@ inline int64_t to_int(py::handle h, const char* op, const char* arg) {
   return v;
 }
 
+// mcrdl.work.wait_timeout, looked up once: the one rule for a wait's `timeout` argument,
+// which every kind of Work applies. A borrowed reference, or nullptr with the error set.
+inline PyObject* wait_timeout_rule() {
+  static PyObject* rule = nullptr;
+  if (!rule) {
+    PyObject* work = PyImport_ImportModule("mcrdl.work");
+    if (!work) return nullptr;
+    rule = PyObject_GetAttrString(work, "wait_timeout");
+    Py_DECREF(work);
+  }
+  return rule;
+}
+
 // A reduce op's code (an int; one outside int's range is named as unknown, not cut).
 inline int to_reduce_code(py::handle h, const char* op) {
   const int64_t v = to_int(h, op, "op");

@@ -206,7 +206,7 @@ def run_suite(cfg: SuiteConfig, table: TuningTable, save: Callable[[TuningTable]
     if progress is not None and rank == 0:
         progress(len(plan), len(plan), "measured")
     if cfg.confirm > 0:
-        confirm_points(cfg, table, groups, progress, save)
+        confirm_points(cfg, table, groups, save, progress)
     if progress is not None and rank == 0:
         progress(len(plan), len(plan), "done")
     return table
@@ -245,12 +245,11 @@ def suspicious_points(table: TuningTable, backends: Sequence[str],
 
 
 def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
-                   progress: Callable[[int, int, str], None] | None = None,
-                   save: Callable[[TuningTable], None] | None = None) -> int:
+                   save: Callable[[TuningTable], None],
+                   progress: Callable[[int, int, str], None] | None = None) -> None:
     """Re-measure rank 0's suspicious points that no earlier pass confirmed, on every
     rank; each is recorded as confirmed and (rank 0) saved as it ends, so that an
-    interrupted pass keeps what it did and a resumed one does not redo it. Returns how
-    many points it re-measured."""
+    interrupted pass keeps what it did and a resumed one does not redo it."""
     import random
 
     from mcrdl.backends.registry import backend_class
@@ -297,7 +296,5 @@ def confirm_points(cfg: SuiteConfig, table: TuningTable, groups: dict,
                 else:
                     table.add(name, s, b, nbytes, seconds)
             table.mark_confirmed(name, s, nbytes)
-            if save is not None:
-                save(table)
+            save(table)
     _quiet_barrier(cfg.backends[0])
-    return len(points)
