@@ -641,6 +641,46 @@ def test_command_exit_codes(capsys):
     assert capsys.readouterr().err.endswith("error (rank ?): v\n")
 
 
+def test_option_errors_printed_once_per_job(capsys, monkeypatch):
+    """A refused command line, before mcrdl starts: an error that follows from the
+    command line (argparse's, a bad value) is printed by the launch's rank 0 alone, every
+    rank exiting 2; one about a path (this node's file system) by every rank, named."""
+    from training.command import run_command
+    from training.config import TrainConfig, parse_args
+
+    def parse(argv):
+        return parse_args(TrainConfig, argv, prog="train_gpt")
+
+    kw = {"layout_errors": (), "layout_errors_agree": True}
+    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE",
+                "SLURM_PROCID", "PMIX_RANK", "PMI_FD", "MPI_LOCALRANKID",
+                "MV2_COMM_WORLD_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    cases = ((["--bogus"], "usage: train_gpt [-h]", "train_gpt: error: unrecognized "
+              "arguments: --bogus\n"),
+             (["--steps", "x"], "usage: train_gpt", "argument --steps: invalid int value"),
+             (["--lr", "-1"], "error: --lr is -1.0; expected > 0", None))
+    for rank in ("0", "1"):
+        monkeypatch.setenv("PMI_RANK", rank)
+        monkeypatch.setenv("PMI_SIZE", "2")
+        for argv, first, last in cases:
+            assert run_command(parse, lambda cfg: None, argv, **kw) == 2
+            err = capsys.readouterr().err
+            if rank == "1":
+                assert err == "", (argv, err)
+                continue
+            assert err.startswith(first) and err.count("error") == 1, (argv, err)
+            assert last is None or last in err, (argv, err)
+        missing = "/nonexistent/w.pt"
+        assert run_command(parse, lambda cfg: None, ["--init-from", missing], **kw) == 2
+        assert capsys.readouterr().err == (f"error (rank {rank}): --init-from {missing}: no "
+                                           "such file\n")
+    monkeypatch.delenv("PMI_RANK")
+    monkeypatch.delenv("PMI_SIZE")  # a plain process: no rank named
+    assert run_command(parse, lambda cfg: None, ["--config", "/nonexistent.toml"], **kw) == 2
+    assert capsys.readouterr().err == "error: --config /nonexistent.toml: no such file\n"
+
+
 def test_lr_schedule_and_decay_groups_against_hand_values():
     """The schedule and the decay groups the serial references share with the engines,
     checked against values worked out by hand (a wrong warmup or decay, or biases in the

@@ -22,14 +22,31 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mcrdl
+from mcrdl.launch import detect as detect_launch
 
 from . import report
 from .checkpoint import CheckpointError, resume_path
+from .config import PathOptionError, UsageError
 from .report import MetricsFile, ProgressLog, TrainResult
 
 
 def _rank() -> str:
     return str(mcrdl.get_rank()) if mcrdl.is_initialized() else "?"
+
+
+def report_option_error(e: Exception) -> None:
+    """Print a refused command line before mcrdl starts, once per job where it is the
+    same on every rank: an error that follows from the command line alone (every rank
+    has the same) is printed by the launch's rank 0 only; one about a path
+    (PathOptionError, a missing --config file) by each rank, named, since nodes may
+    see different file systems."""
+    launch = detect_launch()
+    if isinstance(e, (PathOptionError, FileNotFoundError)):
+        who = f" (rank {launch.rank})" if launch.size > 1 else ""
+        print(f"error{who}: {e}", file=sys.stderr, flush=True)
+    elif launch.rank == 0:
+        usage = e.usage if isinstance(e, UsageError) else ""
+        print(f"{usage}{e}" if usage else f"error: {e}", file=sys.stderr, flush=True)
 
 
 def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable[[Any], Any],
@@ -42,7 +59,7 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
     try:
         cfg = parse_args(argv)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        report_option_error(e)
         return 2
     try:
         run(cfg)

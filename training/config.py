@@ -388,7 +388,7 @@ class RunOptions(Options):
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("--resume without a path needs --checkpoint-dir")
         if self.init_from is not None and not Path(self.init_from).is_file():
-            raise ValueError(f"--init-from {self.init_from}: no such file")
+            raise PathOptionError(f"--init-from {self.init_from}: no such file")
         if self.plot or not self.metrics:  # else nothing goes to --out-dir
             _check_directory("--out-dir", self.out_dir)
         if self.checkpoint_dir:
@@ -444,6 +444,12 @@ class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, Pipe
 
 # -- paths ------------------------------------------------------------------------------
 
+class PathOptionError(ValueError):
+    """An option names a path this process cannot use. Unlike the other option errors,
+    which follow from the command line alone and so are the same on every rank, this
+    one is of this node's file system: another node may see another one."""
+
+
 def _existing_ancestor(path: Path) -> Path:
     """`path` itself, else its nearest ancestor that exists."""
     path = path.absolute()
@@ -453,24 +459,25 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def _check_directory(option: str, given: str | Path) -> None:
-    """ValueError naming `option` when directory `given` cannot be made or written: it or
+    """PathOptionError naming `option` when directory `given` cannot be made or written: it or
     an ancestor is a file, or the nearest existing ancestor is not writable (a run would
     train and then fail at its first save)."""
     path = Path(given)
     found = _existing_ancestor(path)
     if not found.is_dir():
         what = "is a file" if found == path.absolute() else f"is inside the file {found}"
-        raise ValueError(f"{option} {given} {what}; expected a directory (made if missing)")
+        raise PathOptionError(f"{option} {given} {what}; expected a directory (made if "
+                              "missing)")
     if not os.access(found, os.W_OK | os.X_OK):
-        raise ValueError(f"{option} {given}: {found} is not writable by this user")
+        raise PathOptionError(f"{option} {given}: {found} is not writable by this user")
 
 
 def _check_file(option: str, given: str | Path) -> None:
-    """ValueError naming `option` when file `given` cannot be written: it is a directory,
+    """PathOptionError naming `option` when file `given` cannot be written: it is a directory,
     or its directory cannot be made (``_check_directory``)."""
     path = Path(given)
     if path.is_dir():
-        raise ValueError(f"{option}: {given} is a directory; expected a file")
+        raise PathOptionError(f"{option}: {given} is a directory; expected a file")
     _check_directory(option, path.parent)
 
 
@@ -520,13 +527,32 @@ def _check_value(f: Field, value: Any, hint: Any) -> None:
 ConfigT = TypeVar("ConfigT", bound=Options)
 
 
+class UsageError(ValueError):
+    """argparse's complaint about the command line (an unknown flag, a value of the wrong
+    type): ``str()`` is its "prog: error: ..." line, ``usage`` the usage lines it prints
+    before it."""
+
+    def __init__(self, usage: str, message: str):
+        super().__init__(message)
+        self.usage = usage
+
+
+class _Parser(argparse.ArgumentParser):
+    """Raises UsageError where argparse would print and exit: the caller decides which
+    rank prints it (run_command: one, since every rank has the same command line)."""
+
+    def error(self, message: str):
+        raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
+
+
 def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *,
                prog: str | None = None, description: str | None = None) -> ConfigT:
     """A validated `config_class` from the defaults, ``--config FILE`` and `argv` (in
-    that order of precedence, the last winning). Raises ValueError naming a bad option,
-    FileNotFoundError for a missing config file."""
-    parser = argparse.ArgumentParser(prog=prog, description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    that order of precedence, the last winning). Raises ValueError naming a bad option
+    (UsageError where argparse refuses the command line, PathOptionError for a path this
+    node cannot use), FileNotFoundError for a missing config file."""
+    parser = _Parser(prog=prog, description=description,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML or JSON file of options (see above)")
     defaults = config_class()
     hints = typing.get_type_hints(config_class)
