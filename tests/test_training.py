@@ -598,7 +598,18 @@ def test_offloaded_adamw_matches_torch():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-def test_command_exit_codes(capsys):
+@pytest.fixture
+def plain_process(monkeypatch):
+    """No launcher's variables: mcrdl.launch.detect() sees a plain process (rank 0 of 1),
+    even where the tests themselves run under one."""
+    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK",
+                "MV2_COMM_WORLD_RANK", "MPI_LOCALRANKID", "RANK", "WORLD_SIZE",
+                "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_command_exit_codes(capsys, plain_process):
     """training.command.run_command: 0 trained, 2 bad options or layout, 3 unusable
     checkpoint, one line on stderr; other errors propagate."""
     from training.checkpoint import CheckpointError
@@ -641,7 +652,7 @@ def test_command_exit_codes(capsys):
     assert capsys.readouterr().err.endswith("error (rank ?): v\n")
 
 
-def test_option_errors_printed_once_per_job(capsys, monkeypatch):
+def test_option_errors_printed_once_per_job(capsys, plain_process, tmp_path):
     """A refused command line, before mcrdl starts: an error that follows from the
     command line (argparse's, a bad value) is printed by the launch's rank 0 alone, every
     rank exiting 2; one about a path (this node's file system) by every rank, named."""
@@ -652,10 +663,14 @@ def test_option_errors_printed_once_per_job(capsys, monkeypatch):
         return parse_args(TrainConfig, argv, prog="train_gpt")
 
     kw = {"layout_errors": (), "layout_errors_agree": True}
-    for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE",
-                "SLURM_PROCID", "PMIX_RANK", "PMI_FD", "MPI_LOCALRANKID",
-                "MV2_COMM_WORLD_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch = plain_process
+    bad_key, bad_value = tmp_path / "key.json", tmp_path / "value.toml"
+    bad_key.write_text('{"stepz": 3}')
+    bad_value.write_text("lr = -1.0\n")
+    # this node's copy of a --config file: every rank reports what it read
+    from_files = ((["--config", str(bad_key)], "unknown option 'stepz'"),
+                  (["--config", str(bad_value)], "--lr is -1.0; expected > 0"),
+                  (["--config", str(tmp_path)], "Is a directory"))
     cases = ((["--bogus"], "usage: train_gpt [-h]", "train_gpt: error: unrecognized "
               "arguments: --bogus\n"),
              (["--steps", "x"], "usage: train_gpt", "argument --steps: invalid int value"),
@@ -671,6 +686,11 @@ def test_option_errors_printed_once_per_job(capsys, monkeypatch):
                 continue
             assert err.startswith(first) and err.count("error") == 1, (argv, err)
             assert last is None or last in err, (argv, err)
+        for argv, message in from_files:
+            assert run_command(parse, lambda cfg: None, argv, **kw) == 2
+            err = capsys.readouterr().err
+            assert err.startswith(f"error (rank {rank}): ") and message in err, (argv, err)
+            assert err.count("\n") == 1, err
         missing = "/nonexistent/w.pt"
         assert run_command(parse, lambda cfg: None, ["--init-from", missing], **kw) == 2
         assert capsys.readouterr().err == (f"error (rank {rank}): --init-from {missing}: no "

@@ -37,9 +37,9 @@ def _rank() -> str:
 def report_option_error(e: Exception) -> None:
     """Print a refused command line before mcrdl starts, once per job where it is the
     same on every rank: an error that follows from the command line alone (every rank
-    has the same) is printed by the launch's rank 0 only; one about a path
-    (PathOptionError, a missing --config file) by each rank, named, since nodes may
-    see different file systems."""
+    has the same) is printed by the launch's rank 0 only; one about a path or a
+    --config file's contents (PathOptionError, a missing --config file) by each rank,
+    named, since nodes may see different file systems."""
     launch = detect_launch()
     if isinstance(e, (PathOptionError, FileNotFoundError)):
         who = f" (rank {launch.rank})" if launch.size > 1 else ""

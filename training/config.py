@@ -445,9 +445,10 @@ class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, Pipe
 # -- paths ------------------------------------------------------------------------------
 
 class PathOptionError(ValueError):
-    """An option names a path this process cannot use. Unlike the other option errors,
-    which follow from the command line alone and so are the same on every rank, this
-    one is of this node's file system: another node may see another one."""
+    """An option names a path this process cannot use, or a value read from a --config
+    file is refused. Unlike the other option errors, which follow from the command line
+    alone and so are the same on every rank, this one is of this node's file system:
+    another node may see another one (or another copy of the file)."""
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -562,11 +563,19 @@ def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *
         for name in _section_fields(section):
             _add_flag(group, by_name[name], hints[name], getattr(defaults, name))
     args = parser.parse_args(argv)
-    values = read_config_file(args.config, config_class) if args.config else {}
-    values.update({name: getattr(args, name) for name in by_name
-                   if getattr(args, name) is not None})
-    config = config_class(**values)
-    config.validate()
+    try:
+        values = read_config_file(args.config, config_class) if args.config else {}
+        values.update({name: getattr(args, name) for name in by_name
+                       if getattr(args, name) is not None})
+        config = config_class(**values)
+        config.validate()
+    except PathOptionError:
+        raise
+    except ValueError as e:
+        if not args.config:
+            raise
+        # its values came (or may have come) from this node's copy of the file
+        raise PathOptionError(str(e)) from e
     return config
 
 
@@ -603,6 +612,8 @@ def read_config_file(path: str, config_class: type[Options]) -> dict[str, Any]:
             raw = json.loads(file.read_text())
     except ValueError as e:  # including the TOML and JSON decoders' errors
         raise ValueError(f"--config {path}: {e}") from e
+    except OSError as e:  # a directory, no permission
+        raise PathOptionError(f"--config {path}: {e.strerror or e}") from e
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path}: expected a table of options, got "
                          f"{type(raw).__name__}")

@@ -107,7 +107,7 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
     margins = []
-    if router_gaps is not None:
+    if router_gaps is not None:  # the model is this function's: the hooks die with it
         for name, m in model.named_modules():
             if name.endswith(".router"):
                 m.register_forward_hook(lambda _m, _i, out: margins.append(
@@ -117,7 +117,7 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
         x, y = data.global_batch_at(step)
         logits, stats = model(x)
         if router_gaps is not None:
-            router_gaps.append(min(margins))
+            router_gaps.append(min(margins, default=float("inf")))
             margins.clear()
         loss, lm = moe_loss(logits, y, stats, moe)
         loss.backward()
@@ -141,4 +141,4 @@ def top_k_margin(logits: torch.Tensor, top_k: int) -> float:
     probs = torch.softmax(logits.detach().float(), dim=-1)
     top = probs.topk(min(top_k + 1, probs.shape[-1]), dim=-1).values
     gaps = top[..., :-1] - top[..., 1:]
-    return gaps.min().item()
+    return gaps.min().item() if gaps.numel() else float("inf")  # one expert: no choice
