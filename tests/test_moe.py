@@ -230,6 +230,18 @@ def test_ted_model_lists_layouts(capsys):
     mem = memory_per_rank(cfg, moe, layout, "bf16")
     assert mem["total"] == pytest.approx(eq72_bytes(cfg, moe, layout, "bf16"), rel=1e-3)
 
+    # DTD runs where an all_to_all carries duplicates only (ParallelMoE): none without
+    # expert parallelism, whatever G_tensor (check_moe's "moe G_expert=1 OK" on the engine)
+    from training.ted_model import step_comm
+    moe_blocks = sum(moe.is_moe(b) for b in range(cfg.n_layer))
+    for lay, gathers in ((TEDLayout(2, 1, 1), 0), (TEDLayout(2, 2, 2), 4 * moe_blocks)):
+        dtd, plain = (step_comm(cfg, moe, lay, micro_batch=2, dtd=d, optimizer=False)
+                      for d in (True, False))
+        # 2 per pass (forward, backward): dispatch and combine
+        assert dtd["all_gather"]["calls"] == gathers and plain["all_gather"]["calls"] == 0
+        a2a, a2a_plain = dtd["all_to_all_single"]["bytes"], plain["all_to_all_single"]["bytes"]
+        assert a2a * (2 if gathers else 1) == a2a_plain, (lay, a2a, a2a_plain)
+
 
 def test_tiled_optimizer_peak_memory_profiled():
     """The update's temporary memory measured by torch's allocator tracking (the

@@ -141,9 +141,13 @@ def step_comm(cfg: GPTConfig, moe: MoEConfig, layout: TEDLayout, *, micro_batch:
             else:
                 add("all_reduce", tokens * cfg.n_embd * w, passes * n_micro)   # dense FFN
         if moe.is_moe(block):
+            # DTD runs where an all_to_all carries duplicates (ParallelMoE's rule): over
+            # expert ranks (G_expert > 1) of tensor-parallel experts (G_tensor > 1)
+            deduped = dtd and g_t > 1 and g_e > 1
             if g_e > 1:
-                add("all_to_all_single", slots // g_t if dtd else slots, 2 * passes * n_micro)
-            if dtd and g_t > 1:
+                add("all_to_all_single", slots // g_t if deduped else slots,
+                    2 * passes * n_micro)
+            if deduped:
                 add("all_gather", slots, 2 * passes * n_micro)
     if optimizer:
         n = rank_params(cfg, moe, layout)
