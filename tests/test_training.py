@@ -602,10 +602,7 @@ def test_offloaded_adamw_matches_torch():
 def plain_process(monkeypatch):
     """No launcher's variables: mcrdl.launch.detect() sees a plain process (rank 0 of 1),
     even where the tests themselves run under one."""
-    for var in ("PMI_RANK", "PMI_SIZE", "PMI_FD", "PMIX_RANK", "OMPI_COMM_WORLD_RANK",
-                "MV2_COMM_WORLD_RANK", "MPI_LOCALRANKID", "RANK", "WORLD_SIZE",
-                "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS"):
-        monkeypatch.delenv(var, raising=False)
+    without_launcher(monkeypatch)
     return monkeypatch
 
 
