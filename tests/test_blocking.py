@@ -279,6 +279,24 @@ def test_blocking_call_past_timeout_ends_the_job(backend, tmp_path):
     assert not _left_behind(pids), out
 
 
+def test_pccl_blocking_phase_gets_what_is_left_of_the_timeout(tmp_path):
+    """A blocking pccl all_reduce whose first phase waited: its blocking MPI all-gather
+    phase may only take the rest of the op's timeout. Rank 0 joins the first phase (the
+    reduce_scatter) 3 s late and never the second: the job ends about `limit` after rank
+    1's call, not `late` + `limit` (what arming each phase with the whole timeout gave)."""
+    limit, late = 4.0, 3.0
+    out, end = _run(2, limit, "pccl", f"late={late}", mode="always", timeout=60,
+                    done_dir=tmp_path)
+    called = float(re.search(r"rank 1: calling at ([\d.]+)", out).group(1))
+    joined = float(re.search(r"rank 0: joined the first phase at ([\d.]+)", out).group(1))
+    assert joined - called > late - 0.5, out  # the first phase did wait
+    assert end - called < limit + late - 0.5, (end - called, out)
+    text = _C.timeout_message("all_reduce", "pccl", "world", 2, limit)
+    assert f"mcrdl: CommTimeoutError: {text}" in out and "MPI_Abort" in out, out
+    pids = [int(p) for p in re.findall(r"rank \d: pid (\d+)", out)]
+    assert len(pids) == 2 and not _left_behind(pids), out
+
+
 def test_async_call_past_timeout_still_raises(tmp_path):
     """An async op of the blocking variant (run by the communicator's issue thread) keeps
     the async contract: its wait raises CommTimeoutError, the job goes on. Its thread

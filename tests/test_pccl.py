@@ -163,3 +163,29 @@ def test_mpi_algorithm_blocking_variant():
         found = re.findall(rf"rank \d mode={mode} ok=(\w+) blocking_steps=(\d+) layout=2x2", out)
         assert len(found) == 4 and all(ok == "True" for ok, _ in found), out
         assert all((int(steps) > 0) == (mode == "always") for _, steps in found), out
+
+
+def test_timeouts_and_a_failed_op():
+    """tests/pccl/failures.py on a 2 x 2 world: a second init's timeout reaches every C++
+    communicator (the inter-node one of hierarchical groups' delegated phases too), and
+    after an op fails (a truncated receive: ranks passed different counts) the ops of its
+    communicator behind it fail at once with its error instead of waiting out their
+    timeout (7.5 s), while other communicators still work."""
+    env = dict(os.environ, MCRDL_RANKS_PER_NODE="2")
+    cmd = [mpiexec_or_skip(), "-n", "4", sys.executable, os.path.join(HERE, "failures.py")]
+    out = run_launcher(cmd, env=env, timeout=120)
+    lines = re.findall(r"rank \d: timeouts .*", out)
+    assert len(lines) == 4, out
+    assert all(line.endswith("before=[60.0] after=[7.5] hierarchical=1, later 2 "
+                             "after_new_group=[7.5]") for line in lines), out
+    assert "rank 0: first op completed" in out, out
+    first = re.search(r"rank 1: first op raised MCRDLError after ([\d.]+) s: (pccl all_gather "
+                      r"failed: (?i:.*truncat).*)", out)
+    assert first, out
+    for which in ("behind", "later"):
+        m = re.search(rf"rank 1: {which} op raised MCRDLError after ([\d.]+) s: pccl all_gather "
+                      r"\(group 2 \[0, 1\]\) was not run: an earlier op of this communicator "
+                      r"failed.*The first error: (.*)", out)
+        assert m and float(m.group(1)) < 2.0 and m.group(2) == first.group(2), out
+    assert len(re.findall(r"rank \d: world all_reduce ok=True", out)) == 4, out
+    assert len(re.findall(r"rank \d: finalized", out)) == 4, out

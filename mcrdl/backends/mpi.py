@@ -234,7 +234,7 @@ class MPILaneBackend(Backend):
                 "table, e.g. MCRDL_TUNING_TABLE, must be the same on every rank); (mode, "
                 f"table steps) on rank 0: {views[0]}, on rank {differ[0]}: {views[differ[0]]}")
         self._blocking_table = steps
-        for c in self._blocking_comms():
+        for c in self._cpp_comms():
             self._choose_blocking(c)
 
     def _settle_oversubscription(self, masks: list) -> None:
@@ -265,8 +265,9 @@ class MPILaneBackend(Backend):
                 f"seemed to have cores of its own, spin (set {MPICH_POSIX_COLL_CVAR}= to leave "
                 "them out)" if selection else "")
 
-    def _blocking_comms(self):
-        """The C++ communicators whose variants use_tuning_table sets."""
+    def _cpp_comms(self):
+        """Every C++ communicator of this backend: use_tuning_table sets their variants
+        and set_timeout their timeouts."""
         return self._comms.values()
 
     def _choose_blocking(self, c) -> None:
@@ -284,7 +285,7 @@ class MPILaneBackend(Backend):
 
     def set_timeout(self, timeout: float) -> None:
         super().set_timeout(timeout)
-        for c in self._comms.values():
+        for c in self._cpp_comms():
             c.set_timeout(timeout)
 
     def mark_failed(self, why: str) -> None:

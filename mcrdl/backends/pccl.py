@@ -173,7 +173,7 @@ class PCCLBackend(MPILaneBackend):
             self._choose_blocking(comm)
 
     # -- the "mpi" algorithm's blocking variant ----------------------------------------
-    def _blocking_comms(self):
+    def _cpp_comms(self):  # the inter-node phases of hierarchical groups' delegated ops too
         return [*self._comms.values(), *(h.inter for h in self._hier.values())]
 
     def _choose_blocking(self, c: _C.PcclComm) -> None:

@@ -97,6 +97,17 @@ inline void check_mpi(int rc, const char* what) {
   throw Error(ErrorKind::Runtime, msg);
 }
 
+// The error of MPI_Testall's `rc`: MPI_ERR_IN_STATUS names no cause, the first failed
+// request's status does (MPI_ERR_TRUNCATE, ...). For paths that keep the statuses.
+inline int request_error(int rc, const std::vector<MPI_Status>& statuses) {
+  int cls = MPI_ERR_OTHER;
+  if (rc == MPI_SUCCESS || MPI_Error_class(rc, &cls) != MPI_SUCCESS || cls != MPI_ERR_IN_STATUS)
+    return rc;
+  for (const MPI_Status& st : statuses)
+    if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING) return st.MPI_ERROR;
+  return rc;
+}
+
 // mpi4py's Comm.handle: an int for MPICH-ABI libraries, a pointer value for Open MPI.
 template <typename C>
 C comm_from_handle(uint64_t h) {

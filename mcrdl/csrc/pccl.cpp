@@ -23,6 +23,7 @@
 // deadline) or by the backend's lane thread for async ops. Ops of one PcclComm run in
 // issue order (each starts when the previous one finished), so the intra-node MPI
 // collectives match across ranks; every message is tagged with the op's sequence number.
+// Once an op fails, the ops behind it on that PcclComm fail at once with its error.
 //
 // Reductions run on the tensors' own device with ATen ops (never copied to the host).
 // The Python layer (mcrdl/backends/pccl.py) validates arguments, maps bool to uint8,
@@ -34,6 +35,7 @@
 #include <ATen/ops/minimum.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <type_traits>
 
@@ -197,24 +199,54 @@ struct BlockingRun {
   const std::string* group = nullptr;
   uint64_t seq = 0;
   double timeout_s = 0;
+  std::chrono::steady_clock::time_point start;  // a blocking op's: when its wait began
   std::shared_ptr<std::atomic<uint64_t>> count;  // the communicator's blocking steps run
 };
+
+// An op's outcome, which the next op of its communicator waits for before it starts.
+// After a failure (a step's MPI call returned an error, e.g. MPI_ERR_TRUNCATE when ranks
+// passed different counts) the ranks no longer issue matching messages, so the ops
+// behind it fail at once with its error rather than wait out their timeout on it.
+struct Outcome {
+  enum : int { kRunning, kDone, kFailed };
+  std::atomic<int> state{kRunning};
+  std::string why;             // kFailed: the first failed op's error (written before state)
+  std::shared_ptr<void> keep;  // the failed op's schedule: requests it left posted may
+                               // still write into its buffers (never freed, as a timed-out
+                               // op's are kept by its lane)
+};
+
+// The error of an op refused because an earlier op of its communicator failed.
+[[noreturn]] void throw_after_failure(const char* op, const std::string& group,
+                                      const std::string& why) {
+  throw Error(ErrorKind::Runtime,
+              std::string("pccl ") + op + " (group " + group + ") was not run: an earlier "
+              "op of this communicator failed, and its ranks no longer issue matching "
+              "messages; finalize and restart the job. The first error: " + why);
+}
 
 struct Schedule {
   std::vector<Step> steps;
   std::vector<at::Tensor> keep;  // buffers the requests use
   std::vector<MPI_Request> reqs;
+  std::vector<MPI_Status> statuses;
   size_t i = 0;
   bool posted = false;
-  std::shared_ptr<std::atomic<bool>> done = std::make_shared<std::atomic<bool>>(false);
-  std::shared_ptr<std::atomic<bool>> prev;  // the previous op of this communicator
+  std::shared_ptr<Outcome> done = std::make_shared<Outcome>();
+  std::shared_ptr<Outcome> prev;  // the previous op of this communicator
   const char* op = "";
   BlockingRun run;
   std::shared_ptr<Issued> issued;  // the current blocking step, on the issue thread
 
   bool test() {
     if (prev) {
-      if (!prev->load(std::memory_order_acquire)) return false;
+      const int state = prev->state.load(std::memory_order_acquire);
+      if (state == Outcome::kRunning) return false;
+      if (state == Outcome::kFailed) {
+        done->why = prev->why;  // the ops behind this one report the first error too
+        done->state.store(Outcome::kFailed, std::memory_order_release);
+        throw_after_failure(run.op, *run.group, prev->why);
+      }
       prev.reset();
     }
     while (i < steps.size()) {
@@ -233,15 +265,25 @@ struct Schedule {
       }
       if (!reqs.empty()) {
         int flag = 0;
-        check_mpi(MPI_Testall((int)reqs.size(), reqs.data(), &flag, MPI_STATUSES_IGNORE), op);
+        statuses.resize(reqs.size());  // a failed request's status names the cause
+        const int rc = MPI_Testall((int)reqs.size(), reqs.data(), &flag, statuses.data());
+        check_mpi(request_error(rc, statuses), op);
         if (!flag) return false;
       }
       if (steps[i].after) steps[i].after();
       ++i;
       posted = false;
     }
-    done->store(true, std::memory_order_release);
+    done->state.store(Outcome::kDone, std::memory_order_release);
     return true;
+  }
+
+  // A step threw `e` (self: this schedule's owner): the ops behind it fail at once.
+  void failed(const std::exception& e, std::shared_ptr<Schedule> self) {
+    if (done->state.load(std::memory_order_relaxed) != Outcome::kRunning) return;  // refused
+    done->why = e.what();
+    done->keep = std::move(self);
+    done->state.store(Outcome::kFailed, std::memory_order_release);
   }
 
   // Runs a blocking step here (the caller of a blocking op) or queues it on the issue
@@ -252,8 +294,10 @@ struct Schedule {
       static const std::string backend = "pccl";
       int rc;
       {
-        // The waiter of a blocking op holds no GIL here (launch_work released it).
-        WatchGuard watch(run.op, &backend, run.group, run.seq, run.timeout_s);
+        // The waiter of a blocking op holds no GIL here (launch_work released it). The
+        // step may take what is left of the op's timeout.
+        const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - run.start;
+        WatchGuard watch(run.op, &backend, run.group, run.seq, run.timeout_s, spent.count());
         rc = st.block();
       }
       check_mpi(rc, st.block_name);
@@ -542,7 +586,14 @@ class PcclComm {
 
   int nodes() const { return inter_.size; }
   int ranks_per_node() const { return intra_.size; }
-  void set_timeout(double t) { timeout_s_ = t; }
+  void set_timeout(double t) {
+    std::lock_guard<std::mutex> g(post_mu_);  // make_work reads it under the post lock
+    timeout_s_ = t;
+  }
+  double timeout() {
+    std::lock_guard<std::mutex> g(post_mu_);
+    return timeout_s_;
+  }
 
   // out: size * n elements (rank order), in: n elements; both contiguous.
   py::object all_gather(py::handle output, py::handle input, const std::string& inter_algo,
@@ -597,6 +648,8 @@ class PcclComm {
     std::unique_lock<std::mutex> posted(post_mu_);
     auto w = make_work(op, *s);
     add(*s);
+    s->prev = last_;  // linked once built: an op that failed to build is not waited for
+    last_ = s->done;
     return launch(w, s, async_op, posted);
   }
 
@@ -702,9 +755,9 @@ class PcclComm {
   // Called with the post lock held: the op's sequence number and its place in the order.
   std::shared_ptr<Work> make_work(const char* op, Schedule& s) {
     if (!lane_->healthy()) lane_->throw_unhealthy(op);
+    if (last_ && last_->state.load(std::memory_order_acquire) == Outcome::kFailed)
+      throw_after_failure(op, group_, last_->why);
     auto w = std::make_shared<Work>(op, "pccl", group_, ++seq_, timeout_s_, lane_);
-    s.prev = last_;
-    last_ = s.done;
     s.run.op = op;
     s.run.issuer = issuer_;
     s.run.group = &group_;
@@ -722,11 +775,20 @@ class PcclComm {
 
   py::object launch(const std::shared_ptr<Work>& w, std::shared_ptr<Schedule> s, bool async_op,
                     std::unique_lock<std::mutex>& posted) {
-    if (!async_op) s->run.caller = std::this_thread::get_id();  // before anyone polls it
+    if (!async_op) {  // before anyone polls it
+      s->run.caller = std::this_thread::get_id();
+      s->run.start = std::chrono::steady_clock::now();
+    }
     posted.unlock();
     w->test = [s, work = w.get()] {  // the Work owns this function: `work` outlives it
       const size_t step = s->i;
-      const bool done = s->test();
+      bool done;
+      try {
+        done = s->test();
+      } catch (const std::exception& e) {
+        s->failed(e, s);
+        throw;  // the Work fails with it
+      }
       if (s->i != step) work->advanced();  // a step completed: the lane keeps polling
       return done;
     };
@@ -740,7 +802,7 @@ class PcclComm {
   std::shared_ptr<Lane> lane_;
   double timeout_s_;
   uint64_t seq_ = 0;
-  std::shared_ptr<std::atomic<bool>> last_;
+  std::shared_ptr<Outcome> last_;
   std::mutex post_mu_;
   BlockingSteps choice_[2][2];  // [all_gather, reduce_scatter][inter, intra]
   std::shared_ptr<Issuer> issuer_ = std::make_shared<Issuer>();
@@ -761,6 +823,7 @@ void bind_pccl(py::module_& m) {
       .def_property_readonly("nodes", &PcclComm::nodes)
       .def_property_readonly("ranks_per_node", &PcclComm::ranks_per_node)
       .def("set_timeout", &PcclComm::set_timeout)
+      .def_property_readonly("timeout", &PcclComm::timeout, "Seconds: the timeout of its ops.")
       .def("set_blocking", &PcclComm::set_blocking, arg("op"), arg("phase"), arg("steps"),
            "Which variant the \"mpi\" algorithm of op in phase runs, by size: (largest "
            "bytes, blocking) steps, -1 bytes meaning no limit.")

@@ -75,9 +75,10 @@ void watch() {
       const uint64_t seq = s.seq.load(std::memory_order_relaxed);
       const double timeout_s = s.timeout_s.load(std::memory_order_relaxed);
       const bool held_gil = s.held_gil.load(std::memory_order_relaxed);
+      const double spent_s = s.spent_s.load(std::memory_order_relaxed);
       std::atomic_thread_fence(std::memory_order_acquire);
       if (s.gen.load(std::memory_order_relaxed) != g1) continue;  // it completed meanwhile
-      if (now - seen[i].since < std::chrono::duration<double>(timeout_s)) continue;
+      if (now - seen[i].since < std::chrono::duration<double>(timeout_s - spent_s)) continue;
       fire(op, *backend, *group, seq, timeout_s, held_gil);
     }
   }

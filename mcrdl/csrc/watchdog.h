@@ -26,6 +26,7 @@ struct WatchSlot {
   std::atomic<uint64_t> seq{0};
   std::atomic<double> timeout_s{0.0};
   std::atomic<bool> held_gil{false};  // the call kept the GIL (gil.h)
+  std::atomic<double> spent_s{0.0};    // the op's time before this call: it may take the rest
 };
 
 // The calling thread's slot (registered, and the watchdog thread started, on first use).
@@ -58,12 +59,30 @@ class SlotCache {
 // Arms the calling thread's slot for the lifetime of the guard. The strings must outlive it.
 class WatchGuard {
  public:
+  // spent_s: how long the op ran before this call (a step of a multi-step op): the call
+  // may take the rest of the op's timeout. Only this form writes it (the slot of the
+  // "mpi" backend's single-call ops keeps 0 without a store).
   WatchGuard(const char* op, const std::string* backend, const std::string* group, uint64_t seq,
-             double timeout_s, bool held_gil = false)
-      : WatchGuard(watch_slot(), op, backend, group, seq, timeout_s, held_gil) {}
+             double timeout_s, double spent_s)
+      : s_(watch_slot()), spent_(spent_s > 0) {
+    if (spent_) s_.spent_s.store(spent_s, std::memory_order_relaxed);
+    arm(op, backend, group, seq, timeout_s, false);
+  }
   WatchGuard(WatchSlot& slot, const char* op, const std::string* backend,
              const std::string* group, uint64_t seq, double timeout_s, bool held_gil)
       : s_(slot) {
+    arm(op, backend, group, seq, timeout_s, held_gil);
+  }
+  ~WatchGuard() {
+    s_.gen.store(s_.gen.load(std::memory_order_relaxed) + 1, std::memory_order_release);
+    if (spent_) s_.spent_s.store(0.0, std::memory_order_relaxed);  // disarmed: gen is even
+  }
+  WatchGuard(const WatchGuard&) = delete;
+  WatchGuard& operator=(const WatchGuard&) = delete;
+
+ private:
+  void arm(const char* op, const std::string* backend, const std::string* group, uint64_t seq,
+           double timeout_s, bool held_gil) {
     s_.held_gil.store(held_gil, std::memory_order_relaxed);
     s_.op.store(op, std::memory_order_relaxed);
     s_.backend.store(backend, std::memory_order_relaxed);
@@ -72,14 +91,9 @@ class WatchGuard {
     s_.timeout_s.store(timeout_s, std::memory_order_relaxed);
     s_.gen.store(s_.gen.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   }
-  ~WatchGuard() {
-    s_.gen.store(s_.gen.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-  }
-  WatchGuard(const WatchGuard&) = delete;
-  WatchGuard& operator=(const WatchGuard&) = delete;
 
- private:
   WatchSlot& s_;
+  bool spent_ = false;
 };
 
 }  // namespace mcrdl

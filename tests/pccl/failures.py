@@ -1,0 +1,79 @@
+"""pccl after something went wrong (run under mpiexec -n 4 with MCRDL_RANKS_PER_NODE=2,
+a hierarchical 2 x 2 world; tests/test_pccl.py checks what each rank prints):
+
+- timeouts: a second mcrdl.init with another timeout reaches every C++ communicator of
+  the backend, the inter-node one of a hierarchical group's delegated phases included,
+  and groups made later start with it.
+- a failed op: ranks 0 and 1 pass different counts to a ring all_gather of their own
+  group, so rank 1's receive is truncated (MPI_ERR_TRUNCATE). On rank 1 the async op
+  posted behind it fails as soon as it does, with its error, and a later call is refused
+  at once: neither waits out the timeout on an op that will never finish. Other
+  communicators (the world) still work on every rank.
+"""
+
+import os
+import time
+
+import torch
+
+import mcrdl
+from mcrdl.backends.pccl import initialized, use_algorithms
+
+FIRST, SECOND = 60.0, 7.5
+
+
+def say(rank: int, text: str) -> None:
+    os.write(1, f"rank {rank}: {text}\n".encode())
+
+
+def timeouts(rank: int) -> None:
+    b = initialized()
+    before = sorted({c.timeout for c in b._cpp_comms()})
+    inter = len(b._hier)
+    mcrdl.init(["pccl"], timeout=SECOND)
+    after = sorted({c.timeout for c in b._cpp_comms()})
+    mcrdl.new_group([1, 0, 3, 2])  # hierarchical too: its delegated phases' comm as well
+    made = sorted({c.timeout for c in b._cpp_comms()})
+    say(rank, f"timeouts before={before} after={after} hierarchical={inter}, later "
+        f"{len(b._hier)} after_new_group={made}")
+
+
+def failed_op(rank: int) -> None:
+    g = mcrdl.new_group([0, 1])
+    if rank in (0, 1):
+        n = 4 if rank == 0 else 2  # rank 1's block is too small for rank 0's message
+        with use_algorithms("ring", "ring"):
+            first = mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n), group=g,
+                                     async_op=True)
+            if rank == 0:
+                first.wait()  # rank 1's shorter message fits: this side completes
+                say(rank, "first op completed")
+            else:
+                behind = mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n),
+                                          group=g, async_op=True)
+                start = time.monotonic()
+                for name, w in (("first", first), ("behind", behind)):
+                    try:
+                        w.wait()
+                        say(rank, f"{name} op completed (unexpected)")
+                    except mcrdl.MCRDLError as e:
+                        took = time.monotonic() - start
+                        say(rank, f"{name} op raised {type(e).__name__} after {took:.2f} s: {e}")
+                start = time.monotonic()
+                try:
+                    mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n), group=g)
+                    say(rank, "later op completed (unexpected)")
+                except mcrdl.MCRDLError as e:
+                    took = time.monotonic() - start
+                    say(rank, f"later op raised {type(e).__name__} after {took:.2f} s: {e}")
+    x = torch.full((3,), float(rank))
+    mcrdl.all_reduce("pccl", x)
+    say(rank, f"world all_reduce ok={torch.equal(x, torch.full((3,), 6.0))}")
+
+
+mcrdl.init(["pccl"], timeout=FIRST)
+me = mcrdl.get_rank()
+timeouts(me)
+failed_op(me)
+mcrdl.finalize()
+say(me, "finalized")
