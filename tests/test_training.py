@@ -652,7 +652,8 @@ def test_command_exit_codes(capsys, plain_process):
 def test_option_errors_printed_once_per_job(capsys, plain_process, tmp_path):
     """A refused command line, before mcrdl starts: an error that follows from the
     command line (argparse's, a bad value) is printed by the launch's rank 0 alone, every
-    rank exiting 2; one about a path (this node's file system) by every rank, named."""
+    rank exiting 2; one about a path (this node's file system) by every rank, named.
+    --help is printed by rank 0 alone, every rank exiting 0."""
     from training.command import run_command
     from training.config import TrainConfig, parse_args
 
@@ -688,6 +689,11 @@ def test_option_errors_printed_once_per_job(capsys, plain_process, tmp_path):
             err = capsys.readouterr().err
             assert err.startswith(f"error (rank {rank}): ") and message in err, (argv, err)
             assert err.count("\n") == 1, err
+        with pytest.raises(SystemExit) as stop:  # --help: printed once, every rank exits 0
+            parse(["--help"])
+        assert stop.value.code == 0
+        out = capsys.readouterr().out
+        assert (out == "") if rank == "1" else out.startswith("usage: train_gpt [-h]"), out
         missing = "/nonexistent/w.pt"
         assert run_command(parse, lambda cfg: None, ["--init-from", missing], **kw) == 2
         assert capsys.readouterr().err == (f"error (rank {rank}): --init-from {missing}: no "

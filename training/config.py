@@ -31,6 +31,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from mcrdl.launch import detect as detect_launch
 from mcrdl.launch import launch_command
 
 from .optim import OptimConfig
@@ -544,6 +545,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
+
+    def print_help(self, file=None):
+        if detect_launch().rank == 0:  # --help: the same text on every rank of a launch
+            super().print_help(file)
 
 
 def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *,
