@@ -35,10 +35,11 @@ def _env(**kw):
 @pytest.mark.parametrize("n", [2, 4, pytest.param(8, marks=FULL)])
 def test_moe_layouts(n, token_dir, tmp_path):
     """Every step's loss of 20-step fp32 runs of (G_tensor, G_expert, G_data_nonexp) in
-    (1,1,2), (1,2,2), (2,1,1) [n=2], (2,2,2), (1,4,4) [n=4], (2,4,4) [n=8], top-1 and
-    top-2, DTD, CAC and the tiled optimizer on and off, equals the serial MoE GPT to
-    1e-5; DTD/CAC twins are bitwise equal. n=4 adds the exact-bytes, call-count, memory
-    and resume checks, n=2 a rank skipping an MoE call."""
+    (1,1,2), (1,2,2), (2,1,1) [n=2], (2,2,2), (1,4,4), (1,2,4), (2,1,2) [n=4], (2,4,4)
+    [n=8], top-1 and top-2, DTD (with a padded capacity too), CAC and the tiled optimizer
+    on and off, one and two experts per rank of an expert group, equals the serial MoE
+    GPT to 1e-5; DTD/CAC twins are bitwise equal. n=4 adds the exact-bytes, call-count,
+    memory and resume checks, n=2 a rank skipping an MoE call."""
     out = run_launcher([mpiexec_or_skip(), "-n", str(n), sys.executable,
                         os.path.join(HERE, "check_moe.py")],
                        env=_env(MOE_DATA=str(token_dir), MOE_TMP=str(tmp_path)), timeout=500)
@@ -51,6 +52,8 @@ def test_moe_layouts(n, token_dir, tmp_path):
         assert "all_to_all_single" in out.split("moe skip OK")[1], out
     if n == 4:
         assert out.count("bitwise identical") == 2, out
+        assert "(capacity 13, 14 in the buffer) {'dtd': True}" in out, out
+        assert "G_tensor=1 G_expert=2 G_data=4 top-1 4 experts" in out, out
         for part in ("moe comm OK", "moe debug check OK", "moe memory OK", "moe resume OK",
                      "moe init-from OK"):
             assert part in out, out

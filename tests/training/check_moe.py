@@ -35,22 +35,33 @@ from tests.training.reference import serial_moe_losses  # noqa: E402
 from training.data import load_dataset  # noqa: E402
 from training.moe import moe_loss  # noqa: E402
 from training.moe_trainer import MoETrainer  # noqa: E402
+from training.ted import buffer_capacity  # noqa: E402
 from training.ted_model import memory_per_rank, step_comm  # noqa: E402
 from training.train_moe import MoETrainConfig, run  # noqa: E402
 
 TOL = 1e-5
 # world -> runs: (G_tensor, G_expert, G_data_nonexp, top_k, options); experts = 4 where
-# G_expert = 4, else 2. Runs with the same "twin" key must agree bitwise.
+# G_expert = 4 or options say so, else 2. Runs with the same "twin" key must agree bitwise.
+# At 4 ranks besides the twins: DTD with padded capacity (top-1 of 2 experts: 13 slots,
+# 14 in the buffer, as G_tensor = 2 must divide it), two experts per rank of an expert
+# group, and tensor x data parallelism without expert parallelism.
 RUNS = {
     2: [(1, 1, 2, 1, {}),
         (1, 2, 2, 2, {"optimizer_tile": 1000}),
         (2, 1, 1, 1, {"activation_checkpointing": True, "cac": True, "optimizer_tile": 300})],
     4: [(2, 2, 2, 2, {}), (2, 2, 2, 2, {"dtd": True}),
         (2, 2, 2, 2, {"dtd": True, "activation_checkpointing": True, "cac": True}),
-        (1, 4, 4, 1, {"optimizer_tile": 500})],
+        (1, 4, 4, 1, {"optimizer_tile": 500}),
+        (2, 2, 2, 1, {"dtd": True}),
+        (1, 2, 4, 1, {"experts": 4}),
+        (2, 1, 2, 2, {})],
     8: [(2, 4, 4, 2, {"dtd": True, "activation_checkpointing": True, "cac": True,
                       "optimizer_tile": 500})],
 }
+
+
+def n_experts(g_expert: int, opts: dict) -> int:
+    return opts.get("experts", 4 if g_expert == 4 else 2)
 
 
 def tiny(**kw) -> MoETrainConfig:
@@ -256,7 +267,7 @@ def main():
     checks = os.environ.get("MOE_CHECKS", "parity,comm,memory,resume,skip").split(",")
     runs_here = RUNS[n] if "parity" in checks else []
     # the serial references, one per (experts, top_k), computed by the ranks in turn
-    keys = sorted({(4 if ge == 4 else 2, k) for _, ge, _, k, _ in runs_here})
+    keys = sorted({(n_experts(ge, opts), k) for _, ge, _, k, opts in runs_here})
     mine = {}
     for key in keys[rank::n]:
         gaps = []
@@ -267,7 +278,8 @@ def main():
     twins, runs, worst_all = {}, 0, 0.0
     for gt, ge, gd, k, opts in runs_here:
         t0 = time.perf_counter()
-        experts = 4 if ge == 4 else 2
+        experts = n_experts(ge, opts)
+        opts = {o: v for o, v in opts.items() if o != "experts"}
         cfg = tiny(steps=steps, experts=experts, top_k=k, G_tensor=gt, G_expert=ge, G_data=gd,
                    debug_checks=True, **opts)
         res = run(cfg, dataset=data)
@@ -280,7 +292,11 @@ def main():
         worst = max(rel)
         worst_all = max(worst_all, worst)
         runs += 1
-        label = f"G_tensor={gt} G_expert={ge} G_data={gd} top-{k} {opts or ''}"
+        cap = cfg.moe_config().capacity()
+        buf = buffer_capacity(cap, gt)
+        label = (f"G_tensor={gt} G_expert={ge} G_data={gd} top-{k} {experts} experts"
+                 f"{f' (capacity {cap}, {buf} in the buffer)' if buf != cap else ''} "
+                 f"{opts or ''}")
         print(f"moe parity {label}: {steps} steps, loss {got[0][0]:.5f} -> {got[-1][0]:.5f}, "
               f"aux {got[-1][1]:.4f}, dropped {res.dropped[-1]:.3f}, max rel diff {worst:.2e} "
               f"({time.perf_counter() - t0:.1f} s)",
@@ -301,7 +317,7 @@ def main():
                    if tie else ""))
         assert got[-1][0] < got[0][0] - 0.1, (got[0], got[-1])  # it trains
         # DTD and CAC move the same bytes to the same places: bitwise equal losses
-        twin = (gt, ge, gd, k, opts.get("optimizer_tile"))
+        twin = (gt, ge, gd, k, experts, opts.get("optimizer_tile"))
         if twin in twins:
             first, first_opts = twins[twin]
             assert first == got, f"{label}: losses differ bitwise from its twin"
