@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ._launch import mpiexec_or_skip, pythonpath, run_launcher
+from .training.synthetic import write_token_file
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,19 +27,23 @@ def test_samo_parity_and_checkpoints(tmp_path):
     (2,2), (3,1) (fp32 within 1e-5 of the serial dense masked run, bf16 bit-identical to
     dense masked training), pruned stay pruned, data-parallel bytes x (1 - p), resume,
     consolidation, checkpoint errors and the entry point, whose checkpoint is
-    consolidated here."""
-    cli = tmp_path / "cli"
+    consolidated here. The data: synthetic text of seed 6, where the pruning round after
+    training steps cuts far from a tie (check_samo.py's DATA)."""
+    cli, data = tmp_path / "cli", tmp_path / "data"
+    data.mkdir()
+    write_token_file(data, 1 << 19, seed=6)
     out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
                         os.path.join(HERE, "check_samo.py")],
-                       env=_env(SAMO_CLI_DIR=str(cli)), timeout=400)
+                       env=_env(SAMO_CLI_DIR=str(cli), SAMO_DATA=str(data)), timeout=400)
     assert "samo OK: world 4, grids [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1)]" in out, out
     for grid in ("G_inter=1 G_data=1", "G_inter=2 G_data=1", "G_inter=1 G_data=2 {",
                  "G_inter=2 G_data=2", "G_inter=3 G_data=1"):
         fp32 = re.search(rf"samo fp32 {re.escape(grid)}.* max rel diff vs serial dense "
-                         r"masked (\S+)", out)
+                         r"masked ([\d.e+-]+)", out)
         assert fp32 and float(fp32.group(1)) <= 1e-5, (grid, out)
         assert re.search(rf"samo bf16 {re.escape(grid)}.* bit-identical to dense masked",
                          out), (grid, out)
+    assert "serial cut margin 9.7e-05 at step 3" in out, out  # the margin DATA names
     assert out.count("communication OK") == 2, out
     for line in ("resume OK", "consolidate OK", "checkpoint errors OK", "replica masks OK"):
         assert line in out, out

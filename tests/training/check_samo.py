@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
-from tests.training.reference import serial_index, serial_losses  # noqa: E402
+from tests.training.reference import serial_index, serial_run  # noqa: E402
 from training import checkpoint as ckpt  # noqa: E402
 from training.config import TrainConfig  # noqa: E402
 from training.data import Batches, load_dataset  # noqa: E402
@@ -66,6 +66,13 @@ PHASES = [  # runs side by side: (world ranks, G_inter, G_data, options beyond t
 ]
 STEPS = 6
 TOL = 1e-5
+# The token file tests/test_samo.py writes (tests/training/synthetic.py, seed 6): the
+# second round of LAYER_2_ROUNDS (step 3) then cuts each tensor >= 9.6e-5 (relative)
+# between the last kept and the first pruned magnitude, where a parallel run's rounding
+# differs by ~1e-7. Python's own sources (the default) gave 3.3e-6, and change with the
+# Python release. The rounds before step 0 cut the initial weights: no data in them.
+DATA = os.environ.get("SAMO_DATA", "stdlib")
+VOCAB = [] if DATA == "stdlib" else ["--vocab-size", "256"]  # a token file's (bytes)
 
 
 def say(*args):
@@ -161,17 +168,22 @@ def side_by_side(layouts, base: dict, root: Path) -> list[dict]:
     return records
 
 
-def serial_references(records: list[dict], base: dict) -> dict[str, list[float]]:
+def serial_references(records: list[dict], base: dict) -> dict[str, tuple[list, list]]:
     """The serial dense masked losses of each set of pruning options in `records`, by
-    its JSON, on every rank; rank i computes the i-th (collective)."""
+    its JSON, with the margin of each pruning round's cut (reference.serial_run), on
+    every rank; rank i computes the i-th (collective)."""
     keys = sorted({json.dumps(r["extra"], sort_keys=True) for r in records})
-    mine = {k: serial_losses(TrainConfig(**dict(base, **json.loads(k)), samo=True),
-                             load_dataset("stdlib"))
-            for i, k in enumerate(keys) if i % mcrdl.get_size() == mcrdl.get_rank()}
+    mine = {}
+    for i, k in enumerate(keys):
+        if i % mcrdl.get_size() == mcrdl.get_rank():
+            gaps = []
+            losses, _ = serial_run(TrainConfig(**dict(base, **json.loads(k)), samo=True),
+                                   load_dataset(DATA, 256), prune_gaps=gaps)
+            mine[k] = (losses, gaps)
     return {k: v for part in mcrdl.all_gather_object(mine) for k, v in part.items()}
 
 
-def report(records: list[dict], refs: dict[str, list[float]], base: dict) -> None:
+def report(records: list[dict], refs: dict[str, tuple[list, list]], base: dict) -> None:
     """On world rank 0: checks 1, 2 and 4 of every grid, from every rank's record."""
     by_grid: dict[tuple, list[dict]] = {}
     for r in records:
@@ -179,12 +191,17 @@ def report(records: list[dict], refs: dict[str, list[float]], base: dict) -> Non
     for (gi, gd), rows in by_grid.items():
         extra = rows[0]["extra"]
         name = f"G_inter={gi} G_data={gd}{' ' + str(extra) if extra else ''}"
-        ref, got = refs[json.dumps(extra, sort_keys=True)], rows[0]["fp32"]
+        (ref, gaps), got = refs[json.dumps(extra, sort_keys=True)], rows[0]["fp32"]
         assert all(r["fp32"] == got for r in rows), name  # one loss per step, everywhere
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True))
+        # the rounds after step 0 choose from trained weights: their cut can be a near tie
+        cuts = ", ".join(f"{g:.1e} at step {step}" for step, g in gaps if step > 0)
         print(f"samo fp32 {name}: loss {got[0]:.5f} -> {got[-1]:.5f}, max rel diff vs "
-              f"serial dense masked {rel:.2e}", flush=True)
-        assert rel <= TOL, (name, got, ref)
+              f"serial dense masked {rel:.2e}{f'; serial cut margin {cuts}' if cuts else ''}",
+              flush=True)
+        assert rel <= TOL, (name, got, ref, "serial cut margins (step, relative gap) "
+                            f"{gaps}: a few ulps is a near tie, which another rounding may "
+                            "break the other way (see DATA)")
         assert got[-1] < got[0] - 0.01, (name, got)  # it trains
         assert all(r["bf16_same_losses"] and r["bf16_same_theta16"] for r in rows), name
         losses = rows[0]["bf16_losses"]
@@ -240,7 +257,7 @@ def resume_checks(base: dict, root: Path) -> None:
         rounds = parse_schedule(opts["prune_schedule"], opts["prune_sparsity"])
         kept = kept_count(phi, rounds[1].sparsity)  # the rounds before steps 0 and 3 ran
         assert zeros >= phi - kept, (zeros, phi, kept)
-        x, y = Batches(load_dataset("stdlib"), mcfg["block_size"], 8, 8, seed=opts["seed"]) \
+        x, y = Batches(load_dataset(DATA, 256), mcfg["block_size"], 8, 8, seed=opts["seed"]) \
             .global_batch_at(4)
         with torch.no_grad():
             loss = lm_loss(model(x), y).item()
@@ -297,8 +314,9 @@ def replica_agreement_check() -> None:
 
 BASE = dict(model="tiny", steps=STEPS, micro_batch_size=1, global_batch_size=8, seed=7,
             lr=3e-3, warmup_steps=2, plot=False, progress=False, quiet=True,
-            log_interval=10**6, prune_sparsity=0.9, prune_scope="global",
-            prune_schedule=None, bucket_mib=0.01, coarsening=2)
+            log_interval=10**6, prune_sparsity=0.9, prune_scope="global", data=DATA,
+            vocab_size=int(VOCAB[1]) if VOCAB else None, prune_schedule=None, bucket_mib=0.01,
+            coarsening=2)
 
 
 def main():
@@ -329,8 +347,8 @@ def main():
         shutil.rmtree(root)
     say(f"samo OK: world 4, grids {sorted({tuple(r['grid']) for r in records})}")
     cli_dir = os.environ["SAMO_CLI_DIR"]
-    rc = train_main(["--model", "tiny", "--steps", "2", "--G-inter", "2", "--G-data", "2",
-                     "--dtype", "bf16", "--samo", "--prune-sparsity", "0.9",
+    rc = train_main(["--model", "tiny", "--data", DATA, *VOCAB, "--steps", "2", "--G-inter",
+                     "2", "--G-data", "2", "--dtype", "bf16", "--samo", "--prune-sparsity", "0.9",
                      "--checkpoint-dir", cli_dir, "--out-dir", cli_dir, "--no-plot",
                      "--no-progress"])
     assert rc == 0

@@ -13,15 +13,20 @@ from training.config import TrainConfig
 from training.data import Batches, load_dataset
 from training.models.gpt import GPT, get_config, lm_loss
 from training.optim import param_groups
-from training.pruning import full_index, parse_schedule, pruned_mask, select
+from training.pruning import full_index, kept_count, parse_schedule, pruned_mask, select
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
     return serial_run(cfg, dataset)[0]
 
 
-def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None):
-    """(losses, model) after `steps` (default cfg.steps) steps of the serial run."""
+def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
+               prune_gaps: list | None = None):
+    """(losses, model) after `steps` (default cfg.steps) steps of the serial run.
+
+    ``prune_gaps``, where given, gets (step, gap) for each pruning round: cut_margin of
+    the magnitudes the round chose from. Where it is a few ulps, a parallel run's other
+    rounding may keep another entry, and its losses part from this run's there."""
     dataset = dataset or load_dataset("stdlib")
     mcfg = get_config(cfg.model, vocab_size=dataset.vocab_size, n_layer=cfg.n_layer,
                       n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
@@ -40,6 +45,9 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None):
     for step in range(cfg.steps if steps is None else steps):
         for r in (r for r in rounds if r.step == step):
             values = [p.detach().view(-1)[i.long()] for p, i in zip(params, index, strict=True)]
+            if prune_gaps is not None:
+                prune_gaps.append((step, cut_margin(values, [p.numel() for p in params],
+                                                    r.sparsity, cfg.prune_scope)))
             index = select(values, index, [p.numel() for p in params], r.sparsity,
                            cfg.prune_scope)
             pruned = [pruned_mask(p.numel(), i) for p, i in zip(params, index, strict=True)]
@@ -132,6 +140,24 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
         opt.zero_grad(set_to_none=True)
         out.append((lm.item(), stats.aux_loss.item()))
     return out
+
+
+def cut_margin(values: list[torch.Tensor], numels: list[int], sparsity: float,
+               scope: str) -> float:
+    """The smallest relative magnitude gap, at the cut of training.pruning.select,
+    between the last entry a round keeps and the first it prunes: over the whole model
+    (global scope) or per tensor (layer). 0 where they tie exactly; inf: nothing is cut."""
+    def gap(mags: torch.Tensor, keep: int) -> float:
+        if mags.numel() <= keep:
+            return float("inf")
+        top = mags.topk(keep + 1).values
+        kept, cut = top[keep - 1].item(), top[keep].item()
+        return (kept - cut) / kept if kept > 0 else 0.0
+
+    mags = [v.detach().reshape(-1).float().abs() for v in values]
+    if scope == "global":
+        return gap(torch.cat(mags), kept_count(sum(numels), sparsity))
+    return min(gap(m, kept_count(n, sparsity)) for m, n in zip(mags, numels, strict=True))
 
 
 def top_k_margin(logits: torch.Tensor, top_k: int) -> float:
