@@ -85,8 +85,8 @@ inline void check_mpi(int rc, const char* what) {
   int len = 0;
   MPI_Error_string(rc, buf, &len);
   std::string msg = std::string(what) + " failed: " + std::string(buf, len);
-  // A request's own error (the statuses are not kept: the hot path passes
-  // MPI_STATUSES_IGNORE) or a truncated message: outside debug mode nothing compared the
+  // A request's own error (the mpi backend's hot path passes MPI_STATUSES_IGNORE; pccl
+  // keeps them, and passes request_error's code) or a truncated message: outside debug mode nothing compared the
   // ranks' calls, and this is how MPI reports that they differ.
   int cls = MPI_ERR_OTHER;
   MPI_Error_class(rc, &cls);

@@ -297,6 +297,9 @@ struct Schedule {
         // The waiter of a blocking op holds no GIL here (launch_work released it). The
         // step may take what is left of the op's timeout.
         const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - run.start;
+        if (spent.count() >= run.timeout_s)  // out of time already: fail as a wait would,
+          throw Error(ErrorKind::Timeout,    // instead of a call only MPI_Abort can end
+                      timeout_message(run.op, backend, *run.group, run.seq, run.timeout_s));
         WatchGuard watch(run.op, &backend, run.group, run.seq, run.timeout_s, spent.count());
         rc = st.block();
       }
@@ -647,7 +650,12 @@ class PcclComm {
     s->op = schedule_name;
     std::unique_lock<std::mutex> posted(post_mu_);
     auto w = make_work(op, *s);
-    add(*s);
+    try {
+      add(*s);
+    } catch (...) {
+      --seq_;  // never posted: the tags of this rank's later ops stay the other ranks'
+      throw;
+    }
     s->prev = last_;  // linked once built: an op that failed to build is not waited for
     last_ = s->done;
     return launch(w, s, async_op, posted);

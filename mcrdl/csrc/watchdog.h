@@ -75,7 +75,10 @@ class WatchGuard {
   }
   ~WatchGuard() {
     s_.gen.store(s_.gen.load(std::memory_order_relaxed) + 1, std::memory_order_release);
-    if (spent_) s_.spent_s.store(0.0, std::memory_order_relaxed);  // disarmed: gen is even
+    if (spent_) {  // disarmed: gen is even
+      std::atomic_thread_fence(std::memory_order_release);
+      s_.spent_s.store(0.0, std::memory_order_relaxed);
+    }
   }
   WatchGuard(const WatchGuard&) = delete;
   WatchGuard& operator=(const WatchGuard&) = delete;
@@ -83,6 +86,9 @@ class WatchGuard {
  private:
   void arm(const char* op, const std::string* backend, const std::string* group, uint64_t seq,
            double timeout_s, bool held_gil) {
+    // The fields of this call after the even gen of the last (seqlock writer): on x86 a
+    // compiler barrier only.
+    std::atomic_thread_fence(std::memory_order_release);
     s_.held_gil.store(held_gil, std::memory_order_relaxed);
     s_.op.store(op, std::memory_order_relaxed);
     s_.backend.store(backend, std::memory_order_relaxed);

@@ -49,23 +49,24 @@ def failed_op(rank: int) -> None:
                 first.wait()  # rank 1's shorter message fits: this side completes
                 say(rank, "first op completed")
             else:
-                behind = mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n),
-                                          group=g, async_op=True)
                 start = time.monotonic()
-                for name, w in (("first", first), ("behind", behind)):
+                try:  # usually queued behind the first; refused if that failed already
+                    behind = mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n),
+                                              group=g, async_op=True)
+                except mcrdl.MCRDLError as e:
+                    behind = e
+                later = lambda: mcrdl.all_gather(  # noqa: E731
+                    "pccl", torch.empty(2 * n), torch.ones(n), group=g)
+                for name, w in (("first", first), ("behind", behind), ("later", later)):
                     try:
-                        w.wait()
+                        if isinstance(w, Exception):
+                            raise w
+                        w.wait() if name != "later" else w()
                         say(rank, f"{name} op completed (unexpected)")
                     except mcrdl.MCRDLError as e:
                         took = time.monotonic() - start
                         say(rank, f"{name} op raised {type(e).__name__} after {took:.2f} s: {e}")
-                start = time.monotonic()
-                try:
-                    mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n), group=g)
-                    say(rank, "later op completed (unexpected)")
-                except mcrdl.MCRDLError as e:
-                    took = time.monotonic() - start
-                    say(rank, f"later op raised {type(e).__name__} after {took:.2f} s: {e}")
+                    start = time.monotonic()
     x = torch.full((3,), float(rank))
     mcrdl.all_reduce("pccl", x)
     say(rank, f"world all_reduce ok={torch.equal(x, torch.full((3,), 6.0))}")
