@@ -170,7 +170,8 @@ def test_timeouts_and_a_failed_op():
     communicator (the inter-node one of hierarchical groups' delegated phases too), and
     after an op fails (a truncated receive: ranks passed different counts) the ops of its
     communicator behind it fail at once with its error instead of waiting out their
-    timeout (7.5 s), while other communicators still work."""
+    timeout (7.5 s), while other communicators still work. Last, an async op queued
+    behind one that timed out fails when waited, not after its own timeout."""
     env = dict(os.environ, MCRDL_RANKS_PER_NODE="2")
     cmd = [mpiexec_or_skip(), "-n", "4", sys.executable, os.path.join(HERE, "failures.py")]
     out = run_launcher(cmd, env=env, timeout=120)
@@ -188,4 +189,13 @@ def test_timeouts_and_a_failed_op():
                       r"failed.*The first error: (.*)", out)
         assert m and float(m.group(1)) < 2.0 and m.group(2) == first.group(2), out
     assert len(re.findall(r"rank \d: world all_reduce ok=True", out)) == 4, out
+    # an op behind one that timed out (2 s): refused when waited, not after 2 s more
+    first = re.search(r"rank 1: timed-out first op raised CommTimeoutError after ([\d.]+) s: "
+                      r"(all_gather on backend 'pccl' \(group 3 \[0, 1\], sequence number 1\) "
+                      r"did not complete within 2 s.*)", out)
+    behind = re.search(r"rank 1: timed-out behind op raised BackendUnavailableError after "
+                       r"([\d.]+) s: all_gather: backend 'pccl' is unusable since an earlier "
+                       r"operation timed out.*Earlier: (.*)", out)
+    assert first and behind and float(behind.group(1)) < 1.0, out
+    assert behind.group(2) == first.group(2), out
     assert len(re.findall(r"rank \d: finalized", out)) == 4, out

@@ -200,6 +200,7 @@ struct BlockingRun {
   uint64_t seq = 0;
   double timeout_s = 0;
   std::chrono::steady_clock::time_point start;  // a blocking op's: when its wait began
+  std::weak_ptr<Lane> lane;  // its communicator's: failed once an op timed out
   std::shared_ptr<std::atomic<uint64_t>> count;  // the communicator's blocking steps run
 };
 
@@ -241,7 +242,11 @@ struct Schedule {
   bool test() {
     if (prev) {
       const int state = prev->state.load(std::memory_order_acquire);
-      if (state == Outcome::kRunning) return false;
+      if (state == Outcome::kRunning) {
+        // behind an op that timed out (its lane failed then): that op never finishes here
+        if (auto lane = run.lane.lock(); lane && !lane->healthy()) lane->throw_unhealthy(run.op);
+        return false;
+      }
       if (state == Outcome::kFailed) {
         done->why = prev->why;  // the ops behind this one report the first error too
         done->state.store(Outcome::kFailed, std::memory_order_release);
@@ -282,7 +287,7 @@ struct Schedule {
   void failed(const std::exception& e, std::shared_ptr<Schedule> self) {
     if (done->state.load(std::memory_order_relaxed) != Outcome::kRunning) return;  // refused
     done->why = e.what();
-    done->keep = std::move(self);
+    if (posted || i > 0) done->keep = std::move(self);  // it posted requests
     done->state.store(Outcome::kFailed, std::memory_order_release);
   }
 
@@ -772,6 +777,7 @@ class PcclComm {
     s.run.seq = seq_;
     s.run.timeout_s = timeout_s_;
     s.run.count = blocking_steps_;
+    s.run.lane = lane_;
     return w;
   }
 

@@ -9,6 +9,9 @@ a hierarchical 2 x 2 world; tests/test_pccl.py checks what each rank prints):
   posted behind it fails as soon as it does, with its error, and a later call is refused
   at once: neither waits out the timeout on an op that will never finish. Other
   communicators (the world) still work on every rank.
+- a timed-out op: rank 0 never joins an all_gather of ranks 0 and 1; on rank 1 its wait
+  raises CommTimeoutError after the (2 s) timeout, which fails the backend's lane, and
+  the async op queued behind it fails as soon as it is waited, not after its own.
 """
 
 import os
@@ -19,7 +22,7 @@ import torch
 import mcrdl
 from mcrdl.backends.pccl import initialized, use_algorithms
 
-FIRST, SECOND = 60.0, 7.5
+FIRST, SECOND, LAST = 60.0, 7.5, 2.0
 
 
 def say(rank: int, text: str) -> None:
@@ -72,9 +75,29 @@ def failed_op(rank: int) -> None:
     say(rank, f"world all_reduce ok={torch.equal(x, torch.full((3,), 6.0))}")
 
 
+def timed_out_op(rank: int) -> None:
+    g = mcrdl.new_group([0, 1])
+    mcrdl.init(["pccl"], timeout=LAST)
+    if rank != 1:
+        return  # rank 0 never joins
+    with use_algorithms("ring", "ring"):
+        first, behind = (mcrdl.all_gather("pccl", torch.empty(4), torch.ones(2), group=g,
+                                          async_op=True) for _ in range(2))
+        start = time.monotonic()
+        for name, w in (("first", first), ("behind", behind)):
+            try:
+                w.wait()
+                say(rank, f"timed-out {name} op completed (unexpected)")
+            except mcrdl.MCRDLError as e:
+                say(rank, f"timed-out {name} op raised {type(e).__name__} after "
+                    f"{time.monotonic() - start:.2f} s: {e}")
+            start = time.monotonic()
+
+
 mcrdl.init(["pccl"], timeout=FIRST)
 me = mcrdl.get_rank()
 timeouts(me)
 failed_op(me)
+timed_out_op(me)  # last: the pccl backend is unusable after it on rank 1
 mcrdl.finalize()
 say(me, "finalized")
