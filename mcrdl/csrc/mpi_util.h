@@ -86,8 +86,9 @@ inline void check_mpi(int rc, const char* what) {
   MPI_Error_string(rc, buf, &len);
   std::string msg = std::string(what) + " failed: " + std::string(buf, len);
   // A request's own error (the mpi backend's hot path passes MPI_STATUSES_IGNORE; pccl
-  // keeps them, and passes request_error's code) or a truncated message: outside debug mode nothing compared the
-  // ranks' calls, and this is how MPI reports that they differ.
+  // keeps the statuses and passes request_error's code) or a truncated message: outside
+  // debug mode nothing compared the ranks' calls, and this is how MPI reports that they
+  // differ.
   int cls = MPI_ERR_OTHER;
   MPI_Error_class(rc, &cls);
   if (cls == MPI_ERR_IN_STATUS || cls == MPI_ERR_TRUNCATE)

@@ -41,35 +41,41 @@ def timeouts(rank: int) -> None:
         f"{len(b._hier)} after_new_group={made}")
 
 
+def outcomes(rank: int, prefix: str, calls) -> None:
+    """Run each (name, call) in turn; say how it ended, and after how long."""
+    start = time.monotonic()
+    for name, call in calls:
+        try:
+            call()
+            say(rank, f"{prefix}{name} op completed (unexpected)")
+        except mcrdl.MCRDLError as e:
+            say(rank, f"{prefix}{name} op raised {type(e).__name__} after "
+                f"{time.monotonic() - start:.2f} s: {e}")
+        start = time.monotonic()
+
+
 def failed_op(rank: int) -> None:
     g = mcrdl.new_group([0, 1])
     if rank in (0, 1):
         n = 4 if rank == 0 else 2  # rank 1's block is too small for rank 0's message
+
+        def gather(async_op: bool):
+            return mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n), group=g,
+                                    async_op=async_op)
+
         with use_algorithms("ring", "ring"):
-            first = mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n), group=g,
-                                     async_op=True)
+            first = gather(True)
             if rank == 0:
                 first.wait()  # rank 1's shorter message fits: this side completes
                 say(rank, "first op completed")
             else:
-                start = time.monotonic()
                 try:  # usually queued behind the first; refused if that failed already
-                    behind = mcrdl.all_gather("pccl", torch.empty(2 * n), torch.ones(n),
-                                              group=g, async_op=True)
+                    behind = gather(True).wait
                 except mcrdl.MCRDLError as e:
-                    behind = e
-                later = lambda: mcrdl.all_gather(  # noqa: E731
-                    "pccl", torch.empty(2 * n), torch.ones(n), group=g)
-                for name, w in (("first", first), ("behind", behind), ("later", later)):
-                    try:
-                        if isinstance(w, Exception):
-                            raise w
-                        w.wait() if name != "later" else w()
-                        say(rank, f"{name} op completed (unexpected)")
-                    except mcrdl.MCRDLError as e:
-                        took = time.monotonic() - start
-                        say(rank, f"{name} op raised {type(e).__name__} after {took:.2f} s: {e}")
-                    start = time.monotonic()
+                    def behind(refused=e):
+                        raise refused
+                outcomes(rank, "", (("first", first.wait), ("behind", behind),
+                                    ("later", lambda: gather(False))))
     x = torch.full((3,), float(rank))
     mcrdl.all_reduce("pccl", x)
     say(rank, f"world all_reduce ok={torch.equal(x, torch.full((3,), 6.0))}")
@@ -83,15 +89,7 @@ def timed_out_op(rank: int) -> None:
     with use_algorithms("ring", "ring"):
         first, behind = (mcrdl.all_gather("pccl", torch.empty(4), torch.ones(2), group=g,
                                           async_op=True) for _ in range(2))
-        start = time.monotonic()
-        for name, w in (("first", first), ("behind", behind)):
-            try:
-                w.wait()
-                say(rank, f"timed-out {name} op completed (unexpected)")
-            except mcrdl.MCRDLError as e:
-                say(rank, f"timed-out {name} op raised {type(e).__name__} after "
-                    f"{time.monotonic() - start:.2f} s: {e}")
-            start = time.monotonic()
+        outcomes(rank, "timed-out ", (("first", first.wait), ("behind", behind.wait)))
 
 
 mcrdl.init(["pccl"], timeout=FIRST)

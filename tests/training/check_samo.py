@@ -72,7 +72,11 @@ TOL = 1e-5
 # differs by ~1e-7. Python's own sources (the default) gave 3.3e-6, and change with the
 # Python release. The rounds before step 0 cut the initial weights: no data in them.
 DATA = os.environ.get("SAMO_DATA", "stdlib")
-VOCAB = [] if DATA == "stdlib" else ["--vocab-size", "256"]  # a token file's (bytes)
+VOCAB_SIZE = None if DATA == "stdlib" else 256  # a token file's: bytes
+
+
+def dataset():
+    return load_dataset(DATA, VOCAB_SIZE)
 
 
 def say(*args):
@@ -178,7 +182,7 @@ def serial_references(records: list[dict], base: dict) -> dict[str, tuple[list, 
         if i % mcrdl.get_size() == mcrdl.get_rank():
             gaps = []
             losses, _ = serial_run(TrainConfig(**dict(base, **json.loads(k)), samo=True),
-                                   load_dataset(DATA, 256), prune_gaps=gaps)
+                                   dataset(), prune_gaps=gaps)
             mine[k] = (losses, gaps)
     return {k: v for part in mcrdl.all_gather_object(mine) for k, v in part.items()}
 
@@ -257,7 +261,7 @@ def resume_checks(base: dict, root: Path) -> None:
         rounds = parse_schedule(opts["prune_schedule"], opts["prune_sparsity"])
         kept = kept_count(phi, rounds[1].sparsity)  # the rounds before steps 0 and 3 ran
         assert zeros >= phi - kept, (zeros, phi, kept)
-        x, y = Batches(load_dataset(DATA, 256), mcfg["block_size"], 8, 8, seed=opts["seed"]) \
+        x, y = Batches(dataset(), mcfg["block_size"], 8, 8, seed=opts["seed"]) \
             .global_batch_at(4)
         with torch.no_grad():
             loss = lm_loss(model(x), y).item()
@@ -315,8 +319,7 @@ def replica_agreement_check() -> None:
 BASE = dict(model="tiny", steps=STEPS, micro_batch_size=1, global_batch_size=8, seed=7,
             lr=3e-3, warmup_steps=2, plot=False, progress=False, quiet=True,
             log_interval=10**6, prune_sparsity=0.9, prune_scope="global", data=DATA,
-            vocab_size=int(VOCAB[1]) if VOCAB else None, prune_schedule=None, bucket_mib=0.01,
-            coarsening=2)
+            vocab_size=VOCAB_SIZE, prune_schedule=None, bucket_mib=0.01, coarsening=2)
 
 
 def main():
@@ -347,7 +350,8 @@ def main():
         shutil.rmtree(root)
     say(f"samo OK: world 4, grids {sorted({tuple(r['grid']) for r in records})}")
     cli_dir = os.environ["SAMO_CLI_DIR"]
-    rc = train_main(["--model", "tiny", "--data", DATA, *VOCAB, "--steps", "2", "--G-inter",
+    vocab = [] if VOCAB_SIZE is None else ["--vocab-size", str(VOCAB_SIZE)]
+    rc = train_main(["--model", "tiny", "--data", DATA, *vocab, "--steps", "2", "--G-inter",
                      "2", "--G-data", "2", "--dtype", "bf16", "--samo", "--prune-sparsity", "0.9",
                      "--checkpoint-dir", cli_dir, "--out-dir", cli_dir, "--no-plot",
                      "--no-progress"])

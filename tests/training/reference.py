@@ -38,6 +38,7 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
     params = list(model.parameters())
+    numels = [p.numel() for p in params]
     rounds = ([] if cfg.prune_sparsity is None
               else parse_schedule(cfg.prune_schedule, cfg.prune_sparsity))
     index, pruned = full_index(params), [None] * len(params)
@@ -46,10 +47,9 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
         for r in (r for r in rounds if r.step == step):
             values = [p.detach().view(-1)[i.long()] for p, i in zip(params, index, strict=True)]
             if prune_gaps is not None:
-                prune_gaps.append((step, cut_margin(values, [p.numel() for p in params],
-                                                    r.sparsity, cfg.prune_scope)))
-            index = select(values, index, [p.numel() for p in params], r.sparsity,
-                           cfg.prune_scope)
+                prune_gaps.append((step, cut_margin(values, numels, r.sparsity,
+                                                    cfg.prune_scope)))
+            index = select(values, index, numels, r.sparsity, cfg.prune_scope)
             pruned = [pruned_mask(p.numel(), i) for p, i in zip(params, index, strict=True)]
             with torch.no_grad():
                 for p, mask in zip(params, pruned, strict=True):
