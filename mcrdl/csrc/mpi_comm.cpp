@@ -243,7 +243,10 @@ class MpiComm {
   // Calls that ran the blocking MPI collective (either thread): what tests observe of the
   // variant choice.
   uint64_t blocking_calls() const { return blocking_calls_; }
-  void set_timeout(double t) { timeout_s_ = t; }
+  void set_timeout(double t) {
+    auto g = lock_post();  // posts read it under the post lock
+    timeout_s_ = t;
+  }
 
   // set_blocking(op, steps): which variant calls of `op` run, by size; `steps` are
   // (largest bytes, variant code) pairs in increasing size, -1 bytes meaning no limit.
@@ -951,6 +954,7 @@ class MpiComm {
     ++blocking_calls_;
     if (!async_op && issuer_->idle()) {
       const uint64_t seq = next_seq(op);
+      const double timeout_s = timeout_s_;  // as make_work: read under the post lock
       issuer_->begin_direct();
       g.unlock();
       int rc;
@@ -965,7 +969,7 @@ class MpiComm {
           Issuer* issuer;
           ~EndDirect() { issuer->end_direct(); }
         } end{issuer_.get()};
-        WatchGuard watch(slots_.get(), op, &backend_, &group_, seq, timeout_s_, hold);
+        WatchGuard watch(slots_.get(), op, &backend_, &group_, seq, timeout_s, hold);
         rc = gil_kept_if(hold, call);
       }
       check_mpi(rc, mpi_name);
@@ -986,7 +990,7 @@ class MpiComm {
   int rank_, size_;
   std::string group_, backend_;
   std::shared_ptr<Lane> lane_;
-  double timeout_s_;
+  double timeout_s_;                       // read and written with the post lock held
   uint64_t seq_ = 0, blocking_calls_ = 0;  // written with the post lock held
   PostLock post_mu_;
   BlockingChoice blocking_;
