@@ -87,6 +87,42 @@ def test_routes_parse_and_table():
     assert routing.table({"alltoall": "gloo"}, base)["allreduce"] == "mpi"
 
 
+def test_send_and_recv_are_one_route():
+    """A message sent on one backend is received only on it: naming one routes both."""
+    for routes in ("send=gloo", "recv=gloo", "*=mpi,recv=gloo", "send=gloo,recv=gloo"):
+        full = routing.table(routing.parse(routes, "t"), routing.table({"*": "mpi"}))
+        assert (full["send"], full["recv"], full["allreduce"]) == ("gloo", "gloo", "mpi"), routes
+    with pytest.raises(mcrdl.InvalidArgumentError,
+                       match=r"t: send=gloo and recv=mpi: a message sent on one backend is "
+                             r"received only on the same one"):
+        routing.parse({"send": "gloo", "recv": "mpi"}, "t")
+
+
+def test_set_torch_routes_never_empties_the_table_a_call_reads(monkeypatch):
+    """Calls of other threads read the process-wide table without the lock (DDP's
+    all-reduces come from autograd's threads): every key is there at every moment."""
+    seen = []
+
+    class Watched(dict):
+        def clear(self):
+            seen.append("clear")
+            super().clear()
+
+        def update(self, *a, **k):
+            seen.append(set(self) == set(routing.KEYS))
+            super().update(*a, **k)
+
+    table = Watched(routing.process_routes())
+    monkeypatch.setattr(routing, "_process_routes", table)
+    try:
+        mcrdl.set_torch_routes("allreduce=mpi")
+        mcrdl.set_torch_routes(None)
+    finally:
+        monkeypatch.undo()
+        mcrdl.set_torch_routes(None)
+    assert seen == [True, True] and table["allreduce"] == "auto"
+
+
 @pytest.mark.parametrize("routes, needle", [
     ("allreduce", "is not 'op=backend'"),
     ("all_reduce=mpi", "is not a c10d operation family"),

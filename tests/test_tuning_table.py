@@ -1078,6 +1078,16 @@ def test_table_routes_each_payload_among_the_backends_of_its_device():
     sizes = (torch.zeros(2), torch.zeros(1 << 18))
     assert [normal.all_reduce(x, ReduceOp.SUM, None, False) for x in sizes] == ["mpi", "gloo"]
     assert {debug.all_reduce(x, ReduceOp.SUM, None, False) for x in sizes} == {"gloo"}
+    # a receive goes where its send goes, or the two never meet: by send's data, when
+    # the table has none of recv's or other winners for it
+    t3 = TuningTable()
+    for n, t_mpi, t_gloo in ((8, 1e-6, 2e-6), (1 << 20, 4e-4, 1e-4)):
+        t3.add("send", 2, "mpi", n, t_mpi)
+        t3.add("send", 2, "gloo", n, t_gloo)
+    t3.add("recv", 2, "mpi", 1 << 20, 1e-5)  # recv's own data would pick mpi at 1 MiB
+    p2p = auto.build(chains, t3, 2, {})
+    for x, want in zip(sizes, ("mpi", "gloo"), strict=True):
+        assert (p2p.send(x, 1, 0, None, False), p2p.recv(x, 0, 0, None, False)) == (want, want)
 
 
 @pytest.mark.parametrize("command", ["show", "model", "plot"])

@@ -32,6 +32,9 @@ _ROUTES_MAX = 4096  # distinct (group size, bytes) per op kept before starting o
 #: The bytes an exchange whose size differs by rank is routed as: the table's choice for
 #: its largest messages (see _uneven).
 UNEVEN_BYTES = 1 << 50
+#: Ops routed by another op's data: a receive must go to the backend its send went to, or
+#: the two never meet (a table may hold send's data and not recv's, or other winners).
+ROUTED_AS = {"recv": "send"}
 
 
 def _uneven(spec: OpSpec) -> Callable[[tuple], bool]:
@@ -125,6 +128,7 @@ class ByTable(_Router):
     def route(self, spec: OpSpec) -> Callable:
         op, table, chains, names = spec.name, self._table, self._chains, self._names
         fallback = getattr(self._fixed, op)
+        looked_up = ROUTED_AS.get(op, op)
         nbytes_of, at_group, world_size = spec.nbytes_of, len(spec.params), self._world_size
         uneven = (lambda args: True) if self._debug else _uneven(spec)
         on_gpu = _on_gpu(spec) if self._mixed else None
@@ -140,7 +144,7 @@ class ByTable(_Router):
                 return fallback(*args)
             fn = routes.get(key)
             if fn is None:
-                name = table.lookup(op, gsize, key[1], names[key[2]])
+                name = table.lookup(looked_up, gsize, key[1], names[key[2]])
                 fn = getattr(chains[name], op) if name else fallback
                 if len(routes) >= _ROUTES_MAX:
                     routes.clear()

@@ -91,6 +91,11 @@ def parse(routes: str | Mapping[str, str] | None, where: str) -> dict[str, str]:
                 f"{where}: {key}={backend!r}: unknown mcrdl backend; choose from "
                 f"{DEFAULT_BACKEND}, {', '.join(known)}")
         out[key] = backend
+    if out.get(SEND, out.get(RECV)) != out.get(RECV, out.get(SEND)):
+        raise InvalidArgumentError(
+            f"{where}: {SEND}={out[SEND]} and {RECV}={out[RECV]}: a message sent on one "
+            f"backend is received only on the same one; route both to one backend (naming "
+            f"one of them routes both)")
     return out
 
 
@@ -101,6 +106,9 @@ def table(routes: Mapping[str, str], base: Mapping[str, str] | None = None) -> d
     if EVERY_OTHER in routes:
         full = dict.fromkeys(KEYS, routes[EVERY_OTHER])
     full.update((k, v) for k, v in routes.items() if k != EVERY_OTHER)
+    for k, v in routes.items():  # a send and its receive meet only on one backend
+        if k in (SEND, RECV):
+            full[SEND] = full[RECV] = v
     return full
 
 
@@ -123,7 +131,8 @@ def set_routes(routes: str | Mapping[str, str] | None) -> dict[str, str]:
         table(parse(os.environ.get(ROUTES_ENV), ROUTES_ENV))
     current = process_routes()
     with _lock:
-        current.clear()
+        # in one step: a call of another thread reads it without the lock, and `new`
+        # has every key
         current.update(new)
     return dict(current)
 
