@@ -239,6 +239,37 @@ def test_creator_checks_routes_before_making_the_group(pg_options, error, says):
     assert front.made == []
 
 
+class InitFront(GroupFront):
+    """GroupFront not yet initialized, recording init and finalize."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.up = [], False
+
+    def is_initialized(self):
+        return self.up
+
+    def init(self, backends=None, timeout=None):
+        self.calls.append("init")
+        self.up = True
+
+    def finalize(self):
+        self.calls.append("finalize")
+        self.up = False
+
+
+def test_failed_world_creation_leaves_mcrdl_uninitialized():
+    """init_process_group("mcrdl") initialized mcrdl and then refused the routes: mcrdl
+    is finalized again, so that a retry (or destroy_process_group) starts clean."""
+    front = InitFront()
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.global_ranks_in_group, opts.group_rank, opts.group_size = [], 0, 4
+    with pytest.raises(mcrdl.BackendUnavailableError,
+                       match=r"init_process_group\('mcrdl'\).*alltoall=pccl"):
+        pg_module.create(front, opts, mcrdl.TorchBackendOptions(routes="alltoall=pccl"))
+    assert front.calls == ["init", "finalize"] and not front.up
+
+
 def test_explicit_timeout():
     assert explicit_timeout(dist.constants.default_pg_timeout) is None
     assert explicit_timeout(datetime.timedelta(seconds=7)) == 7.0
@@ -340,6 +371,27 @@ def test_work_error_reaches_the_future():
     with pytest.raises(mcrdl.CommTimeoutError):
         work.wait()
     assert work.exception() is not None and not work.is_success()
+
+
+def test_work_result_waits_for_completion_and_a_failed_future_fails_the_work():
+    inner, out = FakeWork(), [torch.zeros(2)]
+    work = McrdlWork.of((inner,), out, None, None, "allreduce")
+    with pytest.raises(RuntimeError, match=r"allreduce on mcrdl: Work needs to be completed "
+                                           r"before calling result\(\)"):
+        work.result()  # the outputs may be half written: refused, as torch's works do
+    inner.done.set()
+    assert work.wait() and work.result() is out
+    # a future failed by its timeout: the work is completed and failed, everywhere
+    inner = FakeWork()
+    work = McrdlWork.of((inner,), out, 0.2, None, "broadcast")
+    with pytest.raises(mcrdl.CommTimeoutError, match="still pending"):
+        work.get_future().wait()
+    assert work.is_completed() and not work.is_success()
+    assert isinstance(work.exception(), mcrdl.CommTimeoutError)
+    inner.done.set()  # the op completing later does not undo the future's failure
+    for call in (work.wait, work.result):
+        with pytest.raises(mcrdl.CommTimeoutError, match="still pending"):
+            call()
 
 
 # -- real worlds -------------------------------------------------------------------------

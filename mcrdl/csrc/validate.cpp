@@ -92,11 +92,13 @@ void check_blocks(const char* op, const char* arg, const BlockArg& b, const at::
       std::string name = std::string(arg) + "[" + std::to_string(i) + "]";
       check_tensor(op, name.c_str(), b.list[i]);
       check_same_dtype(op, name.c_str(), b.list[i], ref_arg, ref);
-      if (b.list[i].numel() != ref.numel())
-        fail(op, "'" + name + "' has " + std::to_string(b.list[i].numel()) +
-                     " elements (shape " + shape_str(b.list[i]) + "); expected " +
-                     std::to_string(ref.numel()) + " like '" + ref_arg + "' (shape " +
-                     shape_str(ref) + ")");
+      // the shape, not only the size: a block of another shape would be filled as a
+      // reshaped copy (torch's backends refuse it too)
+      if (!b.list[i].sizes().equals(ref.sizes()))
+        fail(op, "'" + name + "' has shape " + shape_str(b.list[i]) + " (" +
+                     std::to_string(b.list[i].numel()) + " elements); expected the shape of '" +
+                     ref_arg + "', " + shape_str(ref) + " (" + std::to_string(ref.numel()) +
+                     " elements)");
     }
     return;
   }

@@ -245,7 +245,11 @@ class McrdlWork(dist.Work):
     ``wait(timeout)`` blocks until then (timeout zero or None: the group's, else
     mcrdl's). Only one thread waits on the mcrdl works at a time (the lock), so the
     finish step runs once. A failed op's error is kept: every later ``wait`` raises it,
-    ``exception()`` returns it. A timeout is not kept (the op may still complete).
+    ``exception()`` returns it. A timeout of ``wait()`` is not kept (the op may still
+    complete); the watchdog's timeout of a future is (the future failed with it and the
+    group is broken): the work is then completed, and failed. ``result()`` before the
+    work completed raises, as torch's works do; after a failure it raises the failure
+    (the outputs may be half written).
 
     ``get_future()``: when every work is an ``mcrdl._C.Work`` and there is no finish
     step (every single-op call, DDP's buckets among them), the works' completion
@@ -308,7 +312,7 @@ class McrdlWork(dist.Work):
         self._complete()
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
-        if not self._done:
+        if not self._done and self._error is None:
             seconds = self._timeout if timeout is None else (_seconds(timeout) or self._timeout)
             lock = self._lock
             # One deadline bounds the whole wait: the lock (another thread's wait) and
@@ -340,7 +344,7 @@ class McrdlWork(dist.Work):
         return exc
 
     def is_completed(self) -> bool:
-        if self._done:
+        if self._done or self._error is not None:
             return True
         if not self._lock.acquire(blocking=False):  # another thread is waiting on it
             return False
@@ -430,6 +434,12 @@ class McrdlWork(dist.Work):
         self._future.set_result(self._outputs)
 
     def result(self) -> list:
+        if not self.is_completed():
+            raise RuntimeError(
+                f"torch.distributed {self._what} on mcrdl: Work needs to be completed before "
+                "calling result(). Should call wait() before result().")
+        if self._error is not None:
+            raise self._error
         return self._outputs
 
     def exception(self) -> BaseException | None:
@@ -582,6 +592,12 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         op = _op_of(opts, "allreduce_coalesced")
+        backend, spec = self._routes[ALLREDUCE], OPS["all_reduce"]
+        try:  # each tensor as mcrdl takes it: packing would accept a sparse or strided one
+            for t in tensors:
+                validate(spec.call((t, op, self._group, True)), self.size(), self.rank())
+        except MCRDLError as exc:
+            raise _c10d_error(exc, ALLREDUCE, backend) from None
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -856,6 +872,17 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
         front.init(timeout=world_timeout)
     elif world_timeout is not None:
         front.init(front.get_backends(), timeout=world_timeout)
+    try:
+        return _make(front, options, pg_options, ranks, owns)
+    except BaseException:
+        if owns:  # a failed creation leaves mcrdl as it found it (a retry initializes it)
+            front.finalize()
+        raise
+
+
+def _make(front, options: dist.distributed_c10d._DistributedBackendOptions,
+          pg_options: object, ranks: list[int], owns: bool) -> ProcessGroupMCRDL:
+    """create()'s group, mcrdl initialized (by it when `owns`)."""
     world_rank, world_size = front.get_rank(), front.get_size()
     if not ranks:
         if (options.group_rank, options.group_size) != (world_rank, world_size):

@@ -392,6 +392,12 @@ def test_block_sizes(ctx, backend):
        f"'input[{n - 1}]'", "5 elements")
     ex("scatter list item numel", IAE, lambda: mcrdl.scatter(b, x, wrong_item, src=0),
        f"'input[{n - 1}]'", "5 elements")
+    # as many elements in another shape: refused too (it would be filled reshaped)
+    turned = [z(2, 3) for _ in range(n - 1)] + [z(3, 2)]
+    ex("all_gather list item shape", IAE, lambda: mcrdl.all_gather(b, turned, x),
+       item, "shape [3, 2]", "[2, 3]")
+    ex("scatter list item shape", IAE, lambda: mcrdl.scatter(b, x, turned, src=0),
+       f"'input[{n - 1}]'", "shape [3, 2]", "[2, 3]")
     # None where the root needs a buffer; the other ranks pass a list of the wrong length.
     bad_list = [z(2, 3) for _ in range(n + 1)]
     ex("gather output None at dst", IAE,

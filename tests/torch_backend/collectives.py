@@ -409,6 +409,11 @@ if RANK == bad:
         ("non-contiguous tensor", lambda: dist.broadcast(
             torch.ones(4, 4).t(), 0), ValueError),
         ("receive from any source", lambda: dist.recv(torch.ones(2)), RuntimeError),
+        # each tensor checked before the pack, which would take either
+        ("sparse tensor, coalesced", lambda: dist.all_reduce_coalesced(
+            [torch.ones(2), torch.sparse_coo_tensor([[0]], [1.0], (3,))]), ValueError),
+        ("non-contiguous tensor, coalesced", lambda: dist.all_reduce_coalesced(
+            [torch.ones(2), torch.ones(4, 4).t()]), ValueError),
     ):
         try:
             call()
