@@ -57,6 +57,7 @@ def test_moe_layouts(n, token_dir, tmp_path):
         for part in ("moe comm OK", "moe debug check OK", "moe memory OK", "moe resume OK",
                      "moe init-from OK"):
             assert part in out, out
+        assert "in bf16 the fp32 masters hold the file's weights" in out, out
 
 
 def test_train_moe_entry_point(token_dir, tmp_path):

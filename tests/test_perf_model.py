@@ -243,6 +243,10 @@ def test_infeasible_grids_name_the_constraint(grid, batch, constraint, words):
     assert words in found[0][1]
     with pytest.raises(GridError, match=re.escape(words)):
         check_grid(step, grid)
+    # the public model refuses it too, instead of timing floor-divided sizes
+    for model in (lambda: collectives(step, grid), lambda: predict(step, grid, UNIT)):
+        with pytest.raises(GridError, match=re.escape(words)):
+            model()
 
 
 def test_vocab_and_weight_shard_constraints():

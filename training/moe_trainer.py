@@ -99,7 +99,12 @@ class MoETrainer:
                             early_stop=early_stop,
                             debug_checks=cfg.debug_checks if debug_checks is None
                             else debug_checks)
-        self.model.to(device=self.device, dtype=DTYPES[cfg.dtype])
+        dtype = DTYPES[cfg.dtype]
+        # the file's fp32 weights, which the model rounds to `dtype`: the masters start
+        # from them
+        fp32 = (None if state is None or dtype == torch.float32
+                else [p.detach().clone() for p in self.model.parameters()])
+        self.model.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.groups.data_rank, self.layout.g_data,
                                seed=cfg.seed)
@@ -113,6 +118,8 @@ class MoETrainer:
              ParamSet("expert", self.model.expert_parameters(), g.data_exp, "sum",
                       1.0 / self.layout.g_data, self.layout.g_tensor, cfg.optimizer_tile)],
             cfg.optim(), g.world, self.timers)
+        if fp32 is not None:
+            self.optimizer.seed_masters(dict(zip(self.model.parameters(), fp32, strict=True)))
         self.step = 0
         self.last = {}
 

@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mcrdl
 from mcrdl.launch import launch_command
 
 from .cac import checkpointed
@@ -224,12 +225,23 @@ class ParallelMoE(nn.Module):
         if not tensor.active:
             return
         everyone = tensor.all_gather(buf.detach().contiguous().unsqueeze(0))
-        for r in range(tensor.size):
-            if not torch.equal(everyone[r], everyone[0]):
-                raise RuntimeError(f"TED debug check: the {what} differs between tensor ranks "
-                                   f"0 and {r} of world rank {self.groups.rank}'s tensor group; "
-                                   "DTD needs identical buffers (routing must not depend on "
-                                   "the tensor coordinate)")
+        differs = next((r for r in range(tensor.size)
+                        if not torch.equal(everyone[r], everyone[0])), None)
+        # every rank learns of a mismatch in any tensor group and raises here: the others
+        # would wait in the next all_to_all for ranks that raised, and report a timeout
+        seen = torch.tensor([-1.0 if differs is None else float(self.groups.rank)],
+                            dtype=torch.float64, device=buf.device)
+        self.groups.world.all_reduce(seen, op=mcrdl.ReduceOp.MAX)
+        rule = ("DTD needs identical buffers (routing must not depend on the tensor "
+                "coordinate)")
+        if differs is not None:
+            raise RuntimeError(f"TED debug check: the {what} differs between tensor ranks "
+                               f"0 and {differs} of world rank {self.groups.rank}'s tensor "
+                               f"group; {rule}")
+        if seen.item() >= 0:
+            raise RuntimeError(f"TED debug check: the {what} differs between the tensor ranks "
+                               f"of world rank {int(seen.item())}'s tensor group (this rank's "
+                               f"group agrees); {rule}")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         E, C, d = self.moe.experts, self.capacity_buf, x.shape[-1]

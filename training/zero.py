@@ -116,6 +116,18 @@ class ZeroAdamW:
                     st["master"][a - lo:b - lo].copy_(p.detach().view(-1)[a - off:b - off])
             self.state[s.name] = st
 
+    def seed_masters(self, weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+        """fp32 masters from `weights` (parameter -> its fp32 value), which the model
+        holds rounded to its dtype: a bf16 run started from fp32 weights (--init-from)
+        keeps them whole. Sets without masters (fp32 parameters) are left alone."""
+        for s in self.sets:
+            master = self.state[s.name].get("master")
+            if master is None:
+                continue
+            lo, hi = s.shard
+            for p, a, b, off in self._pieces(s, lo, hi):
+                master[a - lo:b - lo].copy_(weights[p].reshape(-1)[a - off:b - off])
+
     # --- bookkeeping --------------------------------------------------------------------
     @staticmethod
     def _pieces(s: ParamSet, lo: int, hi: int):

@@ -71,7 +71,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .step import WORLD, Grid4D, TrainingStep, linear_layers, weight_blocks
+from .step import WORLD, Grid4D, TrainingStep, check_grid, linear_layers, weight_blocks
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
 OPS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
@@ -130,7 +130,9 @@ def linear_collectives(tensor: str, k: int, n: int, m: int, grid: Grid4D, *,
 
 def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
     """Every collective of one step of ``step`` on ``grid`` (the module docstring's
-    conventions); assumes the grid fits the step (``check_grid``)."""
+    conventions). A grid the step does not fit raises ``GridError`` naming each broken
+    constraint (its sizes would be floor divisions: a time for a layout that cannot run)."""
+    check_grid(step, grid)
     cfg, mb, b = step.model, step.micro_batches, step.dtype_bytes
     v, L = cfg.vocab_size, cfg.n_layer
     m = step.tokens_per_replica(grid)

@@ -20,6 +20,13 @@ axis i, the groups of axis i stay within nodes when ``inner * G_i`` divides
 concurrent collectives) or ``intra_node_bandwidth``. Otherwise each node sends the
 traffic of ``min(ranks_per_node, inner)`` groups through its network links at once:
 ``beta = inter_node_bandwidth / min(ranks_per_node, inner)``.
+
+Where the degrees divide the node size this is the paper's rule (an axis is
+intra-node when ``inner * G_i <= ranks_per_node``). Elsewhere it departs from it on
+purpose: with nodes of 8, groups of 3 consecutive ranks straddle node boundaries
+(ranks 6-8), and the straddling group's ring runs at the network's speed, which the
+paper's rule would price at the node's. The nesting is ``--grid-order``'s default (X
+the fastest-varying rank index); a ranking is for that order only.
 """
 
 from __future__ import annotations
