@@ -22,10 +22,10 @@ def _env(**kw):
 
 
 def test_4d_grids_in_one_launch():
-    """All 14 grids of the issue (both optimizers, micro-batching): every step's loss of
-    20 steps equals the serial run to 1e-5; the logged calls and bytes per (op, axis)
-    equal training.perf_model's on every rank; checkpoints, overlap and matmul tuning
-    (tests/training/check_4d.py says how each is checked)."""
+    """All 14 grids of the issue (both optimizers, micro-batching, --regather-weights):
+    every step's loss of 20 steps equals the serial run to 1e-5; the logged calls and
+    bytes per (op, axis) equal training.perf_model's on every rank; checkpoints, overlap
+    and matmul tuning (tests/training/check_4d.py says how each is checked)."""
     out = run_launcher([mpiexec_or_skip(), "-n", "8", sys.executable,
                         os.path.join(HERE, "check_4d.py")], env=_env(), timeout=600)
     m = re.search(r"4d parity OK: (\d+) grids x (\d+) steps, max rel diff (\S+)", out)
@@ -34,6 +34,8 @@ def test_4d_grids_in_one_launch():
     assert "4d bytes OK: 14 grids" in out, out
     for grid in ("(2, 1, 1, 1)", "(1, 1, 4, 1)", "(3, 1, 1, 1)", "(2, 2, 1, 2)"):
         assert f"4d parity {grid}" in out, out
+    # --regather-weights: the second Z gather in backward, its bytes as modelled
+    assert "4d parity (1, 2, 2, 1) h4 {'regather_weights': True}" in out, out
     # resume after step 10 reproduces 11-20 exactly; consolidate gives the serial weights
     assert out.count("resumed steps 11-20 equal the uninterrupted run exactly") == 2, out
     # --overlap levels bitwise equal, the recorded issue/wait order proves each overlap
