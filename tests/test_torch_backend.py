@@ -148,6 +148,19 @@ def test_set_torch_routes_is_process_wide_and_resets(monkeypatch):
         mcrdl.set_torch_routes(None)
 
 
+def test_set_torch_routes_refuses_a_backend_mcrdl_did_not_initialize():
+    """Once mcrdl is initialized, groups may exist that would call the route: refused
+    when set, with the table left as it was."""
+    try:
+        mcrdl.set_torch_routes("allreduce=mpi")
+        with pytest.raises(mcrdl.BackendUnavailableError,
+                           match=r"set_torch_routes: routes allreduce=nccl.*initialized: mpi"):
+            routing.set_routes("allreduce=nccl", ["mpi"])
+        assert mcrdl.torch_routes()["allreduce"] == "mpi"
+    finally:
+        mcrdl.set_torch_routes(None)
+
+
 def test_missing_backend_named_with_what_is_initialized():
     with pytest.raises(mcrdl.BackendUnavailableError, match=r"alltoall=pccl.*initialized: mpi"):
         routing.check_initialized(routing.table({"alltoall": "pccl"}), ["mpi"], "here")

@@ -12,21 +12,28 @@ with it (``mcrdl.api``), and the process groups call mcrdl through that.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from . import rendezvous
+from . import rendezvous, routing
 from .process_group import BACKEND_NAME, ProcessGroupMCRDL, create
-from .routing import ROUTES_ENV, TorchBackendOptions, process_routes, set_routes
+from .routing import ROUTES_ENV, TorchBackendOptions, process_routes
 
 __all__ = ["BACKEND_NAME", "ROUTES_ENV", "ProcessGroupMCRDL", "TorchBackendOptions",
            "register", "routes", "set_routes"]
+
+
+#: The front (mcrdl.api), given by register().
+_front = None
 
 
 def register(front) -> None:
     """Register the backend name "mcrdl" for CPU and CUDA tensors and the rendezvous on
     mcrdl's store (rendezvous.py). Cheap: nothing is initialized until torch creates a
     process group. Called by ``import mcrdl``."""
+    global _front
+    _front = front
     dist.Backend.register_backend(BACKEND_NAME, functools.partial(create, front),
                                   extended_api=True, devices=["cpu", "cuda"])
     rendezvous.install(front)
@@ -36,3 +43,16 @@ def routes() -> dict[str, str]:
     """The process-wide routes: c10d operation family -> mcrdl backend ("auto" where
     none is set); groups made with routes of their own keep theirs."""
     return dict(process_routes())
+
+
+def set_routes(routes: str | Mapping[str, str] | None) -> dict[str, str]:
+    """Route c10d operations of every mcrdl process group without routes of its own, for
+    every later call: ``"allreduce=mpi,alltoall=gloo"`` or ``{"allreduce": "mpi"}``
+    (families not named go to ``"*"``'s backend if given, else "auto"); None goes back
+    to ``$MCRDL_TORCH_ROUTES``. Call it at the same point on every rank, as a
+    collective. Once mcrdl is initialized, a route to a backend it did not initialize
+    raises BackendUnavailableError and changes nothing. Returns the new table."""
+    front = _front
+    initialized = front.get_backends() if front is not None and front.is_initialized() \
+        else None
+    return routing.set_routes(routes, initialized)

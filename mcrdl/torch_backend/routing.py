@@ -121,14 +121,19 @@ def process_routes() -> dict[str, str]:
         return _process_routes
 
 
-def set_routes(routes: str | Mapping[str, str] | None) -> dict[str, str]:
+def set_routes(routes: str | Mapping[str, str] | None,
+               initialized: list[str] | None = None) -> dict[str, str]:
     """Route c10d operations of every mcrdl process group without routes of its own, for
     every later call: ``"allreduce=mpi,alltoall=gloo"`` or ``{"allreduce": "mpi"}``
     (families not named go to ``"*"``'s backend if given, else "auto"); None goes back
     to ``$MCRDL_TORCH_ROUTES``. Call it at the same point on every rank, as a
-    collective. Returns the new table."""
+    collective. `initialized`: mcrdl's backends when it is initialized (groups may
+    exist, which would call them), checked before anything changes. Returns the new
+    table."""
     new = table(parse(routes, "set_torch_routes")) if routes is not None else \
         table(parse(os.environ.get(ROUTES_ENV), ROUTES_ENV))
+    if initialized is not None:
+        check_initialized(new, initialized, "set_torch_routes")
     current = process_routes()
     with _lock:
         # in one step: a call of another thread reads it without the lock, and `new`
