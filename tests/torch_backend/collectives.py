@@ -94,6 +94,20 @@ class CoalescedWork:
         return all(w.is_completed() for w in self.manager.works)
 
 
+class FutureWork:
+    """The Work-like view of the Future that async all_gather_coalesced returns."""
+
+    def __init__(self, future: torch.futures.Future):
+        self.future = future
+
+    def wait(self) -> bool:
+        self.future.wait()  # raises what the op failed with
+        return True
+
+    def is_completed(self) -> bool:
+        return self.future.done()
+
+
 def reduce_ops(dtype: torch.dtype) -> list[str]:
     if dtype in FLOATS:
         return ["SUM", "PRODUCT", "MIN", "MAX", "AVG"]
@@ -167,6 +181,12 @@ class Checks:
         self.post("reduce", dist.reduce(t, group_dst=root, group=g, async_op=a), t,
                   reduced("SUM", ins, dt) if me == root else ins[me])
 
+        ins = self.each((4,), 38)  # another op and root: group rank 0
+        t = tensor(ins[me], dt)
+        self.post("reduce MAX", dist.reduce(t, group_dst=0, op=ReduceOp.MAX, group=g,
+                                            async_op=a),
+                  t, reduced("MAX", ins, dt) if me == 0 else ins[me])
+
         ins = self.each((2, 3), 22)
         outs = [torch.empty(2, 3, dtype=dt) for _ in range(n)]
         self.post("all_gather", dist.all_gather(outs, tensor(ins[me], dt), group=g, async_op=a),
@@ -217,11 +237,24 @@ class Checks:
         self.post("gather", dist.gather(tensor(ins[me], dt), outs, group_dst=root, group=g,
                                         async_op=a), outs, ins)
 
+        ins = self.each((2,), 39)
+        outs = [torch.empty(2, dtype=dt) for _ in range(n)] if me == 0 else None
+        self.post("gather to group rank 0", dist.gather(
+            tensor(ins[me], dt), outs, group_dst=0, group=g, async_op=a), outs, ins)
+
         src = values(self.seed + 29, self.members[root], (n, 3), dt)
         out = torch.empty(3, dtype=dt)
         self.post("scatter", dist.scatter(
             out, [tensor(src[j], dt) for j in range(n)] if me == root else None,
             group_src=root, group=g, async_op=a), out, src[me])
+
+        # all_gather_coalesced: a list of outputs per input
+        ins = [self.each((k + 1,), 40 + k) for k in range(2)]
+        outs = [[torch.empty(k + 1, dtype=dt) for _ in range(n)] for k in range(2)]
+        w = dist.all_gather_coalesced(outs, [tensor(x[me], dt) for x in ins], group=g,
+                                      async_op=a)
+        self.post("all_gather_coalesced", FutureWork(w) if a else w,
+                  [o for per in outs for o in per], [y for x in ins for y in x])
 
         # coalesced forms: what torch's _coalescing_manager sends as one call
         ins = [self.each((k + 1,), 30 + k) for k in range(3)]
@@ -334,10 +367,27 @@ def logged_backends() -> dict[str, set[str]]:
     return out
 
 
+def mixed_dtypes_coalesced() -> None:
+    """A coalesced all-reduce of several dtypes: one packed all_reduce per dtype (torch's
+    public all_reduce_coalesced refuses mixed dtypes; _coalescing_manager passes them)."""
+    ts = [torch.full((3,), float(RANK + 1)), torch.full((2,), RANK + 1, dtype=torch.int64),
+          torch.full((1,), 2.0 * RANK), torch.full((2,), RANK % 2 == 1)]
+    with dist._coalescing_manager():
+        for t in ts:
+            dist.all_reduce(t)
+    total = SIZE * (SIZE + 1) // 2
+    for got, want, dt in ((ts[0], np.full(3, total), torch.float32),
+                          (ts[1], np.full(2, total), torch.int64),
+                          (ts[2], np.full(1, SIZE * (SIZE - 1)), torch.float32),
+                          (ts[3], np.full(2, SIZE > 1), torch.bool)):
+        same("allreduce_coalesced mixed dtypes", got, want, dt)
+
+
 # -- the collectives, world and sub-group, "auto" routes --------------------------------
 SUB = list(range(1, SIZE)) if SIZE > 2 else [SIZE - 1]
 GROUPS = [(None, list(range(SIZE))), (dist.new_group(SUB), SUB)]
 check_groups(DTYPES, 1)
+mixed_dtypes_coalesced()
 for g, members in GROUPS:
     if RANK in members:
         object_and_functional(g, members)
