@@ -353,6 +353,27 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
         rel11 = abs(loss11 - after[0]) / after[0]
         assert rel11 <= 1e-6, (grid, grid2, loss11, after[0])
         out = (*out, grid2, rel11)
+    # the same X, Y, Z degrees on another G_data (README: "any G_data"): (1, 1, 2, 2)'s
+    # step-10 checkpoint resumed by (1, 1, 2, 1), which takes each step's global batch in
+    # twice the micro-batches: steps 11-20 equal the uninterrupted run to rounding
+    halved = ((1, 1, 2, 1), "h4", {"micro_batch_size": 1})
+    mine = place(2, [(halved, 0)])
+    if mine is not None:
+        (grid3, shape3, options3), layout3, _ = mine
+        wide = CHECKPOINT_CASES[1]
+        cfg3 = config(directory, shape3, 20, grid3, **options3,
+                      checkpoint_dir=os.path.join(common, "-".join(map(str, wide[0]))))
+        narrow = Trainer4D(cfg3, grid=layout3)
+        start3 = narrow.load_checkpoint("latest")
+        after3 = [narrow.train_step()[0] for _ in range(10)]
+        if layout3.rank == 0:
+            full = results[(wide[0], wide[1], tuple(wide[2].items()))][0]
+            rel3 = max(abs(a - b) / b for a, b in zip(after3, full[10:], strict=True))
+            assert start3 == 10 and rel3 <= 1e-6, (start3, after3, full[10:])
+            print(f"4d resume on another G_data OK: {wide[0]}'s step-10 checkpoint on "
+                  f"{grid3}: steps 11-20 within {rel3:.1e} of the uninterrupted run",
+                  flush=True)
+        del narrow
     gathered = [g for g in mcrdl.all_gather_object(out) if g is not None]
     if rank == 0:
         import shutil
