@@ -58,6 +58,7 @@ def test_moe_layouts(n, token_dir, tmp_path):
                      "moe init-from OK"):
             assert part in out, out
         assert "in bf16 the fp32 masters hold the file's weights" in out, out
+        assert "moe bf16 OK: 3 + 3 resumed steps == 6 steps bitwise" in out, out
 
 
 def test_train_moe_entry_point(token_dir, tmp_path):

@@ -38,6 +38,7 @@ def test_4d_grids_in_one_launch():
     assert "4d parity (1, 2, 2, 1) h4 {'regather_weights': True}" in out, out
     # resume after step 10 reproduces 11-20 exactly; consolidate gives the serial weights
     assert out.count("resumed steps 11-20 equal the uninterrupted run exactly") == 2, out
+    assert out.count("in bf16 steps 11-13 to") == 2, out  # OffloadedAdamW trains bf16
     assert "4d resume on another G_data OK: (1, 1, 2, 2)'s step-10 checkpoint on " \
         "(1, 1, 2, 1)" in out, out
     # --overlap levels bitwise equal, the recorded issue/wait order proves each overlap

@@ -38,6 +38,9 @@ from training.topology import ProcessGrid  # noqa: E402
 WORLD = 8
 VOCAB = 96
 TOL = 1e-5
+#: bf16 against fp32, relative, over a few steps (measured: 1.5e-4; the weights and
+#: activations bf16, the masters and the loss fp32; 2^-8 = 3.9e-3 per rounding)
+BF16_TOL = 2e-3
 #: model shapes: "h4" n_embd 32 with 4 heads, batch 8; "h3" n_embd 48 with 3 heads,
 #: batch 6 (divisible by G = 3)
 SHAPES = {"h4": (dict(n_embd=32, n_head=4), 8), "h3": (dict(n_embd=48, n_head=3), 6)}
@@ -346,13 +349,18 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
         want = whole[position[id(p)]]
         assert torch.equal(low.optimizer.master[off:off + p.numel()], want.reshape(-1)), grid2
         assert torch.equal(p, want.bfloat16()), grid2
-    del low
-    moved.step = 10
+    moved.step = low.step = 10
     loss11 = moved.train_step()[0]
+    # ... and trains with them (OffloadedAdamW, bf16's optimizer) as the fp32 run does
+    fp32_steps = [loss11] + [moved.train_step()[0] for _ in range(2)]
+    bf16_steps = [low.train_step()[0] for _ in range(3)]
+    rel16 = max(abs(a - b) / b for a, b in zip(bf16_steps, fp32_steps, strict=True))
+    assert rel16 <= BF16_TOL, (grid2, bf16_steps, fp32_steps)
+    del low
     if out is not None:
         rel11 = abs(loss11 - after[0]) / after[0]
         assert rel11 <= 1e-6, (grid, grid2, loss11, after[0])
-        out = (*out, grid2, rel11)
+        out = (*out, grid2, rel11, rel16)
     # the same X, Y, Z degrees on another G_data (README: "any G_data"): (1, 1, 2, 2)'s
     # step-10 checkpoint resumed by (1, 1, 2, 1), which takes each step's global batch in
     # twice the micro-batches: steps 11-20 equal the uninterrupted run to rounding
@@ -382,8 +390,9 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
             f"{g}: resumed steps 11-20 equal the uninterrupted run exactly; consolidated "
             f"step 10 = the live pieces reassembled bitwise, serial GPT loads it and gives "
             f"step 11's loss to {d:.1e} rel; vs 10 serial steps: max abs diff {r:.1e} "
-            f"(key bias excluded); loaded on {g2} (--init-from) step 11's loss to {d2:.1e}"
-            for g, r, d, g2, d2 in gathered), flush=True)
+            f"(key bias excluded); loaded on {g2} (--init-from) step 11's loss to {d2:.1e}, "
+            f"in bf16 steps 11-13 to {d16:.1e}"
+            for g, r, d, g2, d2, d16 in gathered), flush=True)
 
 
 def main():
