@@ -148,16 +148,18 @@ def test_set_torch_routes_is_process_wide_and_resets(monkeypatch):
         mcrdl.set_torch_routes(None)
 
 
-def test_set_torch_routes_refuses_a_backend_mcrdl_did_not_initialize():
+def test_set_torch_routes_refuses_a_backend_mcrdl_did_not_initialize(monkeypatch):
     """Once mcrdl is initialized, groups may exist that would call the route: refused
     when set, with the table left as it was."""
     try:
         mcrdl.set_torch_routes("allreduce=mpi")
+        monkeypatch.setattr(mcrdl.torch_backend, "_front", GroupFront())  # mpi initialized
         with pytest.raises(mcrdl.BackendUnavailableError,
                            match=r"set_torch_routes: routes allreduce=nccl.*initialized: mpi"):
-            routing.set_routes("allreduce=nccl", ["mpi"])
+            mcrdl.set_torch_routes("allreduce=nccl")
         assert mcrdl.torch_routes()["allreduce"] == "mpi"
     finally:
+        monkeypatch.undo()
         mcrdl.set_torch_routes(None)
 
 
@@ -266,21 +268,25 @@ class InitFront(GroupFront):
         self.calls.append("init")
         self.up = True
 
+    def available_backends(self):
+        return ["mpi"]
+
     def finalize(self):
         self.calls.append("finalize")
         self.up = False
 
 
-def test_failed_world_creation_leaves_mcrdl_uninitialized():
-    """init_process_group("mcrdl") initialized mcrdl and then refused the routes: mcrdl
-    is finalized again, so that a retry (or destroy_process_group) starts clean."""
+def test_refused_world_routes_leave_mcrdl_uninitialized():
+    """init_process_group("mcrdl") with routes to a backend init() would not initialize:
+    refused before init, so that a retry (or destroy_process_group) starts clean, with
+    no collective cleanup to wait in."""
     front = InitFront()
     opts = dist.distributed_c10d._DistributedBackendOptions()
     opts.global_ranks_in_group, opts.group_rank, opts.group_size = [], 0, 4
     with pytest.raises(mcrdl.BackendUnavailableError,
-                       match=r"init_process_group\('mcrdl'\).*alltoall=pccl"):
+                       match=r"init_process_group\('mcrdl'\).*alltoall=pccl.*initialized: mpi"):
         pg_module.create(front, opts, mcrdl.TorchBackendOptions(routes="alltoall=pccl"))
-    assert front.calls == ["init", "finalize"] and not front.up
+    assert front.calls == [] and not front.up
 
 
 def test_explicit_timeout():
@@ -405,6 +411,40 @@ def test_work_result_waits_for_completion_and_a_failed_future_fails_the_work():
     for call in (work.wait, work.result):
         with pytest.raises(mcrdl.CommTimeoutError, match="still pending"):
             call()
+
+
+class CallbackWork(FakeWork):
+    """FakeWork with the completion callbacks and time_out of an mcrdl._C.Work."""
+
+    def __init__(self):
+        super().__init__()
+        self.callbacks = []
+
+    def add_done_callback(self, fn):
+        self.callbacks.append(fn)
+
+    def time_out(self, timeout):
+        raise mcrdl.CommTimeoutError(f"fake: past {timeout} s")
+
+
+def test_watchdog_failed_future_fails_the_work_for_good(monkeypatch):
+    """The callback path (every single-op call): the watchdog fails the pending future;
+    the op's completion callback coming later leaves the work failed, as its future."""
+    monkeypatch.setattr(pg_module, "_CWork", CallbackWork)
+    inner, out = CallbackWork(), [torch.zeros(2)]
+    work = McrdlWork.of((inner,), out, 0.2, None, "broadcast")
+    future = work.get_future()
+    assert inner.callbacks and not work.is_completed()
+    with pytest.raises(mcrdl.CommTimeoutError, match=r"fake: past 0.2 s"):
+        future.wait()
+    assert work.is_completed() and not work.is_success()
+    inner.done.set()
+    for callback in inner.callbacks:  # the op completes after all
+        callback(None)
+    for call in (work.wait, work.result):
+        with pytest.raises(mcrdl.CommTimeoutError, match=r"fake: past 0.2 s"):
+            call()
+    assert isinstance(work.exception(), mcrdl.CommTimeoutError)
 
 
 # -- real worlds -------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 :func:`checkpointed` runs a segment under torch's non-reentrant activation
 checkpointing; with ``cac=True`` a :class:`CommStash` records the output of every
 forward collective of the segment's first forward and returns them, in order, when the
-backward pass recomputes the segment, so the recomputation moves no data. Backward
-collectives are never stashed (they run once either way).
+backward pass recomputes the segment, so the recomputation moves no data (TED's
+debug_checks, off by default, still run their checks there). Backward collectives are
+never stashed (they run once either way).
 
 Layers opt in by issuing each *forward, blocking* collective through
 :func:`through_stash` (the TED collectives of training/collectives.py and the 4D

@@ -32,7 +32,8 @@ G_tensor. The capacity dimension of the buffers is the drop rule's capacity roun
 to a multiple of G_tensor (``C_buf``; the extra slots stay empty, so routing does not
 depend on the layout); DTD rejects a buffer whose capacity does not divide. Routing has
 no randomness, so the buffers agree across tensor ranks; ``debug_checks=True`` verifies
-it on every MoE call (an all_gather over the tensor group).
+it on every MoE call, recomputations included (an all_gather over the tensor group, then
+an all_reduce over the world so that every rank raises when any group differs).
 
 **CAC.** With activation checkpointing, blocks run in segments of ~sqrt(N) under
 ``cac.checkpointed``; with ``cac=True`` the recomputation replays the forward

@@ -80,7 +80,8 @@ class TEDOptions(Options):
     optimizer_tile: int | None = option(None, "expert optimizer tile in parameters (default "
                                         "untiled)", minimum=1)
     debug_checks: bool = option(False, "check that dispatch buffers agree across tensor "
-                                "ranks (one all_gather per MoE layer)")
+                                "ranks (per MoE call: an all_gather over the tensor group and "
+                                "an all_reduce over the world)")
     comm_log: bool = option(True, "log every collective (mcrdl's logger) for the end-of-run "
                             "communication breakdown")
 

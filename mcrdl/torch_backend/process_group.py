@@ -593,11 +593,12 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             opts = dist.AllreduceCoalescedOptions()
         op = _op_of(opts, "allreduce_coalesced")
         backend, spec = self._routes[ALLREDUCE], OPS["all_reduce"]
-        try:  # each tensor as mcrdl takes it: packing would accept a sparse or strided one
-            for t in tensors:
+        for i, t in enumerate(tensors):  # as mcrdl takes each: the pack would take any
+            try:
                 validate(spec.call((t, op, self._group, True)), self.size(), self.rank())
-        except MCRDLError as exc:
-            raise _c10d_error(exc, ALLREDUCE, backend) from None
+            except MCRDLError as exc:
+                raise _c10d_error(type(exc)(f"tensors[{i}]: {exc}"), ALLREDUCE,
+                                  backend) from None
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -771,7 +772,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         # checked on every rank before the collective, so that all of them raise alike
         where = f"new_group({list(ranks)})"
         routes = _group_routes(pg_options, self._api, where,
-                               _pinned_routes(backend, where, self._api.get_backends()))
+                               base=_pinned_routes(backend, where, self._api.get_backends()))
         group = self._api.new_group(list(ranks))
         if not group.is_member:
             return None
@@ -821,11 +822,11 @@ def _pinned_routes(backend: object, where: str,
         f"per-operation routes")
 
 
-def _group_routes(pg_options: object, front, where: str,
+def _group_routes(pg_options: object, front, where: str, initialized: list[str] | None = None,
                   base: dict[str, str] | None = None) -> dict[str, str]:
     """The routes of a new group: the process-wide dict itself, or the group's own table
     when pg_options carries routes (over `base`, else the process-wide table), or `base`.
-    Backends named must be initialized."""
+    Backends named must be initialized (`initialized`, else mcrdl's now)."""
     if base is None:
         base = process_routes()
     if pg_options is None:
@@ -836,7 +837,8 @@ def _group_routes(pg_options: object, front, where: str,
         raise InvalidArgumentError(
             f"{where}: pg_options of the mcrdl backend is a mcrdl.TorchBackendOptions, got "
             f"{type(pg_options).__name__}")
-    check_initialized(routes, front.get_backends(), where)
+    check_initialized(routes, front.get_backends() if initialized is None else initialized,
+                      where)
     return routes
 
 
@@ -868,21 +870,15 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
     ranks = list(options.global_ranks_in_group)
     world_timeout = explicit_timeout(options.timeout) if not ranks else None
     owns = not front.is_initialized()
+    where = f"new_group({ranks})" if ranks else "init_process_group('mcrdl')"
     if owns:
+        # the routes checked against what init() initializes, before it: refused routes
+        # leave mcrdl uninitialized (a retry starts clean) with no collective cleanup,
+        # which a failure on some ranks only would hold for the whole timeout
+        _group_routes(pg_options, front, where, front.available_backends())
         front.init(timeout=world_timeout)
     elif world_timeout is not None:
         front.init(front.get_backends(), timeout=world_timeout)
-    try:
-        return _make(front, options, pg_options, ranks, owns)
-    except BaseException:
-        if owns:  # a failed creation leaves mcrdl as it found it (a retry initializes it)
-            front.finalize()
-        raise
-
-
-def _make(front, options: dist.distributed_c10d._DistributedBackendOptions,
-          pg_options: object, ranks: list[int], owns: bool) -> ProcessGroupMCRDL:
-    """create()'s group, mcrdl initialized (by it when `owns`)."""
     world_rank, world_size = front.get_rank(), front.get_size()
     if not ranks:
         if (options.group_rank, options.group_size) != (world_rank, world_size):
@@ -908,7 +904,6 @@ def _make(front, options: dist.distributed_c10d._DistributedBackendOptions,
             "group when the default group is another backend's. Make 'mcrdl' the default "
             "(init_process_group('mcrdl'): its new_group runs on every rank, torch >= "
             "2.13), or use a group of every rank")
-    where = f"new_group({ranks})" if ranks else "init_process_group('mcrdl')"
     # checked before the group's collective creation, so that every rank raises alike
     routes = _group_routes(pg_options, front, where)
     group = front.new_group(ranks) if ranks else None

@@ -57,7 +57,8 @@ class Ranking:
 
 
 def predict(step: TrainingStep, grid: Grid4D, network: Network) -> Prediction:
-    """The predicted communication of one step of ``step`` on ``grid`` (assumed to fit)."""
+    """The predicted communication of one step of ``step`` on ``grid``; a grid the step
+    does not fit raises GridError (``check_grid``)."""
     bandwidths = network.axis_bandwidths(grid)
     entries = tuple((c, network.seconds(c, grid, bandwidths)) for c in collectives(step, grid))
     return Prediction(grid, sum(s for _, s in entries), entries)
