@@ -449,7 +449,7 @@ if SIZE > 1:
 # -- bad input: raised by the rank that passed it, before anything is sent ---------------
 bad = SIZE - 1
 if RANK == bad:
-    for what, call, kind in (
+    refused = [
         ("wrong output size", lambda: dist.all_gather_into_tensor(
             torch.empty(SIZE * 3 + 1), torch.ones(3)), ValueError),
         ("dtype no mcrdl backend moves", lambda: dist.all_reduce(
@@ -459,16 +459,26 @@ if RANK == bad:
         ("non-contiguous tensor", lambda: dist.broadcast(
             torch.ones(4, 4).t(), 0), ValueError),
         ("receive from any source", lambda: dist.recv(torch.ones(2)), RuntimeError),
+        ("sparse tensor", lambda: dist.all_reduce(torch.sparse_coo_tensor(
+            [[0]], [1.0], (3,))), ValueError, "non-strided (e.g. sparse) layout"),
         # each tensor checked before the pack, which would take either
         ("sparse tensor, coalesced", lambda: dist.all_reduce_coalesced(
             [torch.ones(2), torch.sparse_coo_tensor([[0]], [1.0], (3,))]), ValueError),
         ("non-contiguous tensor, coalesced", lambda: dist.all_reduce_coalesced(
             [torch.ones(2), torch.ones(4, 4).t()]), ValueError),
-    ):
+        ("group of the members only", lambda: dist.new_group(
+            [RANK], use_local_synchronization=True), ValueError,
+         "use_local_synchronization=True"),
+    ]
+    if SIZE > 1:  # (to itself, the send would be refused for that first)
+        refused.append(("tag above MPI's guaranteed bound", lambda: dist.isend(
+            torch.ones(2), dst=(RANK + 1) % SIZE, tag=40000), ValueError, "[0, 32767]"))
+    for what, call, kind, *says in refused:
         try:
             call()
         except kind as exc:
             assert isinstance(exc, RuntimeError) and "mcrdl" in str(exc), (what, exc)
+            assert all(s in str(exc) for s in says), (what, exc)
             checked["bad input"] = checked.get("bad input", 0) + 1
         else:
             raise AssertionError(f"rank {RANK}: {what}: nothing raised")
