@@ -112,8 +112,7 @@ class ZeroAdamW:
                   "exp_avg_sq": torch.zeros(hi - lo, dtype=torch.float32, device=dev)}
             if any(p.dtype != torch.float32 for p in s.params):  # bf16 model: fp32 masters
                 st["master"] = torch.empty(hi - lo, dtype=torch.float32, device=dev)
-                for p, a, b, off in self._pieces(s, lo, hi):
-                    st["master"][a - lo:b - lo].copy_(p.detach().view(-1)[a - off:b - off])
+                self._fill_master(s, st["master"], lambda p: p.detach())
             self.state[s.name] = st
 
     def seed_masters(self, weights: dict[torch.nn.Parameter, torch.Tensor]) -> None:
@@ -122,13 +121,17 @@ class ZeroAdamW:
         keeps them whole. Sets without masters (fp32 parameters) are left alone."""
         for s in self.sets:
             master = self.state[s.name].get("master")
-            if master is None:
-                continue
-            lo, hi = s.shard
-            for p, a, b, off in self._pieces(s, lo, hi):
-                master[a - lo:b - lo].copy_(weights[p].reshape(-1)[a - off:b - off])
+            if master is not None:
+                self._fill_master(s, master, weights.__getitem__)
 
     # --- bookkeeping --------------------------------------------------------------------
+    @classmethod
+    def _fill_master(cls, s: ParamSet, master: torch.Tensor, value_of) -> None:
+        """The set's master shard from ``value_of(param)``, each parameter's values."""
+        lo, hi = s.shard
+        for p, a, b, off in cls._pieces(s, lo, hi):
+            master[a - lo:b - lo].copy_(value_of(p).reshape(-1)[a - off:b - off])
+
     @staticmethod
     def _pieces(s: ParamSet, lo: int, hi: int):
         """(param, a, b, param offset) for each parameter overlapping [lo, hi) of the set's

@@ -123,13 +123,9 @@ def process_routes() -> dict[str, str]:
 
 def set_routes(routes: str | Mapping[str, str] | None,
                initialized: list[str] | None = None) -> dict[str, str]:
-    """Route c10d operations of every mcrdl process group without routes of its own, for
-    every later call: ``"allreduce=mpi,alltoall=gloo"`` or ``{"allreduce": "mpi"}``
-    (families not named go to ``"*"``'s backend if given, else "auto"); None goes back
-    to ``$MCRDL_TORCH_ROUTES``. Call it at the same point on every rank, as a
-    collective. `initialized`: mcrdl's backends when it is initialized (groups may
-    exist, which would call them), checked before anything changes. Returns the new
-    table."""
+    """``mcrdl.set_torch_routes`` (torch_backend.set_routes says what it does), given
+    `initialized`: mcrdl's backends when it is initialized (groups may exist, which would
+    call them), checked before anything changes. Returns the new table."""
     new = table(parse(routes, "set_torch_routes")) if routes is not None else \
         table(parse(os.environ.get(ROUTES_ENV), ROUTES_ENV))
     if initialized is not None:
