@@ -150,11 +150,113 @@ def slurm_tasks_on_node(spec: str | None, node: int | None) -> int | None:
     return counts[node] if 0 <= node < len(counts) else None
 
 
+def _slurm_tasks_per_node() -> str | None:
+    """SLURM_TASKS_PER_NODE of this job step: the step's own (an srun inside a larger
+    allocation places fewer tasks than the job has), else the job's."""
+    return os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+
+
 def _slurm_local_size() -> int | None:
     """This node's task count under srun: the tasks it placed here, else the per-node
     count the job asked for."""
-    return (slurm_tasks_on_node(os.environ.get("SLURM_TASKS_PER_NODE"), _env_int("SLURM_NODEID"))
+    return (slurm_tasks_on_node(_slurm_tasks_per_node(), _env_int("SLURM_NODEID"))
             or _env_int("SLURM_NTASKS_PER_NODE"))
+
+
+_HOST_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """The host names of a Slurm host list, in Slurm's order: "node[01-04,07]" is node01
+    to node04 and node07 (a range keeps the zero padding of its lower bound),
+    "a[1-2],b3" is a1, a2, b3, and "r[1-2]n[1-2]" is r1n1, r1n2, r2n1, r2n2 (the last
+    bracket varies fastest). Raises ValueError, naming the fault, on a malformed list."""
+    def fault(why: str) -> ValueError:
+        return ValueError(f"Slurm host list {text!r}: {why} (expected names and bracketed "
+                          "ranges such as 'node[01-04,07],login1')")
+
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):  # split at the commas outside brackets
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise fault("nested '['")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise fault("']' without '['")
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise fault("'[' without ']'")
+    items.append(text[start:])
+    hosts: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            raise fault("an empty name")
+        names = [""]
+        parts = re.split(r"\[([^\]]*)\]", item)  # literal, ranges, literal, ..., literal
+        for i, part in enumerate(parts):
+            if i % 2 == 0:
+                names = [name + part for name in names]
+                continue
+            numbers = []
+            for bounds in part.split(","):
+                m = _HOST_RANGE.fullmatch(bounds.strip())
+                if not m:
+                    raise fault(f"range {bounds!r} is not N or N-M")
+                lo, hi = m.group(1), m.group(2) or m.group(1)
+                if int(hi) < int(lo):
+                    raise fault(f"range {bounds!r} ends below its start")
+                numbers += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+            names = [name + n for name in names for n in numbers]
+        hosts += names
+    return hosts
+
+
+@dataclass(frozen=True)
+class SlurmStep:
+    """Where srun placed this task: its rank (SLURM_PROCID) among the step's `size`
+    tasks, its node's index (SLURM_NODEID) in the step's `nodes` (SLURM_STEP_NODELIST
+    expanded) and the tasks on each node (SLURM_STEP_TASKS_PER_NODE)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    node: int
+    nodes: tuple[str, ...]
+    tasks_per_node: tuple[int, ...]
+
+    @property
+    def node_name(self) -> str:
+        return self.nodes[self.node]
+
+
+def slurm_step() -> SlurmStep | None:
+    """This process's place in its Slurm job step, from Slurm's variables; None where
+    srun did not start it or the variables disagree (a malformed host list, fewer
+    nodes or tasks than the indices need). An sbatch script's own process has them
+    too (its step is the batch step): a process another launcher started inside a job
+    (mpiexec in an sbatch script) inherits them, so callers check that the step's rank
+    and size are their world's."""
+    env = os.environ
+    rank, size = _env_int("SLURM_PROCID"), _env_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
+    node, local = _env_int("SLURM_NODEID"), _env_int("SLURM_LOCALID")
+    hostlist = (env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                or env.get("SLURM_NODELIST"))
+    if None in (rank, size, node, local) or not hostlist:
+        return None
+    try:
+        nodes = expand_hostlist(hostlist)
+    except ValueError:
+        return None
+    spec = _slurm_tasks_per_node()
+    tasks = [slurm_tasks_on_node(spec, i) for i in range(len(nodes))]
+    if None in tasks or sum(tasks) != size or not (0 <= rank < size and node < len(nodes)):
+        return None
+    return SlurmStep(rank, size, local, node, tuple(nodes), tuple(tasks))
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Where the ranks of the "pccl" backend sit: the node of every world rank, and how a
 group's members spread over nodes (hierarchical when evenly, flat otherwise).
 
-Nodes come from MPI's shared-memory split, or ``MCRDL_RANKS_PER_NODE=k`` (world ranks
-``0..k-1`` are node 0, and so on) to simulate several nodes on one machine."""
+Nodes come from Slurm's placement where srun started the world (every rank's
+SLURM_NODEID), else MPI's shared-memory split; ``MCRDL_RANKS_PER_NODE=k`` (world ranks
+``0..k-1`` are node 0, and so on) simulates several nodes on one machine."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ from dataclasses import dataclass
 
 from ..bootstrap import mpi_module
 from ..errors import InvalidArgumentError
+from ..launch import slurm_step
 
 
 def node_ids(comm, world_size: int) -> list[int]:
-    """Node index of every world rank: MCRDL_RANKS_PER_NODE=k, else MPI's shared-memory
-    split of `comm` (nodes numbered in order of their lowest world rank)."""
+    """Node index of every world rank, nodes numbered in order of their lowest world
+    rank: MCRDL_RANKS_PER_NODE=k; else Slurm's node of every rank where srun started
+    each rank of `comm` as its task of the same rank (the launch discovery's source:
+    mcrdl.launch.slurm_step); else MPI's shared-memory split of `comm`."""
     text = os.environ.get("MCRDL_RANKS_PER_NODE")
     if text:
         try:
@@ -27,13 +31,19 @@ def node_ids(comm, world_size: int) -> list[int]:
                 f"MCRDL_RANKS_PER_NODE={text!r}: expected a positive integer (ranks per "
                 "simulated node)")
         return [r // k for r in range(world_size)]
-    MPI = mpi_module()
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    leader = shared.allreduce(comm.Get_rank(), op=MPI.MIN)
-    shared.Free()
-    leaders = comm.allgather(leader)
-    order = {lead: i for i, lead in enumerate(sorted(set(leaders)))}
-    return [order[lead] for lead in leaders]
+    step = slurm_step()
+    # A step of this world's ranks and size, else None (mpiexec inside an sbatch job
+    # inherits the batch step's variables): decided together, from every rank's view.
+    mine = (step.node if step is not None and step.rank == comm.Get_rank()
+            and step.size == world_size else None)
+    keys = comm.allgather(mine)
+    if None in keys:
+        MPI = mpi_module()
+        shared = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        keys = comm.allgather(shared.allreduce(comm.Get_rank(), op=MPI.MIN))
+        shared.Free()
+    order: dict[object, int] = {}
+    return [order.setdefault(key, len(order)) for key in keys]
 
 
 @dataclass(frozen=True)
