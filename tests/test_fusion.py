@@ -122,7 +122,7 @@ _GPU_ONLY = r'''
 import json
 import torch
 import mcrdl, mcrdl.api
-from mcrdl.extensions.tensor_fusion import Fused
+from mcrdl.fusion import Fused
 
 got = []
 

@@ -46,9 +46,9 @@ import time
 from collections.abc import Callable
 
 from ..errors import BackendUnavailableError, InvalidArgumentError
+from ..layers import Layer
 from ..ops import OPS, OpSpec
 from ..work import ChainedWork
-from .base import Layer
 from .config import LoggingConfig
 
 ROW_FIELDS = ("level", "op", "backend", "bucket_bytes", "bucket", "group_size", "count",

@@ -28,7 +28,7 @@ per block of float32, 12 of float64); raw blocks are exact. Other dtypes
 (float16/bfloat16 included: zfp has no 16-bit floats), GPU tensors, the other
 operations and reduce ops are passed through uncompressed, in order. The sizes are
 exchanged before the bytes can be posted, so an async call is posted by the group's
-queue worker (mcrdl.extensions.ordered), never blocking the caller.
+queue worker (mcrdl.layers.OrderedLayer), never blocking the caller.
 
 Error bounds (zfp 1.0 documentation): "accuracy" keeps every value within
 ``tolerance`` (zfp rounds the tolerance down to a power of two); "precision" keeps
@@ -50,12 +50,12 @@ import numpy as np
 import torch
 
 from ..errors import DesyncError, MCRDLError
+from ..layers import OrderedLayer
 from ..ops import OPS, OpSpec, ReduceOp
 from ..ordering import IssueQueue
 from ..validate import validate
 from ..work import ChainedWork
 from .config import CompressionConfig
-from .ordered import OrderedLayer
 
 _FLOATS = (torch.float32, torch.float64)
 _RAW, _ZFP = 0, 1  # tag byte of a block

@@ -1,4 +1,5 @@
-"""Settings of the call-path extensions: tensor fusion, zfp compression, comm logging.
+"""Settings of the call-path extensions: tensor fusion (its FusionConfig is
+mcrdl.fusion.config's), zfp compression, comm logging.
 
 Each extension has a frozen dataclass whose constructor checks its fields and raises
 InvalidArgumentError naming the bad field, the value and what is expected.
@@ -9,59 +10,14 @@ extension (None, False, True, a dict of fields or the dataclass) into the datacl
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
-from ..ops import COMPRESSIBLE_OPS, FUSABLE_OPS
-
-MIB = 1 << 20
+from ..fusion.config import FusionConfig
+from ..layers import op_names, positive_number
+from ..ops import COMPRESSIBLE_OPS
 
 COMPRESSION_MODES = ("rate", "precision", "accuracy")
-
-
-def _positive_number(where: str, name: str, value: object, *, integer: bool = False) -> None:
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind) or not value > 0 \
-            or not math.isfinite(value):
-        what = "an int > 0" if integer else "a finite number > 0"
-        raise InvalidArgumentError(f"{where}: '{name}' is {value!r}; expected {what}")
-
-
-def _ops(where: str, ops: object, allowed: frozenset) -> frozenset:
-    if isinstance(ops, str) or not hasattr(ops, "__iter__"):
-        raise InvalidArgumentError(
-            f"{where}: 'ops' is {ops!r}; expected a collection of operation names from "
-            f"{sorted(allowed)}")
-    ops = frozenset(ops)
-    bad = sorted(str(o) for o in ops - allowed)
-    if bad:
-        raise InvalidArgumentError(
-            f"{where}: 'ops' names {bad}, which this extension does not apply to; "
-            f"choose from {sorted(allowed)}")
-    return ops
-
-
-@dataclass(frozen=True)
-class FusionConfig:
-    """Tensor fusion (the paper's Tensor Fusion): small async calls with the same
-    (backend, group, operation, dtype, reduce op or root) are combined into one call.
-
-    ``buffer_bytes`` (B): a fused call carries at most this many bytes; a call of B bytes
-    or more is not fused. ``wait_us`` (T): a call waits at most this long (microseconds)
-    for others to join before its buffer is flushed anyway; waiting on a fused call,
-    a blocking call, a call that cannot be fused on the same (backend, group),
-    ``synchronize`` and ``finalize`` flush earlier. ``ops``: which operations fuse.
-    """
-
-    buffer_bytes: int = 16 * MIB
-    wait_us: float = 2000.0
-    ops: frozenset = FUSABLE_OPS
-
-    def __post_init__(self) -> None:
-        _positive_number("FusionConfig", "buffer_bytes", self.buffer_bytes, integer=True)
-        _positive_number("FusionConfig", "wait_us", self.wait_us)
-        object.__setattr__(self, "ops", _ops("FusionConfig", self.ops, FUSABLE_OPS))
 
 
 @dataclass(frozen=True)
@@ -94,7 +50,7 @@ class CompressionConfig:
                         f"{where}: mode {self.mode!r} needs '{param}' (e.g. "
                         f"CompressionConfig({self.mode!r}, {param}="
                         f"{ {'rate': 8, 'precision': 16, 'tolerance': 1e-3}[param]!r}))")
-                _positive_number(where, name, value, integer=name == "precision")
+                positive_number(where, name, value, integer=name == "precision")
             elif value is not None:
                 raise InvalidArgumentError(
                     f"{where}: '{name}' is set but mode is {self.mode!r}, which takes only "
@@ -102,7 +58,7 @@ class CompressionConfig:
         if self.mode == "precision" and self.precision > 64:
             raise InvalidArgumentError(
                 f"{where}: 'precision' is {self.precision}; zfp keeps at most 64 bit planes")
-        object.__setattr__(self, "ops", _ops(where, self.ops, COMPRESSIBLE_OPS))
+        object.__setattr__(self, "ops", op_names(where, self.ops, COMPRESSIBLE_OPS))
         if ("send" in self.ops) != ("recv" in self.ops):
             have, lacks = ("send", "recv") if "send" in self.ops else ("recv", "send")
             raise InvalidArgumentError(
@@ -139,7 +95,7 @@ class LoggingConfig:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgumentError(
                     f"LoggingConfig: '{name}' is {getattr(self, name)!r}; expected True or False")
-        _positive_number("LoggingConfig", "max_events", self.max_events, integer=True)
+        positive_number("LoggingConfig", "max_events", self.max_events, integer=True)
 
 
 @dataclass(frozen=True)

@@ -26,11 +26,11 @@ import torch
 from ..bootstrap import mpi_module
 from ..errors import BackendUnavailableError, CommTimeoutError, DesyncError
 from ..groups import Group, bad_group_error
+from ..layers import Layer
 from ..ops import DTYPES, OPS, Agreement, Call, Kind, OpSpec, ReduceOp
 from ..ordering import LOCAL_ERRORS, IssueQueue
 from ..validate import validate
 from ..work import ChainedWork, ThreadedWait, poll_until
-from .base import Layer
 
 _OP_NAMES = tuple(OPS)  # a signature's op code is the operation's index here
 _DTYPE_CODE = {d: i for i, d in enumerate(DTYPES)}

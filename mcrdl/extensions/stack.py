@@ -10,7 +10,7 @@ hands it to that backend's layers. From the front down::
   ``Work.backend`` name the resolved one.
 - ``log calls`` / ``log wire`` (comm_logger.Logged): what the program called, and, with
   fusion or compression on, what went to the backend.
-- ``fuse`` (tensor_fusion.Fused), ``compress`` (compression.Compressed): the
+- ``fuse`` (mcrdl.fusion.Fused), ``compress`` (compression.Compressed): the
   extensions of :func:`configure` / :func:`extensions`.
 - ``debug`` (debug.Debugged, MCRDL_DEBUG=1), ``validate`` (validation.Validated, for
   backends that do not validate): made with the backend by the runtime, once.
@@ -30,10 +30,10 @@ import threading
 from collections.abc import Iterator
 
 from ..errors import InvalidArgumentError
+from ..fusion import Fused, FusionConfig
 from .comm_logger import Logged, logger
 from .compression import Compressed
-from .config import CompressionConfig, ExtensionConfig, FusionConfig, LoggingConfig, coerce
-from .tensor_fusion import Fused
+from .config import CompressionConfig, ExtensionConfig, LoggingConfig, coerce
 
 log = logging.getLogger("mcrdl")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..layers import Layer
 from ..ops import OpSpec
 from ..validate import validate
-from .base import Layer
 
 
 class Validated(Layer):

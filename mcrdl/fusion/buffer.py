@@ -1,10 +1,5 @@
-"""Tensor fusion: small calls of one (backend, group) combined into one buffer.
-
-Calls of all_reduce, all_gather, bcast and reduce_scatter on CPU tensors smaller than
-B bytes are buffered per (backend, group) in issue order; a *flush* posts the buffered
-calls as few backend calls as it can: one per fusion key (operation, dtype, reduce op
-or root) and B bytes; each caller's Work completes when its slice was copied back into
-its own tensors.
+"""The fusion buffer of one (backend, group): buffered calls, flushed in rounds whose
+first step is the agreement of the ranks on the calls each round flushes.
 
 Identical issue order on every rank
 -----------------------------------
@@ -26,16 +21,6 @@ agreement until the others reach it (their timers guarantee they do). Unfusable 
 are posted only after every earlier buffered call was flushed. Rounds run on the
 queue's worker thread, or on the caller's thread when it is about to block anyway, so
 an async call never blocks on other ranks.
-
-The calls themselves live in C++ (``_C.FusionQueue``, csrc/fusion.cpp): buffering a call
-(validated, recorded, its Work returned) and a flush's per-call work (cutting, packing,
-copying back, marking posted) cost a fraction of a microsecond each; the rounds, the
-timer and the posting stay here.
-
-Inputs are read when the round posts (as a backend reads them when it runs the op): do
-not change a tensor before its Work completes, and do not pass one tensor to two
-outstanding fused calls. The data reaches your tensors when the Work is waited or
-polled, or at synchronize.
 """
 
 from __future__ import annotations
@@ -47,12 +32,11 @@ import torch
 
 from .. import _C
 from ..errors import DesyncError
-from ..ops import FUSABLE_OPS, OPS, OpSpec, ReduceOp
+from ..ops import ReduceOp
 from ..ordering import IssueQueue, Task
 from ..work import wait_timeout
-from .base import layers
+from .calls import KIND_NAMES, POST
 from .config import FusionConfig
-from .ordered import OrderedLayer
 
 _totals_lock = threading.Lock()
 _totals = {"flushes": 0, "short_flushes": 0, "calls": 0}
@@ -74,9 +58,6 @@ def fusion_stats(reset: bool = False) -> dict[str, int]:
         if reset:
             _totals.update(flushes=0, short_flushes=0, calls=0)
     return out
-
-
-_validate = _C.validate
 
 
 class Batch:
@@ -123,94 +104,6 @@ class Batch:
             self.complete(None)
             return True
         return False
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.view(-1)
-
-
-# Post one fused call: (backend Work or None when posted blocking, copy-back or None).
-# A lone call is posted as it is (nothing to copy). Arguments: inner backend, the chunk of
-# calls (one fusion key: _C.FusedChunk), group, group size, this rank's group rank,
-# async_op.
-
-def _post_all_reduce(inner, chunk, group, gsize, grank, async_op):
-    op = ReduceOp(chunk.param)
-    if len(chunk) == 1:
-        return inner.all_reduce(chunk.calls[0].args[0], op, group, async_op), None
-    buf = chunk.pack()
-    work = inner.all_reduce(buf, op, group, async_op)
-    return work, lambda: chunk.unpack(buf)
-
-
-def _post_bcast(inner, chunk, group, gsize, grank, async_op):
-    root = chunk.param
-    if len(chunk) == 1:
-        return inner.bcast(chunk.calls[0].args[0], root, group, async_op), None
-    if grank == root:  # copied back too: a layer below (compression) may change the bits
-        buf = chunk.pack()
-        return inner.bcast(buf, root, group, async_op), lambda: chunk.unpack(buf)
-    first = chunk.calls[0].args[0]
-    buf = torch.empty(chunk.nbytes // first.element_size(), dtype=first.dtype)
-    work = inner.bcast(buf, root, group, async_op)
-    return work, lambda: chunk.unpack(buf)
-
-
-def _post_all_gather(inner, chunk, group, gsize, grank, async_op):
-    calls = chunk.calls
-    if len(calls) == 1:
-        out, inp = calls[0].args
-        return inner.all_gather(out, inp, group, async_op), None
-    ins = [c.args[1] for c in calls]
-    sizes = [t.numel() for t in ins]
-    total = sum(sizes)
-    fused_out = torch.empty(gsize * total, dtype=ins[0].dtype)
-    work = inner.all_gather(fused_out, _C.pack_flat(ins), group, async_op)
-
-    @torch.no_grad()  # the outputs may be tensors that require grad
-    def copy_back():
-        blocks = fused_out.view(gsize, total)
-        dsts, srcs, off = [], [], 0
-        for c, n in zip(calls, sizes, strict=True):
-            out = c.args[0]
-            if isinstance(out, torch.Tensor):
-                dsts.append(out.view(gsize, n))
-                srcs.append(blocks[:, off:off + n])
-            else:
-                dsts.extend(_flat(o) for o in out)
-                srcs.extend(blocks[r, off:off + n] for r in range(gsize))
-            off += n
-        torch._foreach_copy_(dsts, srcs)
-
-    return work, copy_back
-
-
-def _post_reduce_scatter(inner, chunk, group, gsize, grank, async_op):
-    op = ReduceOp(chunk.param)
-    calls = chunk.calls
-    if len(calls) == 1:
-        out, inp = calls[0].args
-        return inner.reduce_scatter(out, inp, op, group, async_op), None
-    rows = []
-    for c in calls:
-        inp = c.args[1]
-        if isinstance(inp, torch.Tensor):
-            rows.append(inp.detach().view(gsize, -1))
-        else:
-            rows.append(torch.stack([_flat(t.detach()) for t in inp]))
-    fused_in = torch.cat(rows, dim=1)
-    fused_out = torch.empty(chunk.nbytes // gsize // fused_in.element_size(),
-                            dtype=fused_in.dtype)
-    work = inner.reduce_scatter(fused_out, fused_in.view(-1), op, group, async_op)
-    return work, lambda: chunk.unpack(fused_out)
-
-
-# By _C.FusedCall.kind (the C++ fast path posts all_reduce as kind 0)
-_ALL_REDUCE, _BCAST, _ALL_GATHER, _REDUCE_SCATTER = range(4)
-_POST = (_post_all_reduce, _post_bcast, _post_all_gather, _post_reduce_scatter)
-KIND_NAMES = tuple(f.__name__.removeprefix("_post_") for f in _POST)
-if set(KIND_NAMES) != FUSABLE_OPS or KIND_NAMES[0] != "all_reduce":
-    raise ImportError(f"fusion kinds {KIND_NAMES} do not match mcrdl.ops ({FUSABLE_OPS})")
 
 
 class FusionBuffer(IssueQueue):
@@ -327,7 +220,7 @@ class FusionBuffer(IssueQueue):
             self.batches = [b for b in self.batches if not b.done]
         for i, chunk in enumerate(chunks):
             try:
-                work, copy_back = _POST[chunk.kind](self.inner, chunk, self.group, self.gsize,
+                work, copy_back = POST[chunk.kind](self.inner, chunk, self.group, self.gsize,
                                                     self.grank, not blocking)
             except BaseException as exc:  # the chunks posted before keep their batches
                 for rest in chunks[i:]:
@@ -352,94 +245,3 @@ class FusionBuffer(IssueQueue):
         for b in batches:
             b.complete(deadline)
         super().complete_all(max(deadline - time.monotonic(), 0.0))
-
-
-def _implements(top, op: str) -> bool:
-    """Whether the backend under `top` (and the layers below this one) has `op`."""
-    below = layers(top)
-    backend = below[-1].inner if below else top
-    supported = getattr(type(backend), "supported_ops", None)
-    return supported is None or op in supported()
-
-
-class Fused(OrderedLayer):
-    """Wrapper backend doing tensor fusion; see the module docstring."""
-
-    def __init__(self, inner, rt, config: FusionConfig):
-        self._config = config
-        self._limit = config.buffer_bytes
-        super().__init__(inner, rt)
-
-    def wrap(self, spec: OpSpec, forward):
-        if not _implements(self.inner, spec.name):
-            # raises UnsupportedOperationError at the call: were it buffered, at a flush
-            # that failed the whole round; were it queued in order, only at its wait
-            return forward
-        if spec.name not in self._config.ops:  # pass through, in order
-            return self.passthrough(spec, forward)
-        if spec.name == "all_reduce":  # world calls: one C++ call (_all_reduce the others)
-            queue = self._queue(None, "fusion ").queue
-            queue.set_fallback(self._all_reduce)
-            return queue.all_reduce
-        return super().wrap(spec, forward)
-
-    def _make_queue(self, group, name: str) -> FusionBuffer:
-        gsize = self._rt.world_size if group is None else group.size
-        return FusionBuffer(name, self._rt, self.inner, group, gsize, self.name, self._config)
-
-    def _pass(self, op: str, *args):
-        """Hand the call (the Backend method's arguments) on unfused, in order."""
-        return self._ordered(OPS[op].call(args), getattr(self.inner, op))
-
-    def _buffer(self, kind: int, param: int, tensor, nbytes: int, args: tuple, group,
-                async_op: bool):
-        """Buffer a validated call on the queue of `group` (a member's group); its fusion
-        key is (kind, the dtype of `tensor`, param)."""
-        queue = self._queues.get(0 if group is None else group.id)
-        if queue is None:
-            queue = self._queue(group, "fusion ")
-        call = queue.queue.add(kind, param, tensor, nbytes, args, async_op)
-        if async_op:
-            return call
-        call.wait()
-        return None
-
-    def _all_reduce(self, tensor, op, group, async_op):
-        """all_reduce, but for the world group's fused calls (the queue's C++ front)."""
-        if group is None:
-            queue = self._queues.get(0) or self._queue(None, "fusion ")
-        else:
-            self._rt.size_rank(group)
-            queue = self._queues.get(group.id) or self._queue(group, "fusion ")
-        call = queue.queue.add_all_reduce(tensor, op, async_op)
-        if call is None:  # B bytes or more, or not on the CPU
-            return self._pass("all_reduce", tensor, op, group, async_op)
-        if async_op:
-            return call
-        call.wait()
-        return None
-
-    def bcast(self, tensor, src, group, async_op):
-        size, rank = self._rt.size_rank(group)
-        _validate("bcast", tensor, src, rank, size)
-        nbytes = tensor.nbytes
-        if nbytes >= self._limit or not tensor.is_cpu:
-            return self._pass("bcast", tensor, src, group, async_op)
-        return self._buffer(_BCAST, src, tensor, nbytes, (tensor,), group, async_op)
-
-    def all_gather(self, output, input, group, async_op):
-        size, rank = self._rt.size_rank(group)
-        _validate("all_gather", output, input, rank, size)
-        nbytes = input.nbytes * size
-        if nbytes >= self._limit or not input.is_cpu:
-            return self._pass("all_gather", output, input, group, async_op)
-        return self._buffer(_ALL_GATHER, 0, input, nbytes, (output, input), group, async_op)
-
-    def reduce_scatter(self, output, input, op, group, async_op):
-        size, rank = self._rt.size_rank(group)
-        _validate("reduce_scatter", output, input, op, rank, size)
-        nbytes = output.nbytes * size
-        if nbytes >= self._limit or not output.is_cpu:
-            return self._pass("reduce_scatter", output, input, op, group, async_op)
-        return self._buffer(_REDUCE_SCATTER, int(op), output, nbytes, (output, input), group,
-                            async_op)
