@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -74,6 +74,12 @@ sources = [os.path.join("mcrdl", "csrc", f) for f in
             "watchdog.cpp", "front.cpp", "gil.cpp")]
 
 setup(
+    # The repository's top-level tuning_tables/ (the measured tables, one per system) ships
+    # inside the package as mcrdl/tuning_tables/: package_dir maps the folder there, for a
+    # wheel and an editable install alike, and pyproject.toml's package-data names its
+    # files. mcrdl.tuning.provenance.SHIPPED_TABLES finds it in either layout.
+    packages=[*find_namespace_packages(include=["mcrdl*", "training*"]), "mcrdl.tuning_tables"],
+    package_dir={"mcrdl.tuning_tables": "tuning_tables"},
     ext_modules=[
         CppExtension(
             "mcrdl._C",

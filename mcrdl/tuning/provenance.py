@@ -92,9 +92,19 @@ def stale_reasons(provenance: dict, current: dict) -> list[str]:
     return reasons
 
 
-#: The tables shipped with the package (package data, so a wheel has them too), with the
-#: format's documentation (README.md there).
-SHIPPED_TABLES = pathlib.Path(__file__).resolve().parent / "tables"
+def _shipped_tables_dir() -> pathlib.Path:
+    """Where the shipped tables are: the repository's top-level ``tuning_tables/``.
+    setup.py maps it into the package as ``mcrdl/tuning_tables/`` (package data), which
+    is where an installed copy (a wheel) has it; a source checkout, and an editable
+    install (which imports mcrdl from the checkout), read the folder itself, beside the
+    ``mcrdl/`` package."""
+    package = pathlib.Path(__file__).resolve().parents[1]
+    installed = package / "tuning_tables"
+    return installed if installed.is_dir() else package.parent / "tuning_tables"
+
+
+#: The tables shipped with the package, with the format's documentation (README.md there).
+SHIPPED_TABLES = _shipped_tables_dir()
 
 
 def find_shipped_table(directory: str | os.PathLike, current: dict) -> pathlib.Path | None:

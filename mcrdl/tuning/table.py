@@ -3,7 +3,7 @@
 
 A table holds what ``mcrdl-tune run`` measured, with the provenance of the measurement
 (host, CPU/GPU model, library versions, date, command: ``provenance.py``). Its JSON
-document (``mcrdl/tuning/tables/README.md``) is ``schema.py``'s. Lookups predict each
+document (``tuning_tables/README.md``) is ``schema.py``'s. Lookups predict each
 backend's time for a call and pick the fastest:
 
 - at a measured size and group size: the measured time;
@@ -296,7 +296,7 @@ class TuningTable:
     # -- serialisation --------------------------------------------------------------
 
     def to_dict(self) -> dict:
-        """The JSON document of this table (mcrdl/tuning/tables/README.md)."""
+        """The JSON document of this table (tuning_tables/README.md)."""
         steps = {k: self.blocking_steps(*k) for k in set(self._steps) | set(self._variants)}
         return schema.encode(self.provenance, self._times, self.winners, self._variants,
                              {k: st for k, st in steps.items() if st}, self._confirmed)
