@@ -54,7 +54,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 import mcrdl
-from mcrdl.torch_backend import process_group
+from mcrdl.torch_backend import convert
 
 mpi4py.rc.thread_level = "multiple"  # as mcrdl needs; MPI initializes here
 MPI = importlib.import_module("mpi4py.MPI")
@@ -150,7 +150,7 @@ def per_call(gloo_group, mcrdl_group, backend: str, args) -> dict[str, dict[str,
     t = torch.ones(4)
     blocking, async_opts = dist.AllreduceOptions(), dist.AllreduceOptions()
     blocking.asyncOp = False
-    by_hash = process_group._BY_HASH
+    by_hash = convert.BY_HASH
 
     def options_only():  # as the layer reads them
         return by_hash.get(hash(blocking.reduceOp)) and blocking.asyncOp

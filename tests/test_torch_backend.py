@@ -18,14 +18,11 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
-from mcrdl.torch_backend import process_group as pg_module
-from mcrdl.torch_backend import routing
-from mcrdl.torch_backend.process_group import (
-    McrdlWork,
-    _op_of,
-    _pinned_routes,
-    explicit_timeout,
-)
+from mcrdl.torch_backend import factory, routing
+from mcrdl.torch_backend import work as work_module
+from mcrdl.torch_backend.convert import explicit_timeout, op_of
+from mcrdl.torch_backend.process_group import _pinned_routes
+from mcrdl.torch_backend.work import McrdlWork
 
 from ._launch import FULL, mpiexec_or_skip, run_launcher, skip_without
 from .test_mixing import _left_behind
@@ -216,11 +213,11 @@ class FakeFront:
 def test_sub_group_through_the_creator_is_refused(monkeypatch, default_is_mcrdl, says):
     """torch calls the creator only on the members of a sub-group: under another default
     backend, and under the mcrdl default before torch 2.13 (no new_group hook)."""
-    monkeypatch.setattr(pg_module, "_default_group_is_mcrdl", lambda: default_is_mcrdl)
+    monkeypatch.setattr(factory, "_default_group_is_mcrdl", lambda: default_is_mcrdl)
     opts = dist.distributed_c10d._DistributedBackendOptions()
     opts.global_ranks_in_group, opts.group_rank, opts.group_size = [0, 1], 0, 2
     with pytest.raises(mcrdl.InvalidArgumentError, match=r"new_group\(ranks=\[0, 1\].*" + says):
-        pg_module.create(FakeFront(), opts, None)
+        factory.create(FakeFront(), opts, None)
 
 
 class GroupFront(FakeFront):
@@ -250,7 +247,7 @@ def test_creator_checks_routes_before_making_the_group(pg_options, error, says):
     opts = dist.distributed_c10d._DistributedBackendOptions()
     opts.global_ranks_in_group, opts.group_rank, opts.group_size = [0, 1, 2, 3], 0, 4
     with pytest.raises(error, match=r"new_group\(\[0, 1, 2, 3\]\).*" + says):
-        pg_module.create(front, opts, pg_options)
+        factory.create(front, opts, pg_options)
     assert front.made == []
 
 
@@ -285,7 +282,7 @@ def test_refused_world_routes_leave_mcrdl_uninitialized():
     opts.global_ranks_in_group, opts.group_rank, opts.group_size = [], 0, 4
     with pytest.raises(mcrdl.BackendUnavailableError,
                        match=r"init_process_group\('mcrdl'\).*alltoall=pccl.*initialized: mpi"):
-        pg_module.create(front, opts, mcrdl.TorchBackendOptions(routes="alltoall=pccl"))
+        factory.create(front, opts, mcrdl.TorchBackendOptions(routes="alltoall=pccl"))
     assert front.calls == [] and not front.up
 
 
@@ -299,12 +296,12 @@ def test_reduce_op_read_once_by_hash_matches_the_slow_way():
     for op in mcrdl.ReduceOp:
         if hasattr(dist.ReduceOp, op.name):
             opts.reduceOp = getattr(dist.ReduceOp, op.name)
-            assert _op_of(opts, "t") is op
+            assert op_of(opts, "t") is op
             opts.reduceOp = dist.ReduceOp(getattr(dist.ReduceOp.RedOpType, op.name))
-            assert _op_of(opts, "t") is op
+            assert op_of(opts, "t") is op
     opts.reduceOp = dist._make_nccl_premul_sum(2.0)
     with pytest.raises(mcrdl.InvalidArgumentError, match="PREMUL_SUM has no mcrdl equivalent"):
-        _op_of(opts, "t")
+        op_of(opts, "t")
 
 
 class FakeWork:
@@ -430,7 +427,7 @@ class CallbackWork(FakeWork):
 def test_watchdog_failed_future_fails_the_work_for_good(monkeypatch):
     """The callback path (every single-op call): the watchdog fails the pending future;
     the op's completion callback coming later leaves the work failed, as its future."""
-    monkeypatch.setattr(pg_module, "_CWork", CallbackWork)
+    monkeypatch.setattr(work_module, "_CWork", CallbackWork)
     inner, out = CallbackWork(), [torch.zeros(2)]
     work = McrdlWork.of((inner,), out, 0.2, None, "broadcast")
     future = work.get_future()

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import torch.distributed as dist
 
 from . import rendezvous, routing
-from .process_group import BACKEND_NAME, ProcessGroupMCRDL, create
+from .factory import create
+from .process_group import BACKEND_NAME, ProcessGroupMCRDL
 from .routing import ROUTES_ENV, TorchBackendOptions, process_routes
 
 __all__ = ["BACKEND_NAME", "ROUTES_ENV", "ProcessGroupMCRDL", "TorchBackendOptions",

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from ..launch import detect
-from .process_group import explicit_timeout
+from .convert import explicit_timeout
 
 SCHEME = "mcrdl"
 _ENV_VARIABLES = ("MASTER_ADDR", "MASTER_PORT")

@@ -37,8 +37,7 @@ import torch.distributed as dist
 
 import mcrdl
 from mcrdl import _C
-from mcrdl.torch_backend import process_group as pg
-from mcrdl.torch_backend.process_group import McrdlWork
+from mcrdl.torch_backend.work import McrdlWork, watchdog
 
 mpi4py.rc.thread_level = "multiple"
 MPI = importlib.import_module("mpi4py.MPI")
@@ -155,7 +154,7 @@ assert torch.all(done.get_future().wait()[0] == size)  # taken after completion
 
 # -- the watchdog: past a group's own timeout, and past mcrdl's default ----------------
 lane, comm, mpi_comm = own_comm(1.0)  # its ops' default timeout: 1 s
-pg._watchdog.default_timeout = lambda: 1.0  # mcrdl's, as far as the watchdog knows
+watchdog.default_timeout = lambda: 1.0  # mcrdl's, as far as the watchdog knows
 buf = torch.zeros(4)
 if rank == 0:
     for own, default in ((0.3, False), (None, True)):
