@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import mcrdl
-from mcrdl.extensions import comm_logger
+from mcrdl.extensions import comm_logger, comm_report
 from mcrdl.extensions.comm_logger import bucket_of
 from mcrdl.ops import OPS
 
@@ -205,8 +205,8 @@ def test_long_runs_keep_a_bounded_log(monkeypatch):
         assert 32 <= len(kept) <= 64 and all(s % 16 == 0 for s, _, _ in kept)
         views.append(log.local_view())
     log.reset()
-    rows = comm_logger._rows_from(views, "call")
-    comm_logger._arrival_skew(views, rows)
+    rows = comm_report._rows_from(views, "call")
+    comm_report._arrival_skew(views, rows)
     (r,) = rows
     assert (r["count"], r["completed"]) == (2000, 2000)
     assert (r["lat_min_us"], r["lat_max_us"]) == (1.0, 1.999)

@@ -10,9 +10,9 @@ See docs/extensions.md.
 """
 
 from ..fusion import FusionConfig, fusion_stats
-from .comm_logger import export_log, export_trace
 from .comm_logger import reset as reset_log
-from .comm_logger import summary as log_summary
+from .comm_report import export_log, export_trace
+from .comm_report import summary as log_summary
 from .compression import compression_stats
 from .config import CompressionConfig, ExtensionConfig, LoggingConfig
 from .stack import configure, current, extensions
