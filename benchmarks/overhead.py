@@ -45,7 +45,13 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
-from mcrdl.tools.bench import element_count
+from mcrdl.tools.bench import (
+    DTYPES,
+    add_run_args,
+    element_count,
+    library_versions,
+    positive_int,
+)
 from mcrdl.tuning.sizes import (
     add_size_sweep_args,
     check_size_sweep,
@@ -59,12 +65,9 @@ MPI = importlib.import_module("mpi4py.MPI")
 
 OPS = ("all_reduce", "all_gather", "all_to_all_single", "bcast")
 BACKENDS = ("mpi", "gloo")
-DTYPES = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
+# the element types raw mpi4py reduces on numpy views (mcrdl-bench's, less those numpy
+# lacks or MPI does not sum)
+RAW_DTYPES = ("float32", "float64", "int32", "int64")
 # The raw baselines of each backend; "mcrdl" is always measured beside them.
 RAW_VARIANTS = {"mpi": ("blocking", "nonblocking"), "gloo": ("blocking",)}
 RAW_BASELINE = {
@@ -96,33 +99,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="backends to compare (default: mpi and gloo when usable)",
     )
     add_size_sweep_args(parser, factor=4, factor_note="; --max-bytes is always measured")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument(
-        "--iters",
-        type=int,
-        default=100,
-        help="timed iterations per variant up to 1 MiB (default 100)",
-    )
+    add_run_args(parser, dtypes=RAW_DTYPES, iters=100,
+                 iters_help="timed iterations per variant up to 1 MiB")
     parser.add_argument(
         "--min-iters",
-        type=int,
+        type=positive_int,
         default=10,
         help="floor of the scaled-down count above 1 MiB (default 10)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=5, help="untimed iterations per variant (default 5)"
-    )
-    parser.add_argument(
         "--block-iters",
-        type=int,
+        type=positive_int,
         default=5,
         help="iterations one variant runs before the next takes over (default 5)",
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
     check_size_sweep(parser, args)
-    if min(args.iters, args.min_iters, args.block_iters) < 1 or args.warmup < 0:
-        parser.error("--iters, --min-iters and --block-iters must be >= 1, --warmup >= 0")
     return args
 
 
@@ -311,11 +303,8 @@ def environment(comm: MPI.Comm) -> dict[str, object]:
         "MCRDL_RANKS_PER_NODE": os.environ.get("MCRDL_RANKS_PER_NODE", "unset"),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "mcrdl": getattr(mcrdl, "__version__", "unknown"),
-        "torch": torch.__version__,
+        **library_versions(),
         "numpy": np.__version__,
-        "mpi4py": mpi4py.__version__,
-        "mpi": " ".join(MPI.Get_library_version().splitlines()[0].split()),
         "mpi_thread_multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE,
     }
 

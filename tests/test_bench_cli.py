@@ -63,6 +63,9 @@ def test_two_ranks_json_rows_are_sane(tmp_path):
     report = json.loads(out.read_text())
     assert report["world_size"] == 2
     assert report["skipped"] == []
+    crowded = len(os.sched_getaffinity(0)) < 2  # the ranks inherit this process's mask
+    assert ("# oversubscribed" in result.stdout) == crowded, result.stdout
+    assert bool(report["oversubscribed"]) == crowded
     expected_sizes = [8 << k for k in range(10)]  # 8 B .. 4 KiB, factor 2
     assert expected_sizes[-1] == 4096
     factors = {"all_reduce": 2 * (2 - 1) / 2, "all_gather": (2 - 1) / 2}
@@ -95,6 +98,38 @@ def test_pccl_alone_is_measured(tmp_path):
     assert report["skipped"] == [], report["skipped"]
     rows = [r for r in report["rows"] if r["backend"] == "pccl"]
     assert [r["size_bytes"] for r in rows] == [8, 16, 32, 64], report["rows"]
+
+
+def test_header_flags_ranks_that_outnumber_their_cores(tmp_path):
+    """Two ranks confined to one CPU: the header says the node is oversubscribed (and
+    what to run instead), and so does the JSON."""
+    if MPIEXEC is None:
+        skip_without("mpiexec not found on PATH")
+    taskset = shutil.which("taskset")
+    if taskset is None or not hasattr(os, "sched_getaffinity"):
+        pytest.skip("needs taskset and affinity masks (Linux)")
+    cpu = min(os.sched_getaffinity(0))
+    out = tmp_path / "bench.json"
+    command = [taskset, "-c", str(cpu), MPIEXEC, "-n", "2", sys.executable, "-m",
+               "mcrdl.tools.bench", "--max-bytes", "8", "--iters", "2", "--warmup", "1",
+               "--backend", "mpi", "--json", str(out)]
+    result = run_command(command, timeout=RUN_TIMEOUT_S)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    notes = [line for line in result.stdout.splitlines() if line.startswith("# oversub")]
+    assert len(notes) == 1, result.stdout
+    assert "runs 2 ranks on 1 CPU(s)" in notes[0] and "mpiexec -n 1" in notes[0], notes
+    header = result.stdout.split("size(B)", 1)[0]
+    assert notes[0] in header  # said before the numbers
+    report = json.loads(out.read_text())
+    assert list(report["oversubscribed"].values()) == [{"ranks": 2, "cpus": 1}]
+
+
+def test_crowded_note_names_each_crowded_node():
+    assert bench.crowded_note({}) == []
+    lines = bench.crowded_note({"b/boot": (8, 4), "a": (3, 2)})
+    assert [line.split(" runs ")[0] for line in lines] == [
+        "# oversubscribed: node a", "# oversubscribed: node b"]
+    assert "8 ranks on 4 CPU(s)" in lines[1] and "mpiexec -n 4" in lines[1]
 
 
 def test_bad_size_suffix_exits_nonzero_with_message():

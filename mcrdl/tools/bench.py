@@ -25,6 +25,11 @@ Columns (as in nccl-tests):
   scatter; barrier moves no data and reports 0.
 
 ``--json PATH`` writes the same results (unrounded) for machines to read.
+
+The header says when a node runs more ranks than the CPUs their affinity masks cover
+(``oversubscribed`` in the JSON): the ranks then take turns on the cores, and the table
+measures the operating system's scheduling more than the library. Run as many ranks per
+node as it has cores (or fewer).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 import mcrdl
+from mcrdl.launch import affinity_bits, node_id, node_layout, oversubscribed
 from mcrdl.ops import COLLECTIVES, OPS, Agreement
 from mcrdl.tuning.sizes import add_size_sweep_args, check_size_sweep, format_size, size_range
 
@@ -119,14 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="backends to run (default: every usable one among mpi, gloo)",
     )
     add_size_sweep_args(parser, factor=2)
+    add_run_args(parser)
+    return parser
+
+
+def add_run_args(parser: argparse.ArgumentParser, *, dtypes: Sequence[str] = tuple(DTYPES),
+                 iters: int = 20, iters_help: str = "timed iterations") -> None:
+    """The options of how each point runs, shared with benchmarks/overhead.py: --dtype
+    (one of `dtypes`, keys of DTYPES), --iters (default `iters`), --warmup, --json."""
     parser.add_argument(
-        "--dtype",
-        choices=tuple(DTYPES),
-        default="float32",
+        "--dtype", choices=tuple(dtypes), default="float32",
         help="element type (default float32)",
     )
     parser.add_argument(
-        "--iters", type=positive_int, default=20, help="timed iterations (default 20)"
+        "--iters", type=positive_int, default=iters, help=f"{iters_help} (default {iters})"
     )
     parser.add_argument(
         "--warmup",
@@ -135,7 +147,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="untimed iterations before timing (default 5)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    return parser
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -287,6 +298,25 @@ def barrier_backend(backend: str) -> str:
     return next((b for b in mcrdl.get_backends() if _lines_up(b)), backend)
 
 
+def crowded_nodes() -> dict[str, tuple[int, int]]:
+    """The nodes whose ranks outnumber the CPUs their affinity masks cover together, as
+    {node: (ranks, CPUs)} (collective: every rank calls it). The rule and its inputs are
+    the ones the mpi backend settles its waiting with at init (mcrdl.launch.node_layout,
+    oversubscribed): there the ranks share cores, and the times are mostly the operating
+    system's scheduling."""
+    masks = mcrdl.all_gather_object((node_id(), affinity_bits()))
+    return {node: (n, cpus) for node, (n, cpus) in node_layout(masks).items()
+            if oversubscribed(n, cpus)}
+
+
+def crowded_note(crowded: dict[str, tuple[int, int]]) -> list[str]:
+    """The header lines that say so (none for a node with a core per rank)."""
+    return [f"# oversubscribed: node {node.split('/')[0]} runs {n} ranks on {cpus} CPU(s) "
+            f"(their affinity masks together), so the times below are mostly scheduling "
+            f"noise; run at most {cpus} rank(s) per node (e.g. mpiexec -n {cpus})"
+            for node, (n, cpus) in sorted(crowded.items())]
+
+
 def device_for(backend: str) -> torch.device:
     if backend in GPU_BACKENDS:
         return torch.device("cuda", torch.cuda.current_device())
@@ -377,6 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# time: median over iterations of the per-iteration max over ranks "
         "(untimed barrier before each iteration)"
     )
+    crowded = crowded_nodes()
+    for line in crowded_note(crowded):
+        emit(line)
     rows: list[dict] = []
     skipped: list[dict] = []
     for op in args.op:
@@ -396,6 +429,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "iters": args.iters,
             "warmup": args.warmup,
             "versions": versions,
+            "oversubscribed": {node: {"ranks": n, "cpus": cpus}
+                               for node, (n, cpus) in crowded.items()},
             "rows": rows,
             "skipped": skipped,
         }
