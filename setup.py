@@ -102,8 +102,9 @@ setup(
             # specs), that copy stays private to the module. Exported, its symbols bind
             # half to the process's libstdc++.so (torch's) and half to the copy, and the
             # two copies' locale facet ids disagree: formatting a number in an
-            # ostringstream then calls a codecvt facet as num_put and crashes (seen on an
-            # H100 machine's image). Without static archives it changes nothing.
+            # ostringstream then calls a codecvt facet as num_put and crashes (as in CUDA
+            # container images whose GCC links libstdc++ statically). Without static
+            # archives it changes nothing.
             extra_link_args=[*link, *(["-Wl,--exclude-libs,ALL"]
                                        if sys.platform.startswith("linux") else [])],
         )

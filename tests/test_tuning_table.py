@@ -791,7 +791,7 @@ def test_suspicious_points_are_isolated_flips_and_close_calls():
     assert suspicious_points(t, ["mpi"], 1.25) == []
 
 
-# -- MPI blocking variants (issue 22) -------------------------------------------------
+# -- MPI blocking variants -----------------------------------------------------------
 
 
 def _power_law(x: int, c: float, k: float) -> float:
