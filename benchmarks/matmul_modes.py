@@ -5,7 +5,7 @@
 
 Each Linear layer of the GPT runs three matmuls per rank (training.parallel4d.tuning):
 the forward I W^T, the input gradient dO W and the weight gradient dO^T I, on the local
-blocks the grid gives it (``training.perf_model.linear_layers``: t = m / G_z tokens,
+blocks the grid gives it (``training.parallel4d.perf_model.linear_layers``: t = m / G_z tokens,
 in-features over Y and out-features over X, swapped for a T-layer). For every distinct
 (phase, t, n, k) of each grid this script times the three operand layouts the tuner
 chooses from (``--tune-matmul``), copies of re-laid-out operands included, exactly as
@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from training.models.gpt import CONFIGS  # noqa: E402
+from training.parallel4d.perf_model import Grid4D, TrainingStep, check_grid, linear_layers  # noqa: E402
 from training.parallel4d.tuning import MODES, NATURAL, PHASES, matmul  # noqa: E402
-from training.perf_model import Grid4D, TrainingStep, check_grid, linear_layers  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 

@@ -69,8 +69,8 @@ def main() -> int:
                    "$MCRDL_TUNING_TABLE or the one shipped for this system)")
     a = p.parse_args()
 
-    from training.data import ByteCorpus
-    from training.moe_trainer import MoETrainer
+    from training.core.data import ByteCorpus
+    from training.ted.trainer import MoETrainer
     from training.train_moe import MoETrainConfig
 
     fixed = a.backends.split(",")

@@ -4,7 +4,7 @@
         [--steps 3] [--rounds 4] [--table T.json] [--plot fig.png]
 
 For every grid (G_x, G_y, G_z, G_data) of the world that fits the model, one training
-step's collectives, exactly the list ``training.perf_model.collectives`` gives, are
+step's collectives, exactly the list ``training.parallel4d.perf_model.collectives`` gives, are
 replayed without compute on the grid's axis groups (``ProcessGrid`` with X innermost)
 through mcrdl's "auto"; the step time is the median over steps of the maximum over
 ranks. Grids run in blocks, in a shuffled order each round (the same on every rank), so
@@ -48,8 +48,9 @@ import mcrdl
 from mcrdl.tuning.model import fit
 from mcrdl.tuning.provenance import SHIPPED_TABLES, current_provenance, find_shipped_table
 from mcrdl.tuning.table import TuningTable
+from training.core.topology import Axis, ProcessGrid
 from training.models.gpt import CONFIGS, get_config
-from training.perf_model import (
+from training.parallel4d.perf_model import (
     AXES,
     WORLD,
     Collective,
@@ -60,8 +61,7 @@ from training.perf_model import (
     predict,
     rank_grids,
 )
-from training.perf_model.collectives import OPS
-from training.topology import Axis, ProcessGrid
+from training.parallel4d.perf_model.collectives import OPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("forward", "backward", "gradients", "step")
@@ -357,8 +357,8 @@ def measure_engine(args, model, feasible: list[Grid4D],
                    axis_groups: dict) -> dict[Grid4D, list[float]]:
     """Seconds per step of the 4D engine on each grid (``measure_step_time``: the
     maximum over ranks of each timed step), training on the byte corpus."""
-    from training.config import TrainConfig
     from training.parallel4d.trainer import Trainer4D
+    from training.train_gpt import TrainConfig
     out = {}
     for g in feasible:
         micro = args.batch // (g.z * g.data * args.micro_batches)

@@ -29,9 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.timers import PHASES  # noqa: E402
-from training.train_gpt import run  # noqa: E402
+from training.core.timers import PHASES  # noqa: E402
+from training.train_gpt import (
+    TrainConfig,  # noqa: E402
+    run,  # noqa: E402
+)
 
 
 def grids(n: int) -> list[tuple[int, int]]:

@@ -42,11 +42,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
+from training.core.optim import OffloadedAdamW, OptimConfig  # noqa: E402
 from training.models.gpt import GPT, get_config  # noqa: E402
-from training.optim import OffloadedAdamW, OptimConfig  # noqa: E402
-from training.pruning import full_index, select  # noqa: E402
-from training.samo import (  # noqa: E402
+from training.pipeline.trainer import Trainer  # noqa: E402
+from training.samo.optimizer import (  # noqa: E402
     SamoAdamW,
     bubble_seconds,
     default_bytes,
@@ -55,8 +54,11 @@ from training.samo import (  # noqa: E402
     samo_bytes,
     saving,
 )
-from training.train_gpt import run  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
+from training.samo.pruning import full_index, select  # noqa: E402
+from training.train_gpt import (
+    TrainConfig,  # noqa: E402
+    run,  # noqa: E402
+)
 
 MiB = 2**20
 

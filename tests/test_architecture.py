@@ -1,8 +1,13 @@
 """The layering rules of docs/architecture.md, checked on the source (ast), not by running it.
 
-- No import cycle among the modules of mcrdl/ (every import counts, module level or inside
-  a function, but those under ``if TYPE_CHECKING:``; importing a module imports its
-  parent packages too).
+- No import cycle among the modules of mcrdl/, nor among those of training/ (every
+  import counts, module level or inside a function, but those under ``if
+  TYPE_CHECKING:``; importing a module imports its parent packages too).
+- training/ is layered: core/ (shared by every engine), then models/ (the serial
+  models), then the libraries of parallel parts (tensor_parallel/, samo/), then the
+  engines (pipeline/, parallel4d/, ted/), then the commands (train_gpt, train_moe,
+  checkpoint, ...). A module imports only from the layers below its own and from its
+  own package: no engine imports another, nothing shared imports an engine.
 - The front (``mcrdl`` and ``mcrdl.api``) is imported only by ``mcrdl/__init__.py`` and
   the programs in ``mcrdl/tools/``; nothing else under mcrdl/ imports those programs.
 - An operation name is declared as a table only in mcrdl/ops.py: no other source file
@@ -23,6 +28,7 @@ from mcrdl.ops import OPS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "mcrdl"
+TRAINING = ROOT / "training"
 FRONT = {"mcrdl", "mcrdl.api"}
 TOOLS = "mcrdl.tools"
 
@@ -34,9 +40,9 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _modules() -> dict[str, pathlib.Path]:
-    mods = {_module_name(p): p for p in PKG.rglob("*.py")}
-    for ext in PKG.rglob("*.so"):  # compiled modules (mcrdl._C): leaves of the graph
+def _modules(pkg: pathlib.Path = PKG) -> dict[str, pathlib.Path]:
+    mods = {_module_name(p): p for p in pkg.rglob("*.py")}
+    for ext in pkg.rglob("*.so"):  # compiled modules (mcrdl._C): leaves of the graph
         mods[_module_name(ext.with_name(ext.name.split(".")[0] + ".py"))] = ext
     return mods
 
@@ -48,9 +54,14 @@ def _is_type_checking(node: ast.If) -> bool:
 
 
 def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
-    """The mcrdl modules `name` imports (resolved against the modules that exist)."""
+    """The modules of `name`'s top-level package (mcrdl, training) that `name` imports
+    (resolved against the modules that exist)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    top = name.split(".")[0]
     found: set[str] = set()
+
+    def ours(module: str) -> bool:
+        return module == top or module.startswith(top + ".")
 
     def add(target: str) -> None:
         # "from pkg import x" imports pkg.x when that is a module, else pkg; the parent
@@ -72,7 +83,7 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name == "mcrdl" or alias.name.startswith("mcrdl."):
+                if ours(alias.name):
                     add(alias.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -81,7 +92,7 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            if mod == "mcrdl" or mod.startswith("mcrdl."):
+            if ours(mod):
                 for alias in node.names:
                     sub = f"{mod}.{alias.name}"
                     add(sub if sub in known else mod)
@@ -93,8 +104,8 @@ def _imports(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    mods = _modules()
+def _graph(pkg: pathlib.Path = PKG) -> dict[str, set[str]]:
+    mods = _modules(pkg)
     known = set(mods)
     return {name: _imports(name, path, known) for name, path in mods.items()
             if path.suffix == ".py"}
@@ -179,6 +190,79 @@ def test_checker_sees_cycles_and_reach_ups(tmp_path):
     finally:
         ROOT = saved
     assert found == {"mcrdl.api", "mcrdl.sub.other"}  # its own package is not an edge
+
+
+# -- training/: one package per engine, in layers -------------------------------------------
+
+#: The layers of training/, lowest first: a module may import from a lower layer and from
+#: its own package, nothing else. The last layer is the commands (the modules directly
+#: under training/), which nothing imports.
+TRAINING_LAYERS = (
+    ("training.core",),
+    ("training.models",),
+    ("training.tensor_parallel", "training.samo"),
+    ("training.pipeline", "training.parallel4d", "training.ted"),
+)
+
+
+def _training_package(module: str) -> str:
+    """The package of training/ that `module` belongs to (``training.ted.zero`` ->
+    ``training.ted``); a command directly under training/ is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def _training_layer(module: str) -> int:
+    package = _training_package(module)
+    for i, layer in enumerate(TRAINING_LAYERS):
+        if package in layer:
+            return i
+    return len(TRAINING_LAYERS)  # a command (training.train_gpt, ...) or the root
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of training/ that reach sideways (another package of the same layer: an
+    engine importing another engine) or up (a shared module importing an engine, or
+    anything importing a command)."""
+    bad = []
+    for name, targets in sorted(graph.items()):
+        for t in sorted(targets):
+            if t == "training" or _training_package(t) == _training_package(name):
+                continue
+            if _training_layer(t) >= _training_layer(name):
+                bad.append(f"{name} imports {t}")
+    return bad
+
+
+def test_no_import_cycles_in_training():
+    cycles = _cycles(_graph(TRAINING))
+    assert not cycles, ("import cycles in training/:\n"
+                        + "\n".join(" <-> ".join(c) for c in cycles))
+
+
+def test_training_packages_are_layered():
+    graph = _graph(TRAINING)
+    unplaced = sorted({_training_package(m) for m in graph
+                       if m.count(".") >= 2 and _training_layer(m) == len(TRAINING_LAYERS)})
+    assert not unplaced, (f"packages of training/ in no layer: {unplaced}; add each to "
+                          "TRAINING_LAYERS")
+    bad = layer_violations(graph)
+    assert not bad, ("imports against training/'s layers (core < models < tensor_parallel, "
+                     "samo < engines < commands; shared code goes down to core/ or "
+                     "models/):\n" + "\n".join(bad))
+
+
+def test_layer_checker_sees_violations():
+    graph = {"training.ted.trainer": {"training.pipeline.trainer", "training.core.runtime",
+                                      "training.ted.model"},
+             "training.core.checkpoint": {"training.ted.trainer"},
+             "training.models.moe": {"training.models.gpt", "training.core.sharding"},
+             "training.samo.pruning": {"training.tensor_parallel.layers"},
+             "training.pipeline.trainer": {"training.train_gpt"}}
+    assert layer_violations(graph) == [
+        "training.core.checkpoint imports training.ted.trainer",
+        "training.pipeline.trainer imports training.train_gpt",
+        "training.samo.pruning imports training.tensor_parallel.layers",
+        "training.ted.trainer imports training.pipeline.trainer"]
 
 
 # -- operation names are declared once ---------------------------------------------------

@@ -86,7 +86,7 @@ def test_train_moe_entry_point(token_dir, tmp_path):
     assert checkpoint_tool(["consolidate", str(tmp_path / "ck"), "-o",
                             str(tmp_path / "moe.pt")]) == 0
     from training.models.gpt import GPTConfig
-    from training.moe import MoEConfig, MoEGPT
+    from training.models.moe import MoEConfig, MoEGPT
     cfgs = json.loads((tmp_path / "moe.json").read_text())
     model = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
     model.load_state_dict(torch.load(tmp_path / "moe.pt"), strict=True)
@@ -99,7 +99,7 @@ def test_train_moe_entry_point(token_dir, tmp_path):
 
 # --- single process --------------------------------------------------------------------
 def test_router_is_per_group_and_drops_in_order():
-    from training.moe import expert_capacity, route
+    from training.models.moe import expert_capacity, route
     assert expert_capacity(32, 4, 1, 1.25) == 10 and expert_capacity(40, 4, 1, 1.1) == 11
     assert expert_capacity(32, 4, 2, 0.8) == 13
     torch.manual_seed(0)
@@ -126,8 +126,8 @@ def test_router_is_per_group_and_drops_in_order():
 
 def test_errors_name_the_constraint():
     from training.models.gpt import GPTConfig
-    from training.moe import MoEConfig
-    from training.ted import TEDLayout
+    from training.models.moe import MoEConfig
+    from training.ted.model import TEDLayout
     from training.train_moe import parse_args
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16)
     with pytest.raises(ValueError, match="experts=6 is not divisible by G_expert=4"):
@@ -145,12 +145,12 @@ def test_errors_name_the_constraint():
     with pytest.raises(ValueError, match="--cac needs --activation-checkpointing"):
         parse_args(["--cac"])
     with pytest.raises(ValueError, match="unknown collective kind 'bcast'"):
-        from training.collectives import Backends
+        from training.core.backends import Backends
         Backends.parse("bcast=mpi")
 
 
 def test_backends_parse():
-    from training.collectives import Backends
+    from training.core.backends import Backends
     b = Backends.parse("mpi, a2a=gloo,allreduce=mpi")
     assert b.init == ["mpi", "gloo"] and b.of("a2a") == "gloo" and b.of("allgather") == "auto"
 
@@ -158,9 +158,9 @@ def test_backends_parse():
 def test_tiled_zero_adamw_matches_torch():
     """One rank, no communication: the tiled ZeRO-1 update (tiles cutting through
     parameters) equals torch.optim.AdamW with clipping."""
-    from training.collectives import Comm
-    from training.optim import OptimConfig, param_groups
-    from training.zero import ParamSet, ZeroAdamW
+    from training.core.optim import OptimConfig, param_groups
+    from training.ted.autograd_collectives import Comm
+    from training.ted.zero import ParamSet, ZeroAdamW
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
     b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
@@ -189,8 +189,8 @@ def test_serial_moe_checkpointing_and_single_rank_engine():
     """MoEGPT with activation checkpointing computes the same; the TED engine on one rank
     holds the serial weights and computes the serial logits and gradients."""
     from training.models.gpt import GPTConfig
-    from training.moe import MoEConfig, MoEGPT, moe_loss
-    from training.ted import TEDGPT, TEDGroups, TEDLayout
+    from training.models.moe import MoEConfig, MoEGPT, moe_loss
+    from training.ted.model import TEDGPT, TEDGroups, TEDLayout
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64)
     moe = MoEConfig(experts=4, top_k=2, router_group_tokens=16, moe_every=1,
                     capacity_factor=0.8)
@@ -219,9 +219,9 @@ def test_ted_model_lists_layouts(capsys):
     """The memory model's command: the dissertation's 6.7B base with 32 experts on 128
     GPUs of 80 GiB, and a tiny model whose memory the multi-rank test measures."""
     from training.models.gpt import GPTConfig
-    from training.moe import MoEConfig
-    from training.ted import TEDLayout
-    from training.ted_model import eq72_bytes, main, memory_per_rank, paper_params, rank_params
+    from training.models.moe import MoEConfig
+    from training.ted.cost_model import eq72_bytes, main, memory_per_rank, paper_params, rank_params
+    from training.ted.model import TEDLayout
     assert main(["--model", "moe-6.7b", "--experts", "32", "--ranks", "128"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if re.match(r"^\s+\d", line)]
@@ -237,7 +237,7 @@ def test_ted_model_lists_layouts(capsys):
 
     # DTD runs where an all_to_all carries duplicates only (ParallelMoE): none without
     # expert parallelism, whatever G_tensor (check_moe's "moe G_expert=1 OK" on the engine)
-    from training.ted_model import step_comm
+    from training.ted.cost_model import step_comm
     moe_blocks = sum(moe.is_moe(b) for b in range(cfg.n_layer))
     for lay, gathers in ((TEDLayout(2, 1, 1), 0), (TEDLayout(2, 2, 2), 4 * moe_blocks)):
         dtd, plain = (step_comm(cfg, moe, lay, micro_batch=2, dtd=d, optimizer=False)
@@ -254,9 +254,9 @@ def test_tiled_optimizer_peak_memory_profiled():
     element untiled, 4 x tile tiled, plus at most a few bytes of scalar operands."""
     from torch.profiler import ProfilerActivity, profile
 
-    from training.collectives import Comm
-    from training.optim import OptimConfig
-    from training.zero import ParamSet, ZeroAdamW
+    from training.core.optim import OptimConfig
+    from training.ted.autograd_collectives import Comm
+    from training.ted.zero import ParamSet, ZeroAdamW
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
     n = sum(p.numel() for p in model.parameters())
     for tile, want in ((None, 4 * n), (1000, 4000)):
@@ -280,7 +280,7 @@ def test_aux_loss_against_hand_computation():
     from the logits with math.exp, not torch.softmax."""
     import math
 
-    from training.moe import route
+    from training.models.moe import route
 
     rows = [[2.0, 0.0], [0.0, 1.0], [3.0, 0.0], [1.0, 0.0]]  # first choices 0, 1, 0, 0
     probs = [[math.exp(v) / sum(math.exp(u) for u in r) for v in r] for r in rows]

@@ -12,8 +12,9 @@ import pytest
 
 from mcrdl.tuning.provenance import SHIPPED_TABLES
 from mcrdl.tuning.table import TuningTable
+from training.core.topology import GridError
 from training.models.gpt import CONFIGS, GPT, GPTConfig
-from training.perf_model import (
+from training.parallel4d.perf_model import (
     Collective,
     Grid4D,
     Network,
@@ -28,8 +29,7 @@ from training.perf_model import (
     predict,
     rank_grids,
 )
-from training.perf_model.__main__ import main
-from training.topology import GridError
+from training.parallel4d.perf_model.__main__ import main
 
 from ._launch import pythonpath
 
@@ -331,7 +331,7 @@ def test_ranking_is_deterministic():
 
 def _cli(*args: str) -> tuple[str, float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "training.perf_model", *args],
+    proc = subprocess.run([sys.executable, "-m", "training.parallel4d.perf_model", *args],
                           capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=pythonpath(ROOT)), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -388,7 +388,7 @@ def test_linear_layers_match_the_serial_gpt():
     weight, counted once per block or once per model."""
     from torch import nn
 
-    from training.perf_model import linear_layers
+    from training.parallel4d.perf_model import linear_layers
 
     cfg = CONFIGS["tiny"]
     found: dict[str, list[tuple[int, int]]] = {}

@@ -53,7 +53,7 @@ def test_samo_parity_and_checkpoints(tmp_path):
                        env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     from training.models.gpt import GPT, GPTConfig
-    from training.pruning import kept_count
+    from training.samo.pruning import kept_count
     cfg = GPTConfig(**json.loads((tmp_path / "gpt.json").read_text()))
     state = torch.load(tmp_path / "gpt.pt")
     GPT(cfg).load_state_dict(state, strict=True)
@@ -96,7 +96,7 @@ def _tiny_bf16(seed: int = 1):
 
 def _brute_force(values, index, numels, p, scope):
     """Kept entries by sorting (magnitude descending, then model position)."""
-    from training.pruning import kept_count
+    from training.samo.pruning import kept_count
     if scope == "layer":
         out = []
         for v, i, n in zip(values, index, numels, strict=True):
@@ -112,7 +112,7 @@ def _brute_force(values, index, numels, p, scope):
 def test_select_matches_brute_force():
     """Global and per-tensor selection, with ties (quantized values) and a second round
     among the survivors, equal a sort by (magnitude, model position)."""
-    from training.pruning import full_index, kept_count, select
+    from training.samo.pruning import full_index, kept_count, select
     g = torch.Generator().manual_seed(3)
     numels = [50, 7, 120, 33]
     dense = [torch.randint(-6, 7, (n,), generator=g).float() / 4 for n in numels]
@@ -134,7 +134,7 @@ def test_select_matches_brute_force():
 
 
 def test_schedule_and_config_errors():
-    from training.pruning import parse_schedule
+    from training.samo.pruning import parse_schedule
     from training.train_gpt import parse_args
     rounds = parse_schedule("0,3", 0.9)
     assert [r.step for r in rounds] == [0, 3] and rounds[-1].sparsity == 0.9
@@ -181,7 +181,7 @@ def test_first_pruning_round_memory():
     copies it made before took 18.4 and 13.8 phi."""
     from torch.profiler import ProfilerActivity, profile
 
-    from training.pruning import Pruning, kept_count, parse_schedule
+    from training.samo.pruning import Pruning, kept_count, parse_schedule
     for scope, bound in (("global", 5), ("layer", 3)):
         model = _tiny_bf16()
         named = list(model.named_parameters())
@@ -202,10 +202,10 @@ def test_memory_model_is_exact():
     states at its step."""
     from torch.profiler import ProfilerActivity, profile
 
+    from training.core.optim import OffloadedAdamW, OptimConfig
     from training.models.gpt import lm_loss
-    from training.optim import OffloadedAdamW, OptimConfig
-    from training.pruning import full_index, kept_count, select
-    from training.samo import SamoAdamW, dense_state_bytes, samo_bytes
+    from training.samo.optimizer import SamoAdamW, dense_state_bytes, samo_bytes
+    from training.samo.pruning import full_index, kept_count, select
 
     x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
     oc = OptimConfig(lr=1e-3, warmup_steps=1, grad_clip=1.0, bucket_mib=0.002, coarsening=2)
@@ -250,10 +250,10 @@ def test_memory_model_is_exact():
 def test_check_shard_errors(tmp_path):
     """A checkpoint without pruning, another sparsity or storage, a damaged index or
     states, weights at pruned positions: CheckpointErrors naming the problem."""
-    from training.checkpoint import CheckpointError, shard_model
-    from training.optim import DataParallelAdamW, OptimConfig
-    from training.pruning import DenseMasking, Pruning, check_shard, parse_schedule
-    from training.samo import SamoAdamW
+    from training.core.checkpoint import CheckpointError, shard_model
+    from training.core.optim import DataParallelAdamW, OptimConfig
+    from training.samo.optimizer import SamoAdamW
+    from training.samo.pruning import DenseMasking, Pruning, check_shard, parse_schedule
 
     def pruning(sparsity=0.9, samo=False):
         model = _tiny_bf16().float()
@@ -302,7 +302,7 @@ def test_index_digest_tells_tensor_boundaries_apart():
     """The replicas' mask agreement (Pruning._check_replicas_agree) hashes every tensor's
     index with its length: the same positions split differently between two tensors are
     a different mask."""
-    from training.pruning import index_digest
+    from training.samo.pruning import index_digest
 
     i32 = functools.partial(torch.tensor, dtype=torch.int32)
     a = index_digest([i32([0, 1]), i32([2])])

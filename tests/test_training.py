@@ -128,7 +128,7 @@ def test_low_precision_trains(tmp_path, dtype):
 
 # --- single process --------------------------------------------------------------------
 def test_partition():
-    from training.pipeline import partition
+    from training.pipeline.engine import partition
     assert partition(4, 1) == [(0, 5)]
     assert partition(4, 3) == [(0, 2), (3, 3), (4, 5)]      # uneven: 2, 1, 1 blocks
     assert partition(5, 3, [1, 3, 1]) == [(0, 1), (2, 4), (5, 6)]
@@ -154,24 +154,23 @@ def test_auto_device_is_the_launchers_local_gpu(monkeypatch, launcher, local):
     """--device auto takes GPU local_rank % visible GPUs for every launcher mcrdl knows,
     the GPU the nccl backend uses (it had read only LOCAL_RANK and MPI_LOCALRANKID, so
     every rank of an Open MPI or srun job landed on cuda:0)."""
-    from training.config import TrainConfig
-    from training.trainer import pick_device
+    from training.core.runtime import pick_device
     without_launcher(monkeypatch)
     for name, value in launcher.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert pick_device(TrainConfig(device="auto")) == torch.device("cuda", local % 2)
-    assert pick_device(TrainConfig(device="cpu")) == torch.device("cpu")
+    assert pick_device("auto") == torch.device("cuda", local % 2)
+    assert pick_device("cpu") == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert pick_device(TrainConfig(device="auto")) == torch.device("cpu")
+    assert pick_device("auto") == torch.device("cpu")
 
 
 def test_world_mismatch_names_the_options():
     """A grid that does not fill the world is refused in the options' words, with the
     launch that fits it and, where one does, the --G-data that fits the world."""
-    from training.config import TrainConfig
-    from training.topology import GridError
+    from training.core.topology import GridError
+    from training.train_gpt import TrainConfig
     cfg = TrainConfig(model="tiny", G_inter=2)
     cfg.check_world(2)
     with pytest.raises(GridError, match=r"process grid G_inter=2 x G_data=1 needs 2 ranks but "
@@ -202,7 +201,7 @@ def test_world_mismatch_from_the_entry_point(tmp_path):
 
 
 def test_process_grid():
-    from training.topology import GridError, ProcessGrid
+    from training.core.topology import GridError, ProcessGrid
     g = ProcessGrid({"data": 2, "pipe": 4}, world_size=8, rank=5)
     assert g.coords_of(5) == {"data": 1, "pipe": 2}
     assert g.line("pipe") == [1, 3, 5, 7] and g.line("data") == [4, 5]
@@ -218,7 +217,7 @@ def test_process_grid_on_a_group():
     """A grid spanning a group of world ranks (runs side by side in one launch): grid
     ranks are group ranks; a process outside the group has no coordinates."""
     from mcrdl import Group
-    from training.topology import GridError, ProcessGrid
+    from training.core.topology import GridError, ProcessGrid
     g = ProcessGrid({"pipe": 3}, world=Group((1, 2, 3), world_rank=3, group_id=7))
     assert (g.world_size, g.rank, g.coord("pipe"), g.line("pipe")) == (3, 2, 2, [0, 1, 2])
     outside = ProcessGrid({"pipe": 3}, world=Group((1, 2, 3), world_rank=0, group_id=7))
@@ -243,7 +242,7 @@ def test_stage_weights_match_whole_model():
 
 
 def test_batches_shard_the_global_batch():
-    from training.data import Batches, ByteCorpus
+    from training.core.data import Batches, ByteCorpus
     corpus = ByteCorpus(max_bytes=1 << 20)
     whole = Batches(corpus, 16, 12, 12, seed=5).global_batch_at(7)
     parts = [Batches(corpus, 16, 12, 2, dp_rank=r, dp_size=3, seed=5).microbatches(7)
@@ -261,7 +260,8 @@ def test_saving_a_step_again_keeps_the_old_checkpoint_until_the_new_one_is_whole
     the save goes to a staging directory, so a crash before its manifest leaves the old
     checkpoint whole and named by ``latest``; the published one replaces it and the
     crashed save's leftovers go."""
-    from training import checkpoint as ckpt
+    from training import checkpoint as checkpoint_tool
+    from training.core import checkpoint as ckpt
     root = tmp_path / "ck"
     final = ckpt.step_dir(root, 4)
 
@@ -286,14 +286,15 @@ def test_saving_a_step_again_keeps_the_old_checkpoint_until_the_new_one_is_whole
     with pytest.raises(ckpt.CheckpointError, match="is a checkpoint directory, not one"):
         ckpt.read_manifest(root)
     # consolidate -o x.json would write the config over the state_dict
-    assert ckpt.main(["consolidate", str(root), "-o", str(tmp_path / "x.json")]) != 0
+    assert checkpoint_tool.main(["consolidate", str(root), "-o", str(tmp_path / "x.json")]) != 0
     assert not (tmp_path / "x.json").exists()
 
 
 def test_checkpoint_list_says_which_load(tmp_path, capsys):
     """``checkpoint list`` had stopped at the first unreadable manifest and shown
     checkpoints with bad shards as fine; the hints of the load errors named them too."""
-    from training import checkpoint as ckpt
+    from training import checkpoint as checkpoint_tool
+    from training.core import checkpoint as ckpt
     root = tmp_path / "ck"
 
     def save(step: int, publish: bool = True) -> Path:
@@ -316,7 +317,7 @@ def test_checkpoint_list_says_which_load(tmp_path, capsys):
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert ckpt.main(["list", str(root)]) == 1
+    assert checkpoint_tool.main(["list", str(root)]) == 1
     out = capsys.readouterr().out
     assert re.search(rf"^{good}  step 2 .* ok$", out, re.M), out
     assert re.search(rf"^{short}  step 4 .*UNUSABLE: shard stage_00.pt is \d+ bytes", out,
@@ -324,7 +325,7 @@ def test_checkpoint_list_says_which_load(tmp_path, capsys):
     assert re.search(rf"^{flipped}  step 6 .*\(latest\)  ok$", out, re.M), out  # same size
     assert re.search(rf"^{torn}  UNUSABLE: checkpoint .* has no manifest.json", out, re.M), out
     assert "# 2 of 4 cannot be loaded; the newest usable: --resume " + str(flipped) in out
-    assert ckpt.main(["list", str(root), "--verify"]) == 1
+    assert checkpoint_tool.main(["list", str(root), "--verify"]) == 1
     out = capsys.readouterr().out
     assert re.search(rf"^{flipped}  step 6 .*UNUSABLE: shard stage_00.pt is corrupt", out,
                      re.M), out
@@ -333,7 +334,7 @@ def test_checkpoint_list_says_which_load(tmp_path, capsys):
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.read_manifest(torn)
     assert "complete checkpoints: step_000002, step_000006 (" in str(e.value), e.value
-    assert ckpt.main(["list", str(tmp_path / "none")]) == 2
+    assert checkpoint_tool.main(["list", str(tmp_path / "none")]) == 2
     # two unreadable manifests: each one's error names the usable others, without
     # reading the other broken one's hints in turn (that had recursed without end)
     (short / "manifest.json").write_text("{")
@@ -341,7 +342,7 @@ def test_checkpoint_list_says_which_load(tmp_path, capsys):
     with pytest.raises(ckpt.CheckpointError, match="is not valid JSON .*complete checkpoints: "
                                                    "step_000006 \\("):
         ckpt.read_manifest(short)
-    assert ckpt.main(["list", str(root)]) == 1
+    assert checkpoint_tool.main(["list", str(root)]) == 1
     out = capsys.readouterr().out
     assert re.search(rf"^{good}  UNUSABLE: .*format \[\], expected", out, re.M), out
 
@@ -349,7 +350,7 @@ def test_checkpoint_list_says_which_load(tmp_path, capsys):
 def test_resume_names_the_engine_that_wrote_the_checkpoint():
     """A train_gpt checkpoint given to train_moe said "tensor-parallel layers are None",
     the reverse KeyError 'G_inter': the engine is checked first, naming the command."""
-    from training import checkpoint as ckpt
+    from training.core import checkpoint as ckpt
     ckpt.check_engine({"engine": "ted"}, Path("d"), "ted")
     ckpt.check_engine({}, Path("d"), "pipeline")  # manifests before "engine" existed
     for saved, engine, command in (("ted", "pipeline", "python -m training.train_moe"),
@@ -366,7 +367,7 @@ def test_resume_names_the_engine_that_wrote_the_checkpoint():
 def test_token_memmap(tmp_path):
     import numpy as np
 
-    from training.data import Batches, load_dataset
+    from training.core.data import Batches, load_dataset
     np.arange(5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
     ds = load_dataset(str(tmp_path), vocab_size=5000)
     x, y = Batches(ds, 8, 4, 2, seed=0).global_batch_at(0)
@@ -382,8 +383,8 @@ def test_logged_lr_is_the_applied_one_after_fp16_skips(tmp_path):
 import json, sys
 sys.path.insert(0, {ROOT!r})
 import mcrdl
-from training.config import TrainConfig
-from training.trainer import Trainer
+from training.train_gpt import TrainConfig
+from training.pipeline.trainer import Trainer
 mcrdl.init(["gloo"])
 cfg = TrainConfig(model="tiny", steps=6, dtype="fp16", micro_batch_size=2, global_batch_size=4,
                   warmup_steps=5, lr=1e-3, plot=False, progress=False, quiet=True,
@@ -468,8 +469,8 @@ import json, sys
 sys.path.insert(0, {ROOT!r})
 import torch
 import mcrdl
-from training.config import TrainConfig
-from training.trainer import Trainer
+from training.train_gpt import TrainConfig
+from training.pipeline.trainer import Trainer
 mcrdl.init(["gloo"])
 def cfg(**kw):
     return TrainConfig(model="tiny", steps=2, micro_batch_size=2, global_batch_size=4,
@@ -480,12 +481,46 @@ print({RESULT_MARK!r} + json.dumps(rows))
 """)
 
 
+def test_dtype_has_one_spelling_parser_in_every_command(tmp_path, capsys):
+    """fp32/bf16/fp16 and torch's float32/bfloat16/float16 are accepted by every training
+    command, from the command line and from a --config file; a run records the short
+    name (checkpoints compare it)."""
+    from training.parallel4d.perf_model.__main__ import parser
+    from training.ted.cost_model import main as ted_cost_model
+    from training.train_gpt import parse_args
+    from training.train_moe import parse_args as parse_moe_args
+    assert parse_args(["--dtype", "bfloat16"]).dtype == "bf16"
+    assert parse_moe_args(["--dtype", "float32"]).dtype == "fp32"
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"dtype": "float16"}))
+    assert parse_args(["--config", str(f)]).dtype == "fp16"
+    with pytest.raises(ValueError, match=r"--dtype 'half': expected one of fp32 \(float32\)"):
+        parse_args(["--dtype", "half"])
+    for spelling in ("bf16", "bfloat16"):
+        args = parser().parse_args(["--model", "tiny", "--ranks", "4", "--dtype", spelling])
+        assert args.dtype == "bf16"
+    assert ted_cost_model(["--model", "moe-tiny", "--experts", "4", "--ranks", "8",
+                           "--dtype", "float32"]) == 0
+    assert ", fp32, " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("module", ["training.checkpoint", "training.perf_model",
+                                    "training.parallel4d.perf_model", "training.ted_model",
+                                    "training.ted.cost_model"])
+def test_documented_commands_start(module):
+    """The commands the docs name run from their module paths (training.perf_model and
+    training.ted_model are the engines' model commands under their documented names)."""
+    r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                       text=True, timeout=120, env=_env(), cwd=ROOT)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
+
+
 def test_init_from_a_serial_state_dict(tmp_path):
     """--init-from: each pipeline stage takes its units from a serial state_dict (another
     seed's here), bit for bit; a file of another model or kind is refused by name, on
     every rank, before training (CheckpointError: exit 3)."""
     script = f"""
-from training.checkpoint import CheckpointError
+from training.core.checkpoint import CheckpointError
 from training.models.gpt import GPTStage
 c = cfg()
 tr = Trainer(c)
@@ -522,7 +557,8 @@ def test_consolidate_masters_of_a_bf16_run(tmp_path):
     run whose masters keep them whole; refused by name where no masters are kept apart
     (an fp32 run)."""
     script = f"""
-from training import checkpoint as ckpt
+from training import checkpoint as checkpoint_tool
+from training.core import checkpoint as ckpt
 tr = Trainer(cfg(dtype="bf16", checkpoint_dir={str(tmp_path / "bf16")!r}))
 for _ in range(2):
     tr.train_step()
@@ -532,8 +568,8 @@ name_of = {{id(p): n for n, p in tr.model_stage.named_parameters()}}
 opt = tr.optimizer
 kept = {{name_of[id(p)]: opt.master[off:off + p.numel()].clone()
         for p, off in zip(opt.params, opt.offsets)}}
-model, _ = ckpt.consolidate(path)
-masters, _ = ckpt.consolidate(path, masters=True)
+model, _ = checkpoint_tool.consolidate(path)
+masters, _ = checkpoint_tool.consolidate(path, masters=True)
 rows = [sorted({{str(t.dtype) for t in model.values()}}),
         sorted({{str(t.dtype) for t in masters.values()}}),
         all(torch.equal(masters[n].reshape(-1), kept[n]) for n in names),
@@ -549,7 +585,7 @@ rows.append(all(torch.equal(b.optimizer.master[off:off + p.numel()],
                 and torch.equal(p, masters[of_b[id(p)]].bfloat16())
                 for p, off in zip(b.optimizer.params, b.optimizer.offsets)))
 try:
-    ckpt.consolidate(fp32.save_checkpoint(), masters=True)
+    checkpoint_tool.consolidate(fp32.save_checkpoint(), masters=True)
     rows.append(None)
 except ckpt.CheckpointError as e:
     rows.append(str(e))
@@ -565,7 +601,7 @@ except ckpt.CheckpointError as e:
 def test_resume_refuses_another_dtype(tmp_path):
     """The optimizer's state differs by dtype under one class (OffloadedAdamW: bf16's fp32
     masters, fp16's loss scale, which a bf16 checkpoint's disabled scaler reset to 1)."""
-    from training import checkpoint as ckpt
+    from training.core import checkpoint as ckpt
     manifest = {"train_config": {"dtype": "bf16"}}
     ckpt.check_dtype(manifest, tmp_path, "bf16")
     with pytest.raises(ckpt.CheckpointError,
@@ -575,7 +611,7 @@ def test_resume_refuses_another_dtype(tmp_path):
 
 def test_offloaded_adamw_matches_torch():
     """Bucketed, host-side AdamW == torch.optim.AdamW (no communication, one rank)."""
-    from training.optim import OffloadedAdamW, OptimConfig, param_groups
+    from training.core.optim import OffloadedAdamW, OptimConfig, param_groups
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
     b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
@@ -607,11 +643,11 @@ def plain_process(monkeypatch):
 
 
 def test_command_exit_codes(capsys, plain_process):
-    """training.command.run_command: 0 trained, 2 bad options or layout, 3 unusable
+    """training.core.runner.run_command: 0 trained, 2 bad options or layout, 3 unusable
     checkpoint, one line on stderr; other errors propagate."""
-    from training.checkpoint import CheckpointError
-    from training.command import run_command
-    from training.topology import GridError
+    from training.core.checkpoint import CheckpointError
+    from training.core.runner import run_command
+    from training.core.topology import GridError
 
     def parse(argv):
         if argv == ["bad"]:
@@ -654,8 +690,9 @@ def test_option_errors_printed_once_per_job(capsys, plain_process, tmp_path):
     command line (argparse's, a bad value) is printed by the launch's rank 0 alone, every
     rank exiting 2; one about a path (this node's file system) by every rank, named.
     --help is printed by rank 0 alone, every rank exiting 0."""
-    from training.command import run_command
-    from training.config import TrainConfig, parse_args
+    from training.core.options import parse_args
+    from training.core.runner import run_command
+    from training.train_gpt import TrainConfig
 
     def parse(argv):
         return parse_args(TrainConfig, argv, prog="train_gpt")
@@ -710,7 +747,7 @@ def test_lr_schedule_and_decay_groups_against_hand_values():
     decay group, would pass every parity run)."""
     import math
 
-    from training.optim import OptimConfig, param_groups
+    from training.core.optim import OptimConfig, param_groups
 
     oc = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=12)
     # warmup: (step + 1) / 4; cosine from step 4 (ratio 0) to 12 (ratio 1); then min_lr

@@ -24,7 +24,7 @@ def _env(**kw):
 def test_4d_grids_in_one_launch():
     """All 14 grids of the issue (both optimizers, micro-batching, --regather-weights):
     every step's loss of 20 steps equals the serial run to 1e-5; the logged calls and
-    bytes per (op, axis) equal training.perf_model's on every rank; checkpoints, overlap
+    bytes per (op, axis) equal training.parallel4d.perf_model's on every rank; checkpoints, overlap
     and matmul tuning (tests/training/check_4d.py says how each is checked)."""
     out = run_launcher([mpiexec_or_skip(), "-n", "8", sys.executable,
                         os.path.join(HERE, "check_4d.py")], env=_env(), timeout=600)
@@ -65,7 +65,7 @@ def test_4d_layers_in_one_launch():
 
 def test_split_round_trip():
     """Every rank's piece, reassembled, is the serial tensor (permuted rows too)."""
-    from training.parallel4d import Split
+    from training.core.sharding import Split
     full = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
     sizes = {"x": 3, "y": 2, "z": 2, "data": 1}
     for split in (Split((6, 8), "x", "y", True), Split((6, 8), None, "y", True),
@@ -80,7 +80,7 @@ def test_split_round_trip():
 
 
 def test_qkv_permutation_puts_each_ranks_heads_together():
-    from training.parallel4d import layers
+    from training.tensor_parallel import layers
     perm = layers.qkv_head_permutation(8, 4, 2)  # head dim 2; rank 0 has heads 0, 1
     assert perm[:12] == (0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19)
 
@@ -88,9 +88,10 @@ def test_qkv_permutation_puts_each_ranks_heads_together():
 def test_gpt4d_on_one_rank_is_the_serial_model():
     """Built from the serial init: same logits, same gradients (pieces = whole tensors),
     and the serial state_dict back; weight decay goes by the logical shape."""
+    from training.core.optim import decays
     from training.models.gpt import GPT, GPTConfig, lm_loss
-    from training.optim import decays
-    from training.parallel4d import GPT4D, TensorComms, assemble_state_dict
+    from training.parallel4d.model import GPT4D, assemble_state_dict
+    from training.tensor_parallel.comm import TensorComms
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=96)
     serial, par = GPT(cfg, seed=3), GPT4D(cfg, TensorComms.single(), seed=3)
     x, y = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
@@ -111,8 +112,7 @@ def test_gpt4d_on_one_rank_is_the_serial_model():
 
 
 def test_4d_options_and_errors():
-    from training.config import TrainConfig
-    from training.train_gpt import parse_args
+    from training.train_gpt import TrainConfig, parse_args
     cfg = parse_args(["--G-x", "2", "--G-z", "2", "--axis-backends", "z=pccl,data=auto"])
     assert cfg.uses_4d() and cfg.backend_of_axis() == {"x": "auto", "y": "auto",
                                                        "z": "pccl", "data": "auto"}
@@ -154,7 +154,7 @@ def test_fused_gradient_buckets_in_the_model():
     """The step's gradient all_reduces are fused: full buckets plus the rest, the same
     elements as one call per tensor."""
     from training.models.gpt import CONFIGS
-    from training.perf_model import Grid4D, TrainingStep, call_counts, collectives
+    from training.parallel4d.perf_model import Grid4D, TrainingStep, call_counts, collectives
     cfg, grid = CONFIGS["mini"], Grid4D(1, 1, 2, 2)
     one = collectives(TrainingStep(cfg, 8, bucket_bytes=None), grid)
     total = sum(e.elements * e.count for e in one if e.axis == "data")
@@ -195,7 +195,8 @@ def test_layers_used_on_their_own():
     """The layers outside GPT4D (as another engine uses them, e.g. an MLP of N then T):
     same output and gradients as torch's Linear pair; the shard gradient arrives in
     ``weight.grad`` after ``finish_gradients``."""
-    from training.parallel4d import ParallelLinear, TensorComms
+    from training.tensor_parallel.comm import TensorComms
+    from training.tensor_parallel.layers import ParallelLinear
     torch.manual_seed(0)
     fc, proj = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
     comms = TensorComms.single()

@@ -1,22 +1,4 @@
-"""Sharded, atomic, resumable checkpoints, and a tool that consolidates them.
-
-Layout of ``<checkpoint-dir>``::
-
-    step_000010/stage_00.pt ...   one shard per pipeline stage (model + optimizer state),
-                                  written by the stage's data-parallel rank 0
-    step_000010/manifest.json     written last, by world rank 0: step, grid, partition,
-                                  model config, and each shard's size and sha256
-    latest                        name of the newest complete checkpoint
-
-A save writes into a staging directory beside the step's (``.step_000010.saving-<id>``,
-each file to a temporary name, flushed and renamed), the manifest last; only then does
-the staging directory become ``step_000010`` and ``latest`` name it. A crash leaves the
-checkpoints before it as they were: a checkpoint without a manifest was not completely
-written and is never loaded, and a save of a step that already has one (a run resumed
-from an earlier step) moves the old one aside and removes it only once the new one is
-in place, so nothing already saved is lost. Loading verifies each shard's size and sha256 and all
-ranks agree before any state changes: a truncated or corrupt shard raises
-``CheckpointError`` on every rank, naming the file and the intact checkpoints to use.
+"""Inspect and consolidate training checkpoints (their format: training/core/checkpoint.py).
 
     python -m training.checkpoint consolidate runs/ckpt/step_000020 -o gpt.pt
 
@@ -32,464 +14,39 @@ configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a f
 prints each step directory and whether it can be loaded (its manifest, its shards'
 sizes, with ``--verify`` their sha256), and exits 1 when one cannot.
 
-A pruned run's shard also holds its mask (``"pruning"``: each tensor's int32 index of
-unpruned entries, ``training/pruning.py``); SAMO's shards store the model compressed, as
-its values at the index, and consolidation expands them: a dense ``state_dict`` with
-zeros at the pruned positions.
+Each engine consolidates its own layout: training/pipeline/consolidate.py,
+training/parallel4d/consolidate.py, training/ted/consolidate.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
-import shutil
 import sys
 from pathlib import Path
 
-import torch
+from .core import checkpoint as ckpt
+from .parallel4d import consolidate as parallel4d
+from .pipeline import consolidate as pipeline
+from .ted import consolidate as ted
 
-FORMAT = "mcrdl-training-checkpoint/1"
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (missing, incomplete, truncated, corrupt, mismatched).
-
-    ``agreed``: raised on every rank of the run with this message (``raise_together``),
-    so that one rank's report tells the whole story: the rank with ``reporter`` set (the
-    run's rank 0)."""
-
-    agreed = False
-    reporter = True
-
-
-def step_dir(root: str | os.PathLike, step: int) -> Path:
-    return Path(root) / f"step_{step:06d}"
-
-
-def shard_name(stage: int, prefix: str = "stage") -> str:
-    return f"{prefix}_{stage:02d}.pt"
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_save(obj, path: Path) -> tuple[int, str]:
-    """torch.save to a temp file, fsync, rename; returns (bytes, sha256)."""
-    import io
-
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    _fsync_write(path, data)
-    return len(data), hashlib.sha256(data).hexdigest()
-
-
-def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
-    """Step directories under `root` that have a manifest, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "manifest.json").exists()]
-    return sorted(out, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    root = Path(root)
-    pointer = root / "latest"
-    if pointer.exists():
-        named = root / pointer.read_text().strip()
-        if (named / "manifest.json").exists():
-            return named
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
-
-
-def resume_path(spec: str, root: str | os.PathLike) -> Path:
-    """The checkpoint ``--resume SPEC`` names: ``"latest"``, the newest complete one under
-    ``root`` (CheckpointError when there is none), else the path SPEC itself."""
-    if spec != "latest":
-        return Path(spec)
-    path = latest_checkpoint(root)
-    if path is None:
-        raise CheckpointError(f"--resume: no complete checkpoint in {root}")
-    return path
-
-
-def save_shard(directory: Path, stage: int, state: dict, prefix: str = "stage") -> dict:
-    """Write one stage's shard (the 4D engine: one tensor rank's, prefix "tensor") into
-    `directory`; returns its manifest entry (stage = the shard's index, file, bytes,
-    sha256)."""
-    name = shard_name(stage, prefix)
-    nbytes, sha256 = atomic_save(state, directory / name)
-    return {"stage": stage, "file": name, "bytes": nbytes, "sha256": sha256}
-
-
-def build_manifest(*, step: int, grid: dict[str, int], partition: list[tuple[int, int]],
-                   model: dict, optimizer: str, train_config: dict, shards: list[dict],
-                   engine: str = "pipeline") -> dict:
-    """The manifest of a checkpoint: `grid` maps the degree options to their values
-    (``{"G_inter": 2, "G_data": 2}``), `partition` gives each stage's unit range, and
-    `shards` holds one ``save_shard`` entry per stage; `engine` "4d": one shard per
-    tensor rank (x + G_x*(y + G_y*z)) of data replica 0."""
-    return {"format": FORMAT, "engine": engine, "step": step, "grid": dict(grid),
-            "partition": [list(r) for r in partition], "model": model,
-            "optimizer": optimizer, "train_config": train_config,
-            "shards": sorted(shards, key=lambda s: s["stage"])}
-
-
-#: The command that writes and resumes each engine's checkpoints (manifest "engine").
-ENGINE_COMMANDS = {"pipeline": "python -m training.train_gpt with G_x = G_y = G_z = 1",
-                   "4d": "python -m training.train_gpt with --G-x/--G-y/--G-z",
-                   "ted": "python -m training.train_moe"}
-
-
-def check_engine(manifest: dict, directory: Path, engine: str) -> None:
-    """CheckpointError unless `manifest` was written by `engine` ("pipeline", "4d" or
-    "ted"), naming the command that resumes it: checked before anything else, whose
-    names differ between the engines' manifests."""
-    saved = manifest.get("engine", "pipeline")
-    if saved != engine:
-        command = ENGINE_COMMANDS.get(saved, f"the engine {saved!r}")
-        other = ("; train_moe's model and train_gpt's differ" if "ted" in (saved, engine)
-                 else ", or consolidate it (python -m training.checkpoint consolidate) and "
-                 "start from its weights with --init-from")
-        raise CheckpointError(
-            f"checkpoint {directory} was written by the {saved} engine ({command}); this run "
-            f"uses the {engine} engine ({ENGINE_COMMANDS[engine]}): resume it with "
-            f"{command}{other}")
-
-
-def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
-                    partition: list[tuple[int, int]], model: dict, optimizer: str) -> None:
-    """CheckpointError unless `manifest` was written by a run with the same pipeline
-    (stages, partition), model and optimizer as this one; the data-parallel degree may
-    differ."""
-    want = {"G_inter": n_stages, "partition": [list(r) for r in partition], "model": model,
-            "optimizer": optimizer}
-    have = {"G_inter": manifest["grid"]["G_inter"], "partition": manifest["partition"],
-            "model": manifest["model"], "optimizer": manifest["optimizer"]}
-    for key, wanted in want.items():
-        if wanted != have[key]:
-            raise CheckpointError(
-                f"checkpoint {directory} was written with {key}={have[key]}, this run has "
-                f"{key}={wanted}; resume with the same model, --G-inter, --layers-per-stage, "
-                "--offload-optimizer and --samo (--G-data may change), or consolidate it "
-                "(python -m training.checkpoint consolidate) and start from its weights with "
-                "--init-from")
-
-
-def check_dtype(manifest: dict, directory: Path, dtype: str) -> None:
-    """CheckpointError unless `manifest` was written by a run of ``--dtype`` `dtype`: the
-    optimizer's state differs by dtype (fp32 masters beside 16-bit weights, fp16's loss
-    scale), under the same optimizer class."""
-    saved = (manifest.get("train_config") or {}).get("dtype")
-    if saved != dtype:
-        raise CheckpointError(
-            f"checkpoint {directory} was written with --dtype {saved}, this run has --dtype "
-            f"{dtype}; resume with --dtype {saved}, or consolidate it (python -m "
-            "training.checkpoint consolidate) and start from its weights with --init-from")
-
-
-def staging_dir(final: Path, token: str) -> Path:
-    """Where a save of the step directory `final` writes its files (`token`: the save's,
-    the same on every rank), published by write_manifest."""
-    return final.with_name(f".{final.name}.saving-{token}")
-
-
-def write_manifest(directory: Path, manifest: dict, publish_as: Path | None = None) -> None:
-    """The manifest, a checkpoint's last file; then ``latest`` names the checkpoint. With
-    `publish_as` (the step directory), `directory` is the save's staging directory, which
-    becomes it: a checkpoint already there (the same step saved again, by a run resumed
-    from an earlier step) is moved aside first and removed only after, so a crash at any
-    point leaves a complete checkpoint of that step (between the two renames, under the
-    hidden name ``.step_N.old-<id>``)."""
-    _fsync_write(directory / "manifest.json", json.dumps(manifest, indent=1).encode())
-    final = directory
-    if publish_as is not None:
-        final, old = publish_as, None
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{directory.name.rsplit('-', 1)[-1]}")
-            os.rename(final, old)
-        os.rename(directory, final)
-        _fsync_dir(final.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in final.parent.glob(f".{final.name}.saving-*"):  # saves that crashed
-            shutil.rmtree(stale, ignore_errors=True)
-    _fsync_write(final.parent / "latest", (final.name + "\n").encode())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the renames in directory `path` durable (where the OS allows)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def read_manifest(directory: str | os.PathLike) -> dict:
-    directory = Path(directory)
-    mpath = directory / "manifest.json"
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory} does not exist{_alternatives(directory)}")
-    if not mpath.exists():
-        inside = latest_checkpoint(directory)
-        if inside is not None:  # the checkpoint directory itself, not one of its steps
-            raise CheckpointError(
-                f"{directory} is a checkpoint directory, not one checkpoint: pass one of its "
-                f"step directories (its latest: {inside}), or --resume latest with "
-                f"--checkpoint-dir {directory}")
-        raise CheckpointError(f"checkpoint {directory} has no manifest.json: it was not "
-                              f"completely written{_alternatives(directory)}")
-    try:
-        return _parse_manifest(mpath)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}{_alternatives(directory)}") from e
-
-
-def _parse_manifest(mpath: Path) -> dict:
-    """Manifest file `mpath` as a dict of this format; CheckpointError (without hints:
-    ``usable`` calls it on other checkpoints while building one) when it is not."""
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, ValueError) as e:  # JSON's and UTF-8's errors are ValueErrors
-        raise CheckpointError(f"{mpath} is not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else manifest
-        raise CheckpointError(f"{mpath}: format {got!r}, expected {FORMAT!r}")
-    return manifest
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def shard_problems(directory: Path, manifest: dict, *, verify: bool = False) -> list[str]:
-    """What would keep checkpoint `directory` from loading, from its files' sizes (and,
-    with `verify`, their sha256, which reads every byte): [] when nothing."""
-    problems = []
-    for entry in manifest.get("shards", []):
-        path = directory / entry["file"]
-        try:
-            size = path.stat().st_size
-        except OSError:
-            problems.append(f"shard {entry['file']} is missing")
-            continue
-        if size != entry["bytes"]:
-            problems.append(f"shard {entry['file']} is {size} bytes, the manifest says "
-                            f"{entry['bytes']}")
-        elif verify and _sha256(path) != entry["sha256"]:
-            problems.append(f"shard {entry['file']} is corrupt (its sha256 differs)")
-    return problems
-
-
-def usable(directory: Path) -> bool:
-    """Whether checkpoint `directory` has a readable manifest and shards of its sizes."""
-    try:
-        return not shard_problems(directory, _parse_manifest(directory / "manifest.json"))
-    except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def _alternatives(directory: Path) -> str:
-    others = [p for p in complete_checkpoints(directory.parent)
-              if p.name != directory.name and usable(p)]
-    if not others:
-        return "; no other complete checkpoint exists in " + str(directory.parent)
-    return ("; complete checkpoints: " + ", ".join(p.name for p in others[-3:])
-            + f" (resume from one with --resume {others[-1]})")
-
-
-def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict:
-    """Read and verify (size, sha256) one stage's shard."""
-    directory = Path(directory)
-    entry = next((s for s in manifest["shards"] if s["stage"] == stage), None)
-    if entry is None:
-        raise CheckpointError(f"{directory}/manifest.json lists no shard for stage {stage}")
-    path = directory / entry["file"]
-    if not path.exists():
-        raise CheckpointError(f"shard {path} is missing{_alternatives(directory)}")
-    data = path.read_bytes()
-    if len(data) != entry["bytes"]:
-        raise CheckpointError(f"shard {path} is truncated or overwritten: {len(data)} bytes, "
-                              f"the manifest says {entry['bytes']}{_alternatives(directory)}")
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"shard {path} is corrupt: its sha256 differs from the "
-                              f"manifest's{_alternatives(directory)}")
-    import io
-
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-
-
-def read_serial_state_dict(path: str | os.PathLike, template: torch.nn.Module,
-                           option: str = "--init-from") -> dict[str, torch.Tensor]:
-    """The serial ``state_dict`` in file `path` (``consolidate``'s output, or
-    ``torch.save(model.state_dict())``), checked against `template`, the serial model
-    of this run's options (built on the meta device: names and shapes only).
-    CheckpointError naming `option` and what differs: a name missing or extra (another
-    model, or a file of another kind), or a shape (another size)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"{option} {path}: no such file") from None
-    except Exception as e:  # pickle's and torch's errors of a file of another kind
-        raise CheckpointError(f"{option} {path}: not a state_dict torch can load "
-                              f"({type(e).__name__}: {e})") from None
-    want = template.state_dict()
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
-                                              for v in state.values()):
-        held = (f"a dict of {', '.join(map(repr, list(state)[:4]))}"
-                if isinstance(state, dict) else f"a {type(state).__name__}")
-        raise CheckpointError(f"{option} {path} is not a state_dict (names to tensors) but "
-                              f"{held} (a checkpoint's shard?); python -m training.checkpoint "
-                              "consolidate writes a checkpoint's state_dict")
-    problems = []
-    missing = [k for k in want if k not in state]
-    extra = [k for k in state if k not in want]
-    for what, names in (("lacks", missing), ("has names this model lacks:", extra)):
-        if names:
-            problems.append(f"{what} {', '.join(map(str, names[:3]))}"
-                            + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
-    shapes = [f"{k} is {tuple(state[k].shape)}, this model's {tuple(v.shape)}"
-              for k, v in want.items() if k in state and state[k].shape != v.shape]
-    if shapes:
-        problems.append("; ".join(shapes[:3]) + (f" and {len(shapes) - 3} more"
-                                                 if len(shapes) > 3 else ""))
-    if problems:
-        raise CheckpointError(f"{option} {path} does not fit this run's model: "
-                              + "; ".join(problems) + " (give the model options it was "
-                              "trained with: its .json beside it holds them)")
-    return state
-
-
-def load_serial_part(module: torch.nn.Module, state_dict: dict[str, torch.Tensor],
-                     prefix: str = "") -> None:
-    """Load `module` (a stage, a unit, one expert) from the serial model's `state_dict`
-    entries under `prefix`, one per name of its own (read_serial_state_dict checked them)."""
-    module.load_state_dict({k: state_dict[prefix + k] for k in module.state_dict()})
-
-
-def shard_model(shard: dict) -> dict[str, torch.Tensor]:
-    """A shard's model state as dense tensors: SAMO shards (``shard["pruning"]["compressed"]``)
-    store each tensor's values at its index, expanded here with zeros elsewhere."""
-    pruning = shard.get("pruning")
-    if not pruning or not pruning["compressed"]:
-        return shard["model"]
-    dense = {}
-    for name, values in shard["model"].items():
-        t = torch.zeros(pruning["shapes"][name], dtype=values.dtype)
-        t.view(-1)[pruning["index"][name].long()] = values
-        dense[name] = t
-    return dense
-
-
-def _weights(shard: dict, manifest: dict, directory, masters: bool) -> dict:
-    """A shard's model state; with `masters`, each parameter's fp32 master weight from
-    the optimizer state instead (OffloadedAdamW keeps one per parameter, flat; "order"
-    gives each one's position among the model's parameters, the shard's model order:
-    the models have no buffers)."""
-    model = shard_model(shard)
-    if not masters:
-        return model
-    optimizer = shard.get("optimizer") or {}
-    kept = optimizer.get("master")
-    if manifest.get("optimizer") != "OffloadedAdamW" or kept is None:
-        raise CheckpointError(
-            f"{directory}: --masters: its optimizer ({manifest.get('optimizer')}) keeps no "
-            "fp32 master weights apart from the model (fp32 runs without "
-            "--offload-optimizer: the model is fp32 already; SAMO and train_moe keep "
-            "their own); consolidate without --masters")
-    if "order" not in optimizer:
-        raise CheckpointError(f"{directory}: --masters: written before the optimizer state "
-                              "recorded its parameters' order; consolidate without --masters")
-    items = list(model.items())
-    if sorted(optimizer["order"]) != list(range(len(items))) or len(kept) != len(items):
-        raise CheckpointError(f"{directory}: the optimizer's master weights do not match "
-                              "the model's parameters")
-    out = dict(model)
-    for i, m in zip(optimizer["order"], kept, strict=True):
-        name, t = items[i]
-        if m.numel() != t.numel():
-            raise CheckpointError(f"{directory}: the master weight of {name} has "
-                                  f"{m.numel()} elements, the parameter {t.numel()}")
-        out[name] = m.reshape(t.shape)
-    return out
+#: The consolidation of each engine's checkpoints (manifest "engine").
+CONSOLIDATE = {"pipeline": pipeline.consolidate, "4d": parallel4d.consolidate,
+               "ted": ted.consolidate}
 
 
 def consolidate(directory: str | os.PathLike, *, masters: bool = False) -> tuple[dict, dict]:
     """(state_dict of the whole model, model config dict) from a checkpoint's shards;
     `masters`: the fp32 master weights of a bf16/fp16 or --offload-optimizer run
     instead of the model's (in the training dtype). A TED MoE checkpoint (train_moe)
-    gives the serial MoEGPT's state_dict and ``{"model": ..., "moe": ...}``
-    (training/moe_trainer.py)."""
-    manifest = read_manifest(directory)
-    if manifest.get("engine") == "4d":
-        return _consolidate_4d(directory, manifest, masters), manifest["model"]
-    if manifest.get("engine") == "ted":
-        if masters:
-            raise CheckpointError(f"{directory}: --masters: train_moe's optimizer shards "
-                                  "its master weights (ZeRO-1); consolidate without it")
-        from .moe_trainer import consolidate as consolidate_ted
-
-        return consolidate_ted(directory)
-    state: dict[str, torch.Tensor] = {}
-    for entry in sorted(manifest["shards"], key=lambda s: s["stage"]):
-        model = _weights(load_shard(directory, manifest, entry["stage"]), manifest,
-                         directory, masters)
-        overlap = set(state) & set(model)
-        if overlap:
-            raise CheckpointError(f"stage {entry['stage']} repeats parameters "
-                                  f"{sorted(overlap)[:3]}")
-        state.update(model)
-    n_units = manifest["model"]["n_layer"] + 2
-    present = {int(k.split(".")[1]) for k in state}
-    missing = sorted(set(range(n_units)) - present)
-    if missing:
-        raise CheckpointError(f"{directory}: no shard holds units {missing}")
-    order = sorted(state, key=lambda k: (int(k.split(".")[1]), k))
-    return {k: state[k] for k in order}, manifest["model"]
-
-
-def _consolidate_4d(directory, manifest: dict, masters: bool = False) -> dict:
-    """The serial state_dict from a 4D checkpoint: every tensor rank's pieces put back
-    where their splits say (undoing the Z flattening and c_attn's head permutation)."""
-    from .parallel4d.layers import Split
-
-    grid = manifest["grid"]
-    sizes = {"x": grid.get("G_x", 1), "y": grid.get("G_y", 1), "z": grid.get("G_z", 1),
-             "data": 1}
-    n = sizes["x"] * sizes["y"] * sizes["z"]
-    shards = [load_shard(directory, manifest, i) for i in range(n)]
-    splits = {name: Split(**{k: tuple(v) if isinstance(v, list) else v
-                             for k, v in spec.items()})
-              for name, spec in shards[0]["splits"].items()}
-    weights = [_weights(s, manifest, directory, masters) for s in shards]
-    state = {}
-    for name, split in splits.items():
-        pieces = {(s["coords"]["x"], s["coords"]["y"], s["coords"]["z"]): w[name]
-                  for s, w in zip(shards, weights, strict=True)}
-        state[name] = split.assemble(pieces, sizes)
-    return state
+    gives the serial MoEGPT's state_dict and ``{"model": ..., "moe": ...}``."""
+    manifest = ckpt.read_manifest(directory)
+    engine = manifest.get("engine", "pipeline")
+    if engine not in CONSOLIDATE:
+        raise ckpt.CheckpointError(f"{directory} was written by the engine {engine!r}; this "
+                                   f"version consolidates those of {', '.join(CONSOLIDATE)}")
+    return CONSOLIDATE[engine](directory, manifest, masters=masters)
 
 
 def main(argv=None) -> int:
@@ -513,20 +70,20 @@ def main(argv=None) -> int:
         if args.cmd == "list":
             return _list(Path(args.directory), verify=args.verify)
         path = Path(args.checkpoint)
-        if not (path / "manifest.json").exists() and latest_checkpoint(path):
-            path = latest_checkpoint(path)
+        if not (path / "manifest.json").exists() and ckpt.latest_checkpoint(path):
+            path = ckpt.latest_checkpoint(path)
         out = Path(args.out)
         if out.suffix == ".json":  # the config goes to OUT with the suffix .json
-            raise CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
+            raise ckpt.CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
                                   "the same file; name the state_dict .pt")
         state, cfg = consolidate(path, masters=args.masters)
-        atomic_save(state, out)
-        _fsync_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
+        ckpt.atomic_save(state, out)
+        ckpt.atomic_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
         n = sum(t.numel() for t in state.values())
         print(f"consolidated {path} -> {out}: {len(state)} tensors, {n} parameters; "
               f"config in {out.with_suffix('.json')}")
         return 0
-    except CheckpointError as e:
+    except ckpt.CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -534,19 +91,18 @@ def main(argv=None) -> int:
 def _list(root: Path, *, verify: bool) -> int:
     """``list``: one line per step directory (complete or not), the newest usable one."""
     if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    steps = sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name)),
-                   key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-    latest = latest_checkpoint(root)
+        raise ckpt.CheckpointError(f"{root} is not a directory")
+    steps = ckpt.step_dirs(root)
+    latest = ckpt.latest_checkpoint(root)
     good, bad = [], 0
     for p in steps:
         mark = "  (latest)" if latest is not None and p.name == latest.name else ""
         try:
-            m = read_manifest(p)
-            problems = shard_problems(p, m, verify=verify)
+            m = ckpt.read_manifest(p)
+            problems = ckpt.shard_problems(p, m, verify=verify)
             line = f"{p}  step {m['step']}  grid {m['grid']}  {len(m['shards'])} shards"
-        except (CheckpointError, OSError, KeyError, TypeError, AttributeError) as e:
-            problems, line = [str(e) if isinstance(e, CheckpointError)
+        except (ckpt.CheckpointError, OSError, KeyError, TypeError, AttributeError) as e:
+            problems, line = [str(e) if isinstance(e, ckpt.CheckpointError)
                               else f"manifest unreadable ({type(e).__name__}: {e})"], str(p)
         if problems:
             bad += 1

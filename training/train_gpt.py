@@ -6,9 +6,10 @@ parallelism, on mcrdl.
     torchrun --nproc-per-node 4 -m training.train_gpt --G-inter 4
     srun -n 8 python -m training.train_gpt --config my_run.toml --steps 1000
     mpiexec -n 8 python -m training.train_gpt --G-inter 2 --G-data 4 --dtype bf16 \
-        --samo --prune-sparsity 0.9 --prune-schedule 0,100,200     # SAMO (training/samo.py)
+        --samo --prune-sparsity 0.9 --prune-schedule 0,100,200     # SAMO (training/samo/)
 
-Options (``--help``; declared in training/config.py) come from their defaults, then
+Options (``--help``; declared in training/core/run_options.py and each engine's
+options.py) come from their defaults, then
 ``--config FILE`` (TOML or JSON: option names with underscores as keys, at the top level
 or in the tables [model], [data], [parallel], [optimizer], [run], [samo]), then the command
 line. Rank 0 shows a progress bar (on a terminal) and one log line per
@@ -21,19 +22,30 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from . import config, report
-from .command import run_command, train_loop
-from .config import TrainConfig
-from .report import TrainResult
-from .topology import GridError
-from .trainer import Trainer
+from .core import options, report
+from .core.report import TrainResult
+from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
+from .core.runner import run_command, train_loop
+from .core.topology import GridError
+from .parallel4d.options import TensorOptions
+from .pipeline.options import PipelineOptions
+from .pipeline.trainer import Trainer
+from .samo.options import SamoOptions
+
+
+@dataclass
+class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, PipelineOptions,
+                  DataOptions, ModelOptions):
+    """The options of ``python -m training.train_gpt`` (the last base's fields come
+    first: model, data, parallel, tensor, optimizer, run, samo)."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """The run's validated options (ValueError naming a bad option)."""
-    return config.parse_args(TrainConfig, argv, prog="python -m training.train_gpt",
+    return options.parse_args(TrainConfig, argv, prog="python -m training.train_gpt",
                              description=__doc__)
 
 

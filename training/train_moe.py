@@ -6,7 +6,7 @@ duplicate token dropping, communication-aware checkpointing, tiled optimizer) on
     mpiexec -n 4 python -m training.train_moe --G-expert 4 --backends a2a=gloo,allreduce=mpi
     torchrun --nproc-per-node 2 -m training.train_moe --G-tensor 2 --backends gloo
 
-The layout (training/ted.py): ``G_tensor x G_data_nonexp`` ranks, ``G_data_nonexp =
+The layout (training/ted/model.py): ``G_tensor x G_data_nonexp`` ranks, ``G_data_nonexp =
 G_expert x G_data_exp``. ``--G-data`` (G_data_nonexp) defaults to world / G_tensor.
 Options as train_gpt's (``--help``; ``--config FILE`` with [model], [moe], [data],
 [parallel], [optimizer], [run] tables). ``--backends`` names the backends to initialize
@@ -25,111 +25,19 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import mcrdl
 
-from . import config, report
-from .command import run_command, train_loop
-from .config import DataOptions, ModelOptions, OptimizerOptions, Options, RunOptions, option
-from .moe import MoEConfig
-from .report import TrainResult
-from .ted import TEDLayout
-from .topology import Axis
-
-
-@dataclass
-class MoEOptions(Options):
-    section = "moe"
-    experts: int = option(4, "experts per MoE layer", minimum=1)
-    top_k: int = option(1, "experts per token: 1 (Switch) or 2 (GShard)", minimum=1)
-    capacity_factor: float = option(1.25, "expert capacity = ceil(factor x top_k x group "
-                                    "tokens / experts)")
-    moe_every: int = option(2, "every k-th block has an MoE FFN", minimum=1)
-    router_group_tokens: int = option(16, "tokens per router group (capacity, dropping and "
-                                      "the aux loss are per group)", minimum=1)
-    aux_loss_coef: float = option(0.01, "weight of the load-balancing loss", minimum=0)
-
-    def moe_config(self) -> MoEConfig:
-        return MoEConfig(experts=self.experts, top_k=self.top_k,
-                         capacity_factor=self.capacity_factor, moe_every=self.moe_every,
-                         router_group_tokens=self.router_group_tokens,
-                         aux_loss_coef=self.aux_loss_coef)
-
-    def check(self) -> None:
-        try:
-            self.moe_config()
-        except ValueError as e:
-            raise ValueError(str(e).replace("MoEConfig: ", "")) from None
-
-
-@dataclass
-class TEDOptions(Options):
-    section = "parallel"
-    G_tensor: int = option(1, "tensor-parallel ranks (Megatron) of every block",
-                           minimum=1, axis=Axis.TENSOR)
-    G_expert: int = option(1, "expert-parallel ranks (experts spread, tokens all-to-all'd)",
-                           minimum=1, axis=Axis.EXPERT)
-    G_data: int | None = option(None, "data-parallel ranks of the non-expert parameters "
-                                "(G_data_nonexp; default world / G_tensor)", minimum=1)
-    dtd: bool = option(False, "duplicate token dropping before each all-to-all (acts when "
-                       "G_tensor > 1 and G_expert > 1)")
-    cac: bool = option(False, "communication-aware checkpointing (with "
-                       "--activation-checkpointing)")
-    optimizer_tile: int | None = option(None, "expert optimizer tile in parameters (default "
-                                        "untiled)", minimum=1)
-    debug_checks: bool = option(False, "check that dispatch buffers agree across tensor "
-                                "ranks (per MoE call: an all_gather over the tensor group and "
-                                "an all_reduce over the world)")
-    comm_log: bool = option(True, "log every collective (mcrdl's logger) for the end-of-run "
-                            "communication breakdown")
-
-    def layout(self, world_size: int) -> TEDLayout:
-        g_data = self.G_data
-        if g_data is None:
-            if world_size % self.G_tensor:
-                raise ValueError(f"world of {world_size} ranks is not divisible by G_tensor="
-                                 f"{self.G_tensor}")
-            g_data = world_size // self.G_tensor
-        return TEDLayout(self.G_tensor, self.G_expert, g_data)
-
-    def check(self) -> None:
-        if self.offload_optimizer:
-            raise ValueError("--offload-optimizer: train_moe shards the optimizer states "
-                             "(ZeRO-1) instead; drop the option")
-        if self.dtype == "fp16":
-            raise ValueError("--dtype fp16: train_moe has no loss scaling; use bf16 or fp32")
-        if self.cac and not self.activation_checkpointing:
-            raise ValueError("--cac needs --activation-checkpointing (it removes the "
-                             "recomputation's collectives)")
-        if self.G_data is not None:
-            TEDLayout(self.G_tensor, self.G_expert, self.G_data).check()
-
-
-@dataclass
-class MoETrainConfig(RunOptions, OptimizerOptions, TEDOptions, DataOptions, MoEOptions,
-                     ModelOptions):
-    """The options of ``python -m training.train_moe``."""
-
-    model: str = option("moe-tiny", "base model shape (training/moe.py MOE_BASES or "
-                        "training/models/gpt.py CONFIGS)")
-    out_dir: str = option("runs/moe", "directory of the metrics and the loss plot")
-    backends: str | None = option(None, "mcrdl backends to initialize and collective kinds "
-                                  "pinned, e.g. mpi,gloo,a2a=gloo,allreduce=mpi (default: mpi "
-                                  "or gloo; every kind 'auto')")
-
-    def optim(self):
-        return self.optimizer_config(self.steps)
-
-    def describe_grid(self) -> str:
-        g = f"G_data={self.G_data}" if self.G_data else "G_data=world/G_tensor"
-        return f"G_tensor={self.G_tensor} x G_expert={self.G_expert}, {g}"
+from .core import options, report
+from .core.report import TrainResult
+from .core.runner import run_command, train_loop
+from .ted.options import MoETrainConfig
 
 
 def parse_args(argv: Sequence[str] | None = None) -> MoETrainConfig:
     """The run's validated options (ValueError naming a bad option)."""
-    return config.parse_args(MoETrainConfig, argv, prog="python -m training.train_moe",
+    return options.parse_args(MoETrainConfig, argv, prog="python -m training.train_moe",
                              description=__doc__)
 
 
@@ -167,7 +75,7 @@ def print_comm(rows: list[dict], steps: int) -> None:
 def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
     """Train per `cfg` on this rank; every rank calls it with the same config. Returns
     the per-step losses; ``result.comm`` holds the communication rows on rank 0."""
-    from .moe_trainer import MoETrainer
+    from .ted.trainer import MoETrainer
 
     cfg.validate()
     trainer = MoETrainer(cfg, **trainer_options)

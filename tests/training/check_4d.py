@@ -28,12 +28,12 @@ import torch  # noqa: E402
 import mcrdl  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import serial_losses  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.data import TokenFile  # noqa: E402
+from training.core.data import TokenFile  # noqa: E402
+from training.core.topology import ProcessGrid  # noqa: E402
 from training.models.gpt import lm_loss  # noqa: E402
+from training.parallel4d.perf_model import Grid4D, TrainingStep, call_counts  # noqa: E402
 from training.parallel4d.trainer import Trainer4D  # noqa: E402
-from training.perf_model import Grid4D, TrainingStep, call_counts  # noqa: E402
-from training.topology import ProcessGrid  # noqa: E402
+from training.train_gpt import TrainConfig  # noqa: E402
 
 WORLD = 8
 VOCAB = 96
@@ -142,7 +142,8 @@ def logged_counts(path: str, grid: ProcessGrid, group) -> dict:
 
 
 def model_counts(trainer: Trainer4D, steps: int) -> dict:
-    """training.perf_model's (op, axis) -> [calls, bytes] for `steps` steps of `trainer`."""
+    """training.parallel4d.perf_model's (op, axis) -> [calls, bytes] for `steps` steps of
+    `trainer`."""
     cfg = trainer.cfg
     step = TrainingStep(trainer.model_cfg, cfg.global_batch_size, trainer.batches.n_micro,
                         dtype_bytes=4, keep_weights=not cfg.regather_weights,
@@ -285,7 +286,7 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
     uninterrupted parity run's exactly; the consolidated step-10 checkpoint equals the
     serial model after 10 steps within 1e-6 (ranks 0 and 4 check their grid's)."""
     from tests.training.reference import serial_run
-    from training import checkpoint as ckpt
+    from training import checkpoint as checkpoint_tool
     rank = mcrdl.get_rank()
     common = mcrdl.broadcast_object(tempfile.mkdtemp(prefix="mcrdl-4d-ck-") if rank == 0
                                     else None)  # one directory for all ranks
@@ -305,10 +306,10 @@ def checkpoints(directory: str, dataset, results: dict) -> None:
     if layout.rank == 0:
         full = results[(grid, shape, tuple(options.items()))][0]
         assert start == 10 and after == full[10:], (grid, after, full[10:])
-        state, mcfg = ckpt.consolidate(saved)
+        state, mcfg = checkpoint_tool.consolidate(saved)
         assert list(state) == list(live) and all(torch.equal(state[k], live[k]) for k in live)
         if options.get("offload_optimizer"):  # fp32: the masters are the model, bitwise
-            masters, _ = ckpt.consolidate(saved, masters=True)
+            masters, _ = checkpoint_tool.consolidate(saved, masters=True)
             assert list(masters) == list(state), list(masters)[:4]
             assert all(torch.equal(masters[k], state[k]) for k in state), grid
         _, model = serial_run(config(directory, shape, 20), dataset, steps=10)
@@ -455,8 +456,8 @@ def main():
             if bad:
                 raise AssertionError(f"4d bytes FAILED on {grid}, rank {bad[0][0]}: {bad[0][1]}")
         print(f"4d bytes OK: {len(results)} grids x {steps} steps, every rank's calls and bytes "
-              "per (op, axis) equal training.perf_model's; (G,1,1,1) sends only Megatron's "
-              "collectives, (1,1,G,1) no activation collectives", flush=True)
+              "per (op, axis) equal training.parallel4d.perf_model's; (G,1,1,1) sends only "
+              "Megatron's collectives, (1,1,G,1) no activation collectives", flush=True)
         for (grid, shape, options), (got, _) in results.items():
             ref = refs[shape]
             rel = [abs(a - b) / abs(b) for a, b in zip(got, ref, strict=True)]

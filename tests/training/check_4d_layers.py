@@ -22,11 +22,12 @@ import torch.nn.functional as F  # noqa: E402
 
 import mcrdl  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
+from training.core.topology import GridError, ProcessGrid  # noqa: E402
 from training.models.gpt import GPTConfig  # noqa: E402
-from training.parallel4d import GPT4D, ParallelLayerNorm, ParallelLinear  # noqa: E402
-from training.parallel4d.comm import Overlap  # noqa: E402
+from training.parallel4d.model import GPT4D  # noqa: E402
 from training.parallel4d.trainer import Trainer4D, build_comms  # noqa: E402
-from training.topology import GridError, ProcessGrid  # noqa: E402
+from training.tensor_parallel.comm import Overlap  # noqa: E402
+from training.tensor_parallel.layers import ParallelLayerNorm, ParallelLinear  # noqa: E402
 
 
 def comms_for(x=1, y=1, z=1, data=1, overlap="none"):

@@ -21,8 +21,10 @@ import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.train_gpt import run  # noqa: E402
+from training.train_gpt import (
+    TrainConfig,  # noqa: E402
+    run,  # noqa: E402
+)
 
 DELAY = 0.25
 CASES = [  # name, slow stage, pipeline_limit, expected order at stage 1

@@ -9,7 +9,7 @@ Run under ``mpiexec -n N`` (N in 2, 4, 8), one launch per world size:
   give bitwise identical losses (on mpi). "moe parity OK: world N, R runs".
 - N = 4, layout (2, 2, 2): one microbatch's forward + backward with mcrdl's logger on,
   per collective kind: all_to_all bytes with DTD = without / G_tensor exactly, DTD's
-  all_gather bytes = training/ted_model.py's prediction, activation checkpointing
+  all_gather bytes = training/ted/cost_model.py's prediction, activation checkpointing
   without CAC (torch's early stop off) = 1.5 x the calls and bytes of no checkpointing,
   with CAC = 1 x. Memory: parameter, gradient and optimizer-state storage per rank =
   the memory model; the tiled optimizer's temporary buffer = 4 x tile bytes.
@@ -32,11 +32,11 @@ import torch  # noqa: E402
 import mcrdl  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import serial_moe_losses  # noqa: E402
-from training.data import load_dataset  # noqa: E402
-from training.moe import moe_loss  # noqa: E402
-from training.moe_trainer import MoETrainer  # noqa: E402
-from training.ted import buffer_capacity  # noqa: E402
-from training.ted_model import memory_per_rank, step_comm  # noqa: E402
+from training.core.data import load_dataset  # noqa: E402
+from training.models.moe import moe_loss  # noqa: E402
+from training.ted.cost_model import memory_per_rank, step_comm  # noqa: E402
+from training.ted.model import buffer_capacity  # noqa: E402
+from training.ted.trainer import MoETrainer  # noqa: E402
 from training.train_moe import MoETrainConfig, run  # noqa: E402
 
 TOL = 1e-5
@@ -220,7 +220,7 @@ def resume_check(data, rank):
               f"{straight16[0]:.4f} -> {straight16[-1]:.4f}, within {rel16:.1e} of fp32's",
               flush=True)
     # Another --dtype keeps another optimizer state: refused on every rank, by name
-    from training.checkpoint import CheckpointError
+    from training.core.checkpoint import CheckpointError
     try:
         run(tiny(**kw, dtype="bf16", checkpoint_dir=ck, resume="latest"), dataset=data)
         raise AssertionError("resuming an fp32 checkpoint with --dtype bf16 did not raise")
@@ -229,7 +229,7 @@ def resume_check(data, rank):
     if rank == 0:
         from training.checkpoint import consolidate
         from training.models.gpt import GPTConfig
-        from training.moe import MoEConfig, MoEGPT
+        from training.models.moe import MoEConfig, MoEGPT
 
         state, cfgs = consolidate(os.path.join(ck, "step_000006"))
         serial = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
@@ -252,7 +252,7 @@ def init_from_check(data, rank, root, parallel_loss):
     (1, 4, 4): its weights are the file's bit for bit (saved at step 0 and consolidated
     again), and its loss on step 6's batch is the first layout's to 1e-5."""
     from training.checkpoint import consolidate
-    from training.moe_trainer import MoETrainer
+    from training.ted.trainer import MoETrainer
 
     serial = mcrdl.broadcast_object(os.path.join(root, "serial.pt"))  # rank 0 wrote it
     ck = os.path.join(root, "ck-init-from")

@@ -14,9 +14,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import mcrdl  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import serial_losses  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.data import ByteCorpus  # noqa: E402
-from training.train_gpt import run  # noqa: E402
+from training.core.data import ByteCorpus  # noqa: E402
+from training.train_gpt import (
+    TrainConfig,  # noqa: E402
+    run,  # noqa: E402
+)
 
 GRIDS = {  # world size -> [(G_inter, G_data, layers_per_stage)]
     1: [(1, 1, None)],

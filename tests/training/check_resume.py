@@ -21,11 +21,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
-from training import checkpoint as ckpt  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.data import Batches, ByteCorpus  # noqa: E402
+from training import checkpoint as checkpoint_tool  # noqa: E402
+from training.core import checkpoint as ckpt  # noqa: E402
+from training.core.data import Batches, ByteCorpus  # noqa: E402
 from training.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from training.train_gpt import run  # noqa: E402
+from training.train_gpt import (
+    TrainConfig,  # noqa: E402
+    run,  # noqa: E402
+)
 
 
 def digests(d: Path) -> dict:
@@ -75,7 +78,7 @@ def main():
     ck = root / "ck-False"
     step10, step20 = ck / "step_000010", ck / "step_000020"
     if rank == 0:
-        state, mcfg = ckpt.consolidate(step10)
+        state, mcfg = checkpoint_tool.consolidate(step10)
         model = GPT(GPTConfig(**mcfg))
         model.load_state_dict(state, strict=True)
         data = Batches(ByteCorpus(), mcfg["block_size"], 8, 8, seed=11)

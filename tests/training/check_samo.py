@@ -1,4 +1,4 @@
-"""SAMO (training/samo.py) under ``mpiexec -n 4``: every grid of the issue in one launch.
+"""SAMO (training/samo/) under ``mpiexec -n 4``: every grid of the issue in one launch.
 
 Every process pays ~2 s of CPU to import torch, so the grids run side by side on
 disjoint ranks of one world of 4 (``ProcessGrid(..., world=group)``): (1,1) on rank 0
@@ -48,15 +48,18 @@ import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
 from tests.training.reference import serial_index, serial_run  # noqa: E402
-from training import checkpoint as ckpt  # noqa: E402
-from training.config import TrainConfig  # noqa: E402
-from training.data import Batches, load_dataset  # noqa: E402
+from training import checkpoint as checkpoint_tool  # noqa: E402
+from training.core import checkpoint as ckpt  # noqa: E402
+from training.core.data import Batches, load_dataset  # noqa: E402
+from training.core.topology import ProcessGrid  # noqa: E402
 from training.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
-from training.pruning import kept_count, parse_schedule, pruned_mask  # noqa: E402
-from training.topology import ProcessGrid  # noqa: E402
+from training.pipeline.trainer import Trainer  # noqa: E402
+from training.samo.pruning import kept_count, parse_schedule, pruned_mask  # noqa: E402
+from training.train_gpt import (
+    TrainConfig,  # noqa: E402
+    run,  # noqa: E402
+)
 from training.train_gpt import main as train_main  # noqa: E402
-from training.train_gpt import run  # noqa: E402
-from training.trainer import Trainer  # noqa: E402
 
 LAYER_2_ROUNDS = {"prune_scope": "layer", "prune_schedule": "0,3"}
 PHASES = [  # runs side by side: (world ranks, G_inter, G_data, options beyond the base)
@@ -131,7 +134,7 @@ def train_grid(opts: dict, grid: ProcessGrid, root: Path) -> dict:
             if samo:
                 check_pruned(trainer)
         # minus the mask agreement of each round run while logged (before steps > 0):
-        # one all-reduce of two int64 over the data-parallel group (training/pruning.py)
+        # one all-reduce of two int64 over the data-parallel group (training/samo/pruning.py)
         agreement = 16 * sum(r.step > 0 for r in trainer.pruning.done)
         sent = data_parallel_bytes(trainer, root / f"trace-{rank}-{samo}.json")
         sent -= agreement if trainer.data_group is not None else 0
@@ -253,7 +256,7 @@ def resume_checks(base: dict, root: Path) -> None:
     say(f"resume OK: rounds before steps 0, 3, 5; stopped after 4, resumed: steps 5-6 equal "
         f"the uninterrupted run exactly ({a[4]:.6f}, {a[5]:.6f})")
     if mcrdl.get_rank() == 0:
-        state, mcfg = ckpt.consolidate(ck / "step_000004")
+        state, mcfg = checkpoint_tool.consolidate(ck / "step_000004")
         model = GPT(GPTConfig(**mcfg))
         model.load_state_dict(state, strict=True)
         phi = sum(t.numel() for t in state.values())
@@ -289,8 +292,8 @@ def replica_agreement_check() -> None:
     """7. A pruning round whose data-parallel replicas choose different masks (one
     replica's weights perturbed) raises DesyncError on every rank of the (2,2) grid, the
     other stage's ranks included; equal replicas pass."""
-    from training.pruning import Pruning
-    from training.topology import Axis
+    from training.core.topology import Axis
+    from training.samo.pruning import Pruning
 
     grid = ProcessGrid({Axis.PIPE: 2, Axis.DATA: 2})
     pipe, data = grid.group(Axis.PIPE), grid.group(Axis.DATA)

@@ -1,7 +1,7 @@
 """The serial reference of the parity tests: the whole GPT in one process, plain
 PyTorch (torch.optim.AdamW, clip_grad_norm_), the whole global batch in one forward.
 With ``cfg.prune_sparsity`` set it is dense masked training: each pruning round of
-``cfg.prune_schedule`` selects the kept entries (training.pruning.select, over the whole
+``cfg.prune_schedule`` selects the kept entries (training.samo.pruning.select, over the whole
 model), zeroes the pruned weights and Adam moments, and every step zeroes the pruned
 gradients before clipping."""
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from training.config import TrainConfig
-from training.data import Batches, load_dataset
+from training.core.data import Batches, load_dataset
+from training.core.optim import param_groups
 from training.models.gpt import GPT, get_config, lm_loss
-from training.optim import param_groups
-from training.pruning import full_index, kept_count, parse_schedule, pruned_mask, select
+from training.samo.pruning import full_index, kept_count, parse_schedule, pruned_mask, select
+from training.train_gpt import TrainConfig
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
@@ -87,7 +87,7 @@ def serial_index(cfg: TrainConfig, vocab_size: int = 256) -> dict[str, torch.Ten
 
 def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
                       ) -> list[tuple[float, float]]:
-    """(LM loss, aux loss) of every step of the serial MoE GPT (training/moe.py MoEGPT):
+    """(LM loss, aux loss) of every step of the serial MoE GPT (training/models/moe.py MoEGPT):
     one process, the whole global batch in one forward, torch.optim.AdamW and
     clip_grad_norm_ on the sum of the LM loss and aux_loss_coef x the aux loss.
 
@@ -100,8 +100,7 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
     in every data-parallel engine (the gradient all-reduce hands every replica a
     gradient), so Adam's momentum and weight decay still move it. torch.optim.AdamW
     alone would skip the parameter."""
-    from training.moe import MoEGPT, moe_loss
-    from training.moe_trainer import base_config
+    from training.models.moe import MoEGPT, base_config, moe_loss
 
     dataset = dataset or load_dataset("stdlib")
     mcfg = base_config(cfg.model, vocab_size=dataset.vocab_size, n_layer=cfg.n_layer,
@@ -144,7 +143,7 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
 
 def cut_margin(values: list[torch.Tensor], numels: list[int], sparsity: float,
                scope: str) -> float:
-    """The smallest relative magnitude gap, at the cut of training.pruning.select,
+    """The smallest relative magnitude gap, at the cut of training.samo.pruning.select,
     between the last entry a round keeps and the first it prunes: over the whole model
     (global scope) or per tensor (layer). 0 where they tie exactly; inf: nothing is cut."""
     def gap(mags: torch.Tensor, keep: int) -> float:

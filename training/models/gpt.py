@@ -209,14 +209,6 @@ class GPTStage(nn.Module):
                                     for i in range(first, last + 1)})
         self.activation_checkpointing = activation_checkpointing
 
-    @property
-    def takes_tokens(self) -> bool:
-        return self.first == 0
-
-    @property
-    def gives_logits(self) -> bool:
-        return self.last == self.cfg.n_units - 1
-
     def segments(self) -> list[list[nn.Module]]:
         """Units grouped as they run: blocks in checkpoint segments, others alone."""
         mods = list(self.units.values())

@@ -19,24 +19,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..core.sharding import Split
 from ..models.gpt import GPTConfig, lm_loss, make_unit
-from .comm import TensorComms
-from .layers import (
+from ..tensor_parallel.comm import TensorComms
+from ..tensor_parallel.layers import (
     ParallelEmbedding,
     ParallelLayerNorm,
     ParallelLinear,
+    ParallelMLP,
     ParallelSelfAttention,
-    Split,
+    data_of,
     gather_last_dim,
     owns,
     sharded_weights,
 )
-
-
-def _data(p):
-    return None if p is None else p.data
 
 
 class Embedding4D(nn.Module):
@@ -50,27 +47,15 @@ class Embedding4D(nn.Module):
         return self.wte(idx) + self.wpe(pos)
 
 
-class MLP4D(nn.Module):
-    def __init__(self, serial, comms: TensorComms, prefix: str):
-        super().__init__()
-        self.c_fc = ParallelLinear(serial.c_fc.weight.data, _data(serial.c_fc.bias), comms,
-                                   name=f"{prefix}.c_fc")
-        self.c_proj = ParallelLinear(serial.c_proj.weight.data, _data(serial.c_proj.bias),
-                                     comms, transposed=True, name=f"{prefix}.c_proj")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
-
-
 class Block4D(nn.Module):
     def __init__(self, serial, cfg: GPTConfig, comms: TensorComms, prefix: str):
         super().__init__()
-        self.ln_1 = ParallelLayerNorm(serial.ln_1.weight.data, _data(serial.ln_1.bias), comms,
+        self.ln_1 = ParallelLayerNorm(serial.ln_1.weight.data, data_of(serial.ln_1.bias), comms,
                                       name=f"{prefix}.ln_1")
         self.attn = ParallelSelfAttention(serial.attn, cfg.n_head, comms, f"{prefix}.attn")
-        self.ln_2 = ParallelLayerNorm(serial.ln_2.weight.data, _data(serial.ln_2.bias), comms,
+        self.ln_2 = ParallelLayerNorm(serial.ln_2.weight.data, data_of(serial.ln_2.bias), comms,
                                       name=f"{prefix}.ln_2")
-        self.mlp = MLP4D(serial.mlp, comms, f"{prefix}.mlp")
+        self.mlp = ParallelMLP(serial.mlp, comms, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -81,7 +66,7 @@ class Head4D(nn.Module):
     def __init__(self, serial, comms: TensorComms, prefix: str):
         super().__init__()
         self.comms = comms
-        self.ln_f = ParallelLayerNorm(serial.ln_f.weight.data, _data(serial.ln_f.bias), comms,
+        self.ln_f = ParallelLayerNorm(serial.ln_f.weight.data, data_of(serial.ln_f.bias), comms,
                                       name=f"{prefix}.ln_f")
         self.lm_head = ParallelLinear(serial.lm_head.weight.data, None, comms,
                                       name=f"{prefix}.lm_head")

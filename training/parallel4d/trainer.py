@@ -10,7 +10,7 @@ A step: for each micro-batch, forward, cross-entropy, backward of ``loss / (G_z 
 G_data * micro-batches)``; then ``GPT4D.reduce_gradients`` (SUM over Z and data); then
 one all_reduce over the world of two float32, the loss (counted by the ranks at x = y =
 0) and the squared gradient norm (each piece counted once); then the optimizer of
-training/optim.py clips with that norm and updates this rank's pieces.
+training/core/optim.py clips with that norm and updates this rank's pieces.
 """
 
 from __future__ import annotations
@@ -24,17 +24,18 @@ import torch
 
 import mcrdl
 
-from .. import checkpoint as ckpt
-from ..config import DTYPES, TrainConfig
-from ..data import Batches, load_dataset
+from ..core import checkpoint as ckpt
+from ..core import runtime
+from ..core.data import Batches, load_dataset
+from ..core.dtypes import torch_dtype
+from ..core.optim import DataParallelAdamW, OffloadedAdamW, applied_lr
+from ..core.options import Options
+from ..core.timers import PhaseTimers
+from ..core.topology import Axis, GridError, ProcessGrid
 from ..models.gpt import GPTStage, get_config
-from ..optim import DataParallelAdamW, OffloadedAdamW, applied_lr
-from ..perf_model.step import Grid4D, TrainingStep, check_grid
-from ..timers import PhaseTimers
-from ..topology import Axis, GridError, ProcessGrid
-from ..trainer import init_comm, pick_device, raise_together, read_init_from, staged_save
-from .comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
+from ..tensor_parallel.comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
 from .model import GPT4D
+from .perf_model.step import Grid4D, TrainingStep, check_grid
 
 GRID_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.DATA)
 
@@ -59,13 +60,14 @@ class _NoEvents:
 
 class Trainer4D:
     """One configured 4D run on this rank (every rank of the world builds it with the same
-    config). Same interface as training.trainer.Trainer for train_gpt.run. `record`
+    config). Same interface as training.pipeline.trainer.Trainer for train_gpt.run. `record`
     keeps the issue/wait order of the collectives (``comms.recorder``); `kernels` is the
-    matmul layout chooser (training.parallel4d.tuning)."""
+    matmul layout chooser (training.parallel4d.tuning). `cfg` is train_gpt's TrainConfig
+    (this engine sits below the command that composes the options)."""
 
     stage_index, n_stages = 0, 1
 
-    def __init__(self, cfg: TrainConfig, *, record: bool = False, kernels=None,
+    def __init__(self, cfg: Options, *, record: bool = False, kernels=None,
                  grid: ProcessGrid | None = None):
         """`grid`: run on it, e.g. a grid spanning a group of ranks
         (``ProcessGrid(..., world=group)``, its groups made on every rank of the world),
@@ -73,8 +75,8 @@ class Trainer4D:
         (its step scalars, checkpoints, rank 0's output) is then that group. By default
         a grid over the whole world from `cfg`."""
         self.cfg = cfg
-        self.device = pick_device(cfg)
-        init_comm(cfg, self.device)
+        self.device = runtime.pick_device(cfg.device)
+        runtime.init_comm(cfg.backends.split(",") if cfg.backends else [], self.device, cfg.timeout)
         backends = cfg.backend_of_axis()
         extra = sorted({b for b in backends.values() if b != "auto"} - set(mcrdl.get_backends()))
         if extra:  # e.g. --axis-backends z=pccl: add the backend (collective)
@@ -110,13 +112,13 @@ class Trainer4D:
             from .tuning import MatmulTuner
             kernels = MatmulTuner(group=world)
         self.comms.kernels = kernels
-        dtype = DTYPES[cfg.dtype]
+        dtype = torch_dtype(cfg.dtype)
         if dtype == torch.float16:
             raise GridError("--dtype fp16 is not supported by the 4D engine (no loss "
                             "scaling yet); use bf16 or fp32")
         state = None
         if cfg.init_from and not cfg.resume:  # a serial state_dict: each rank its pieces
-            state = read_init_from(cfg.init_from, lambda: GPTStage(self.model_cfg, 0,
+            state = runtime.read_init_from(cfg.init_from, lambda: GPTStage(self.model_cfg, 0,
                                                                    self.model_cfg.n_units - 1),
                                    world)
         self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed, state_dict=state)
@@ -208,7 +210,7 @@ class Trainer4D:
         """Collective over the run's ranks: each rank of data replica 0 writes its shard
         (its pieces with their splits and coordinates, and its optimizer state), the
         run's rank 0 the manifest (with the 4D grid); returns the step directory."""
-        final, directory = staged_save(self.cfg.checkpoint_dir, self.step, self.world)
+        final, directory = runtime.staged_save(self.cfg.checkpoint_dir, self.step, self.world)
         c, shard, error = self.comms, None, None
         try:
             if c.data.rank == 0:
@@ -218,7 +220,7 @@ class Trainer4D:
                 shard = ckpt.save_shard(directory, self.tensor_rank, state, prefix="tensor")
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {final}", self.world)
+        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world)
         shards = [s for s in mcrdl.all_gather_object(shard, group=self.world) if s is not None]
         if self.world_rank == 0:
             try:
@@ -229,37 +231,26 @@ class Trainer4D:
                     publish_as=final)
             except OSError as e:
                 error = e
-        raise_together(error, f"cannot save checkpoint {final}", self.world)
+        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world)
         return final
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) written on the same tensor grid
         (G_data may differ) and return its step; any problem raises CheckpointError on
         every rank before any state changes."""
-        error, path, shard = None, None, None
-        try:
-            path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
-            manifest = ckpt.read_manifest(path)
-            ckpt.check_engine(manifest, path, "4d")
-            want = {"model": self.model_cfg.as_dict(),
-                    "optimizer": type(self.optimizer).__name__,
-                    **{f"G_{a}": self.comms.axis(a).size for a in ("x", "y", "z")}}
-            have = {"model": manifest["model"],
-                    "optimizer": manifest["optimizer"],
+        want = {"model": self.model_cfg.as_dict(), "optimizer": type(self.optimizer).__name__,
+                **{f"G_{a}": self.comms.axis(a).size for a in ("x", "y", "z")}}
+
+        def check(manifest: dict, path: Path) -> None:
+            have = {"model": manifest["model"], "optimizer": manifest["optimizer"],
                     **{k: manifest["grid"].get(k, 1) for k in ("G_x", "G_y", "G_z")}}
-            for key, wanted in want.items():
-                if have[key] != wanted:
-                    raise ckpt.CheckpointError(
-                        f"checkpoint {path} was written with {key}={have[key]}, this run has "
-                        f"{key}={wanted}; resume with the same model, --G-x/--G-y/--G-z and "
-                        "--offload-optimizer (--G-data may change), or consolidate it "
-                        "(python -m training.checkpoint consolidate) and start from it with "
-                        "--init-from")
-            ckpt.check_dtype(manifest, path, self.cfg.dtype)
-            shard = ckpt.load_shard(path, manifest, self.tensor_rank)
-        except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
-            error = e
-        raise_together(error, f"cannot load checkpoint {path}", self.world)
+            ckpt.check_matches(path, have, want, "resume with the same model, "
+                               "--G-x/--G-y/--G-z and --offload-optimizer (--G-data may "
+                               "change)")
+
+        manifest, shard = runtime.load_for_resume(spec, self.cfg.checkpoint_dir, engine="4d",
+                                          dtype=self.cfg.dtype, shard=self.tensor_rank,
+                                          check=check, group=self.world)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(shard["model"][name])

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from mcrdl.launch import launch_command
 
-from ..models.gpt import GPTConfig
-from ..topology import GridError
+from ...core.topology import GridError
+from ...models.gpt import GPTConfig
 
 #: The grid's axes from the fastest-varying (consecutive ranks) to the slowest.
 AXES = ("x", "y", "z", "data")

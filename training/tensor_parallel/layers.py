@@ -31,114 +31,17 @@ piece out of the serial tensor, ``Split.assemble`` puts the pieces back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.sharding import Split, split_of
 from .comm import Pending, TensorComms
 
 AXES = ("x", "y", "z", "data")
 
 
 # -- where a parameter lives --------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Split:
-    """How a serial parameter of shape `shape` ([rows] or [rows, cols]) is distributed:
-    rows split into contiguous blocks over axis `rows` (None: whole), columns over
-    `cols`, then, with `z`, the block flattened and cut into G_z contiguous chunks.
-    `perm`: a row permutation applied to the serial tensor before splitting."""
-
-    shape: tuple[int, ...]
-    rows: str | None = None
-    cols: str | None = None
-    z: bool = False
-    perm: tuple[int, ...] | None = None
-
-    @property
-    def split_axes(self) -> set[str]:
-        return {a for a in (self.rows, self.cols) if a} | ({"z"} if self.z else set())
-
-    def check(self, sizes: dict[str, int], name: str = "parameter") -> None:
-        """ValueError naming `name` unless the degrees `sizes` divide this split evenly
-        (a remainder would be dropped from every piece, and assembled as garbage)."""
-        block = 1
-        for what, dim, axis in zip(("rows", "columns"), self.shape, (self.rows, self.cols),
-                                   strict=False):  # a 1-D split has rows only
-            g = sizes[axis] if axis else 1
-            if dim % g:
-                raise ValueError(f"{name}: its {dim} {what} (shape {tuple(self.shape)}) are "
-                                 f"not divisible by G_{axis}={g}")
-            block *= dim // g
-        if self.z and block % sizes["z"]:
-            raise ValueError(f"{name}: its block of {block} elements (shape "
-                             f"{tuple(self.shape)} split over X and Y) is not divisible by "
-                             f"G_z={sizes['z']}")
-
-    def block_shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
-        r = self.shape[0] // (sizes[self.rows] if self.rows else 1)
-        if len(self.shape) == 1:
-            return (r,)
-        return (r, self.shape[1] // (sizes[self.cols] if self.cols else 1))
-
-    def local(self, full: torch.Tensor, coords: dict[str, int], sizes: dict[str, int],
-              name: str = "parameter") -> torch.Tensor:
-        """This rank's piece of the serial tensor `full` (a new contiguous tensor);
-        ValueError naming `name` where the grid does not divide it (check)."""
-        self.check(sizes, name)
-        t = full if self.perm is None else full[list(self.perm)]
-        bs = self.block_shape(sizes)
-        if self.rows:
-            i = coords[self.rows]
-            t = t[i * bs[0]:(i + 1) * bs[0]]
-        if self.cols:
-            j = coords[self.cols]
-            t = t[:, j * bs[1]:(j + 1) * bs[1]]
-        if self.z:
-            flat = t.reshape(-1)
-            n = flat.numel() // sizes["z"]
-            t = flat[coords["z"] * n:(coords["z"] + 1) * n]
-        return t.detach().clone().contiguous()
-
-    def assemble(self, pieces: dict[tuple[int, int, int], torch.Tensor],
-                 sizes: dict[str, int]) -> torch.Tensor:
-        """The serial tensor from `pieces` keyed by (x, y, z) coordinates (ranks that
-        hold the same piece may be missing but one of them must be there)."""
-        self.check(sizes)
-        bs = self.block_shape(sizes)
-        ref = next(iter(pieces.values()))
-        full = torch.empty(self.shape, dtype=ref.dtype)
-
-        def piece(x, y, z):
-            want = {"x": x, "y": y, "z": z}
-            for (px, py, pz), t in pieces.items():
-                have = {"x": px, "y": py, "z": pz}
-                if all(have[a] == want[a] for a in self.split_axes if a != "data"):
-                    return t
-            raise KeyError(f"no piece at {want}")
-
-        for x in range(sizes["x"] if "x" in self.split_axes else 1):
-            for y in range(sizes["y"] if "y" in self.split_axes else 1):
-                if self.z:
-                    block = torch.cat([piece(x, y, z).reshape(-1) for z in range(sizes["z"])])
-                else:
-                    block = piece(x, y, 0)
-                block = block.reshape(bs)
-                c = {"x": x, "y": y}
-                r0 = c[self.rows] * bs[0] if self.rows else 0
-                if len(self.shape) == 1:
-                    full[r0:r0 + bs[0]] = block
-                else:
-                    c0 = c[self.cols] * bs[1] if self.cols else 0
-                    full[r0:r0 + bs[0], c0:c0 + bs[1]] = block
-        if self.perm is not None:
-            out = torch.empty_like(full)
-            out[list(self.perm)] = full
-            full = out
-        return full
-
 
 def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms,
                     name: str = "parameter") -> nn.Parameter:
@@ -149,12 +52,6 @@ def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms,
     p.split = split
     p.logical_shape = tuple(split.shape)
     return p
-
-
-def split_of(p: torch.Tensor) -> Split | None:
-    """`p`'s Split, None when it has none (``Tensor.split`` is a method: test the type)."""
-    split = getattr(p, "split", None)
-    return split if isinstance(split, Split) else None
 
 
 def owns(p: nn.Parameter, comms: TensorComms) -> bool:
@@ -467,10 +364,10 @@ class ParallelSelfAttention(nn.Module):
         self.head_dim = c // n_head
         perm = qkv_head_permutation(c, n_head, comms.x.size)
         sa = serial.c_attn
-        self.c_attn = ParallelLinear(sa.weight.data, _data(sa.bias), comms, row_perm=perm,
+        self.c_attn = ParallelLinear(sa.weight.data, data_of(sa.bias), comms, row_perm=perm,
                                      name=f"{name}.c_attn")
         sp = serial.c_proj
-        self.c_proj = ParallelLinear(sp.weight.data, _data(sp.bias), comms, transposed=True,
+        self.c_proj = ParallelLinear(sp.weight.data, data_of(sp.bias), comms, transposed=True,
                                      name=f"{name}.c_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -482,7 +379,23 @@ class ParallelSelfAttention(nn.Module):
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, h * d))
 
 
-def _data(p):
+class ParallelMLP(nn.Module):
+    """The GPT MLP: c_fc an N-layer, c_proj a T-layer (Megatron-LM's column- and
+    row-parallel pair where only X has degree > 1)."""
+
+    def __init__(self, serial: nn.Module, comms: TensorComms, prefix: str):
+        super().__init__()
+        self.c_fc = ParallelLinear(serial.c_fc.weight.data, data_of(serial.c_fc.bias), comms,
+                                   name=f"{prefix}.c_fc")
+        self.c_proj = ParallelLinear(serial.c_proj.weight.data, data_of(serial.c_proj.bias),
+                                     comms, transposed=True, name=f"{prefix}.c_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+def data_of(p):
+    """A serial parameter's tensor (None for a missing bias)."""
     return None if p is None else p.data
 
 
@@ -490,6 +403,6 @@ def sharded_weights(module: nn.Module) -> list[ShardedWeight]:
     return [m for m in module.modules() if isinstance(m, ShardedWeight)]
 
 
-__all__ = ["ParallelEmbedding", "ParallelLayerNorm", "ParallelLinear", "ParallelSelfAttention",
-           "ShardedWeight", "Split", "gather_last_dim", "owns", "qkv_head_permutation",
-           "shard_parameter", "sharded_weights", "split_of"]
+__all__ = ["ParallelEmbedding", "ParallelLayerNorm", "ParallelLinear", "ParallelMLP",
+           "ParallelSelfAttention", "ShardedWeight", "data_of", "gather_last_dim", "owns",
+           "qkv_head_permutation", "shard_parameter", "sharded_weights"]

@@ -19,7 +19,7 @@ none on biases and LayerNorm, as nanoGPT):
 
 Both give the same result to rounding (the parity tests compare them with a serial run).
 ``BucketedAdamW`` holds the bucketed, overlapped step that OffloadedAdamW shares with
-SAMO's optimizer (``training/samo.py``, the same step on compressed states).
+SAMO's optimizer (``training/samo/optimizer.py``, the same step on compressed states).
 
 An engine that reduces the gradients itself (the 4D engine: Z reduce-scatters, data
 all-reduces, each shard counted once in the norm) passes no data group and gives
@@ -30,7 +30,7 @@ update.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +121,7 @@ class _GradientComm:
         self.cfg = cfg
         self.data_group, self.pipe_group = data_group, pipe_group
         # several ranks: overflow flags agree over the run's ranks, `world_group` (None:
-        # the whole world; a group when runs share a launch, training/topology.py)
+        # the whole world; a group when runs share a launch, training/core/topology.py)
         self.world_reduce, self.world_group = world_reduce, world_group
         self.timers = timers or NullTimers()
         self.step_count = 0
@@ -428,3 +428,14 @@ class OffloadedAdamW(BucketedAdamW):
             self.exp_avg[s].copy_(sd["exp_avg"][i])
             self.exp_avg_sq[s].copy_(sd["exp_avg_sq"][i])
         self.flat.copy_(self.master)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the storages behind `tensors` (None: none), each storage counted once (the
+    gradients of stacked experts' biases are views of one storage)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())

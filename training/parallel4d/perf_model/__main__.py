@@ -1,13 +1,13 @@
 """Rank every 4D grid of a world by predicted communication time per step.
 
-    python -m training.perf_model --model gpt-20b --ranks 32 --ranks-per-node 4
-        [--batch B] [--micro-batches M] [--dtype bfloat16] [--regather-weights] [--bucket-mib]
+    python -m training.parallel4d.perf_model --model gpt-20b --ranks 32 --ranks-per-node 4
+        [--batch B] [--micro-batches M] [--dtype bf16] [--regather-weights] [--bucket-mib]
         [--table T.json] [--latency US] [--intra-node-bandwidth GB/s]
         [--inter-node-bandwidth GB/s] [--min-model-parallel N] [--top N] [--show-skipped]
 
 Prints each grid (G_x, G_y, G_z, G_data) that fits the model, fastest first, with the
 predicted seconds of each (op, axis); then how many grids were skipped and why. A
-prediction of the model (training/perf_model), not a measurement.
+prediction of the model (training/parallel4d/perf_model), not a measurement.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from collections.abc import Sequence
 
 from mcrdl.tuning.table import TuningTable, TuningTableError
 
-from ..models.gpt import CONFIGS, get_config
+from ...core.arguments import dtype, non_negative_float, positive_float, positive_int
+from ...core.dtypes import BYTES, NAMES
+from ...models.gpt import CONFIGS, get_config
 from .network import DEFAULT_INTER_NODE_BANDWIDTH, DEFAULT_INTRA_NODE_BANDWIDTH, Network
 from .ranking import Ranking, rank_grids
 from .step import TrainingStep
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 #: Columns of the table: (op, axis) and its heading, in this order.
 COLUMNS = ((("all_gather", "z"), "AG z"), (("reduce_scatter", "z"), "RS z"),
            (("all_reduce", "x"), "AR x"), (("all_reduce", "y"), "AR y"),
@@ -33,74 +34,46 @@ COLUMNS = ((("all_gather", "z"), "AG z"), (("reduce_scatter", "z"), "RS z"),
 SHAPE_OPTIONS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = 0.0
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return v
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
-
-
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.perf_model", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m training.parallel4d.perf_model",
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, choices=sorted(CONFIGS), metavar="NAME",
                    help="GPT shape from training.models.gpt.CONFIGS, e.g. gpt-20b")
     for name in SHAPE_OPTIONS:
-        p.add_argument("--" + name.replace("_", "-"), type=_positive_int, default=None,
+        p.add_argument("--" + name.replace("_", "-"), type=positive_int, default=None,
                        help=f"override the model's {name}")
-    p.add_argument("--ranks", type=_positive_int, required=True, help="world size")
-    p.add_argument("--ranks-per-node", type=_positive_int, default=4,
+    p.add_argument("--ranks", type=positive_int, required=True, help="world size")
+    p.add_argument("--ranks-per-node", type=positive_int, default=4,
                    help="ranks (GPUs) per node, G_node of Eq. 5.7 (default 4)")
-    p.add_argument("--batch", type=_positive_int, default=None,
+    p.add_argument("--batch", type=positive_int, default=None,
                    help="sequences per step (default: one per rank)")
-    p.add_argument("--micro-batches", type=_positive_int, default=1,
+    p.add_argument("--micro-batches", type=positive_int, default=1,
                    help="forward/backward passes per step (default 1)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32",
-                   help="element type of parameters and activations (default float32)")
+    p.add_argument("--dtype", type=dtype, choices=NAMES, default="fp32",
+                   help="element type of parameters and activations: fp32, bf16, fp16 (or "
+                        "float32, bfloat16, float16; default fp32)")
     p.add_argument("--regather-weights", action="store_true",
                    help="gather each Linear weight again in the backward (not kept)")
-    p.add_argument("--bucket-mib", type=_positive_float, default=4.0, metavar="MiB",
+    p.add_argument("--bucket-mib", type=positive_float, default=4.0, metavar="MiB",
                    help="the engine's fused gradient all_reduce buckets (--bucket-mib, "
                         "default %(default)g)")
     p.add_argument("--table", metavar="T.json", default=None,
                    help="tuning table whose alpha-beta fits give the latency and the relative "
                         "bandwidth of each op")
-    p.add_argument("--latency", type=_non_negative_float, default=None, metavar="US",
+    p.add_argument("--latency", type=non_negative_float, default=None, metavar="US",
                    help="latency per step of every op in microseconds (overrides --table; "
                         "default 5)")
-    p.add_argument("--intra-node-bandwidth", type=_positive_float, metavar="GB/s",
+    p.add_argument("--intra-node-bandwidth", type=positive_float, metavar="GB/s",
                    default=DEFAULT_INTRA_NODE_BANDWIDTH / 1e9,
                    help="bandwidth of one ring inside a node, GB/s (default %(default)g)")
-    p.add_argument("--inter-node-bandwidth", type=_positive_float, metavar="GB/s",
+    p.add_argument("--inter-node-bandwidth", type=positive_float, metavar="GB/s",
                    default=DEFAULT_INTER_NODE_BANDWIDTH / 1e9,
                    help="bandwidth out of one node, GB/s (default %(default)g)")
-    p.add_argument("--min-model-parallel", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--min-model-parallel", type=positive_int, default=1, metavar="N",
                    help="skip grids with G_x*G_y*G_z < N, e.g. when the model's states do "
                         "not fit in fewer ranks' memory (default 1)")
-    p.add_argument("--top", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--top", type=positive_int, default=None, metavar="N",
                    help="print only the N fastest grids")
     p.add_argument("--show-skipped", action="store_true",
                    help="list every skipped grid with its reasons")
@@ -117,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = get_config(args.model, **{k: getattr(args, k) for k in SHAPE_OPTIONS})
     batch = args.ranks if args.batch is None else args.batch
     try:
-        dtype_bytes = DTYPE_BYTES[args.dtype]
+        dtype_bytes = BYTES[args.dtype]
         step = TrainingStep(model, batch, args.micro_batches, dtype_bytes,
                             keep_weights=not args.regather_weights,
                             bucket_bytes=max(dtype_bytes, int(args.bucket_mib * 2**20)))

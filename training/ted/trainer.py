@@ -1,11 +1,11 @@
-"""One rank's share of a TED MoE run (training/ted.py): groups, model, batches, ZeRO-1
-optimizer, one training step, memory accounting, and sharded checkpoints.
+"""One rank's share of a TED MoE run (training/ted/model.py): groups, model, batches,
+ZeRO-1 optimizer, one training step, memory accounting, and sharded checkpoints.
 
-Checkpoints (training/checkpoint.py's format and atomic writes): every rank writes its
+Checkpoints (training/core/checkpoint.py's format and atomic writes): every rank writes its
 own file ``rank_00005.pt`` (its tensor-parallel slices, its experts, its optimizer
 shards, and the layout of each parameter), world rank 0 the manifest, written last.
-Resuming needs the same layout; ``consolidate`` merges the files into the serial
-MoEGPT's ``state_dict`` (training/moe.py), whatever the layout was.
+Resuming needs the same layout; training/ted/consolidate.py merges the files into the
+serial MoEGPT's ``state_dict`` (training/models/moe.py), whatever the layout was.
 """
 
 from __future__ import annotations
@@ -17,55 +17,19 @@ import torch
 
 import mcrdl
 
-from . import checkpoint as ckpt
-from .collectives import Backends
-from .config import DTYPES
-from .data import Batches, load_dataset
-from .models.gpt import CONFIGS, GPTConfig
-from .moe import MOE_BASES, MoEGPT, moe_loss
-from .optim import applied_lr
-from .parallel4d.layers import Split
-from .ted import TEDGPT, TEDGroups, count_parameters
-from .timers import PhaseTimers
-from .trainer import pick_device, raise_together, read_init_from, staged_save
+from ..core import checkpoint as ckpt
+from ..core import runtime
+from ..core.backends import Backends
+from ..core.data import Batches, load_dataset
+from ..core.dtypes import torch_dtype
+from ..core.optim import applied_lr, storage_bytes
+from ..core.timers import PhaseTimers
+from ..models.moe import MoEGPT, base_config, moe_loss
+from .consolidate import LAYERS, check_layers
+from .model import TEDGPT, TEDGroups, count_parameters
 from .zero import ParamSet, ZeroAdamW
 
 ENGINE = "ted"
-#: How a shard's tensor-parallel pieces are cut (``layout`` of each rank file): the 4D
-#: engine's ``Split`` per parameter. Earlier checkpoints (Megatron layers, no such key)
-#: do not load.
-LAYERS = "parallel4d-split"
-
-
-def base_config(name: str, **overrides) -> GPTConfig:
-    """A base shape by name (MOE_BASES, then the GPT CONFIGS), with overrides."""
-    table = {**CONFIGS, **MOE_BASES}
-    if name not in table:
-        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(table)}")
-    return dataclasses.replace(table[name],
-                               **{k: v for k, v in overrides.items() if v is not None})
-
-
-def init_comm(backends: Backends, device: torch.device, timeout: float | None) -> None:
-    """Initialize mcrdl with the named or pinned backends (default mpi, else gloo; nccl
-    too on GPUs), unless the caller did."""
-    if mcrdl.is_initialized():
-        return
-    usable = mcrdl.available_backends()
-    names = list(backends.init) or [n for n in ("mpi",) if n in usable] or ["gloo"]
-    if device.type == "cuda" and "nccl" in usable and "nccl" not in names:
-        names.append("nccl")
-    mcrdl.init(names, **({"timeout": timeout} if timeout else {}))
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (gradients of stacked experts'
-    biases are views of one storage: counted once)."""
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 class MoETrainer:
@@ -76,9 +40,9 @@ class MoETrainer:
     def __init__(self, cfg, *, dataset=None, early_stop: bool = True,
                  debug_checks: bool | None = None):
         self.cfg = cfg
-        self.device = pick_device(cfg)
+        self.device = runtime.pick_device(cfg.device)
         self.backends = Backends.parse(cfg.backends)
-        init_comm(self.backends, self.device, cfg.timeout)
+        runtime.init_comm(self.backends.init, self.device, cfg.timeout, nccl_with_given=True)
         self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
         self.dataset = dataset or load_dataset(cfg.data, cfg.vocab_size)
         self.model_cfg = base_config(cfg.model, vocab_size=self.dataset.vocab_size,
@@ -90,7 +54,8 @@ class MoETrainer:
         self.groups = TEDGroups(self.layout, self.backends)
         state = None
         if cfg.init_from and not cfg.resume:  # the serial MoEGPT: each rank its pieces
-            state = read_init_from(cfg.init_from, lambda: MoEGPT(self.model_cfg, self.moe_cfg))
+            state = runtime.read_init_from(cfg.init_from,
+                                           lambda: MoEGPT(self.model_cfg, self.moe_cfg))
         torch.manual_seed(cfg.seed)
         self.model = TEDGPT(self.model_cfg, self.moe_cfg, self.groups, seed=cfg.seed,
                             state_dict=state,
@@ -99,7 +64,7 @@ class MoETrainer:
                             early_stop=early_stop,
                             debug_checks=cfg.debug_checks if debug_checks is None
                             else debug_checks)
-        dtype = DTYPES[cfg.dtype]
+        dtype = torch_dtype(cfg.dtype)
         # the file's fp32 weights, which the model rounds to `dtype`: the masters start
         # from them
         fp32 = (None if state is None or dtype == torch.float32
@@ -114,7 +79,7 @@ class MoETrainer:
             [ParamSet("nonexpert", self.model.nonexpert_parameters(), g.data_nonexp, "avg",
                       1.0, self.layout.g_tensor),
              # expert gradients: SUM over the expert-data group, then the mean over the
-             # G_data_nonexp batch shards (training/zero.py)
+             # G_data_nonexp batch shards (training/ted/zero.py)
              ParamSet("expert", self.model.expert_parameters(), g.data_exp, "sum",
                       1.0 / self.layout.g_data, self.layout.g_tensor, cfg.optimizer_tile)],
             cfg.optim(), g.world, self.timers)
@@ -198,7 +163,7 @@ class MoETrainer:
 
     def save_checkpoint(self) -> Path:
         """Collective: every rank writes its file, world rank 0 the manifest (last)."""
-        final, directory = staged_save(self.cfg.checkpoint_dir, self.step)
+        final, directory = runtime.staged_save(self.cfg.checkpoint_dir, self.step)
         entry, error = None, None
         try:
             name = f"rank_{self.world_rank:05d}.pt"
@@ -207,7 +172,7 @@ class MoETrainer:
             entry = {"stage": self.world_rank, "file": name, "bytes": nbytes, "sha256": sha}
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {final}")
+        runtime.raise_together(error, f"cannot save checkpoint {final}")
         entries = mcrdl.all_gather_object(entry)
         if self.world_rank == 0:
             try:
@@ -221,70 +186,24 @@ class MoETrainer:
                     "shards": entries}, publish_as=final)
             except OSError as e:
                 error = e
-        raise_together(error, f"cannot save checkpoint {final}")
+        runtime.raise_together(error, f"cannot save checkpoint {final}")
         return final
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank; returns its step.
         A missing, damaged or mismatched checkpoint raises CheckpointError everywhere."""
-        error, path, state = None, None, None
-        try:
-            path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
-            manifest = ckpt.read_manifest(path)
-            ckpt.check_engine(manifest, path, ENGINE)
+        want = {"grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
+                         "G_data": self.layout.g_data},
+                "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict()}
+
+        def check(manifest: dict, path: Path) -> None:
             check_layers(manifest, path)
-            want = {"grid": {"G_tensor": self.layout.g_tensor,
-                                               "G_expert": self.layout.g_expert,
-                                               "G_data": self.layout.g_data},
-                    "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict()}
-            for key, value in want.items():
-                if manifest.get(key) != value:
-                    raise ckpt.CheckpointError(
-                        f"checkpoint {path} was written with {key}={manifest.get(key)}, this "
-                        f"run has {key}={value}; resume with the same model, MoE options and "
-                        "layout, or to change the layout consolidate it (python -m "
-                        "training.checkpoint consolidate) and start from it with --init-from")
-            ckpt.check_dtype(manifest, path, self.cfg.dtype)
-            state = ckpt.load_shard(path, manifest, self.world_rank)
-        except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
-            error = e
-        raise_together(error, f"cannot load checkpoint {path}")
+            ckpt.check_matches(path, {k: manifest.get(k) for k in want}, want,
+                               "resume with the same model, MoE options and layout")
+
+        _, state = runtime.load_for_resume(spec, self.cfg.checkpoint_dir, engine=ENGINE,
+                                   dtype=self.cfg.dtype, shard=self.world_rank, check=check)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         return self.step
-
-
-def check_layers(manifest: dict, path) -> None:
-    """CheckpointError unless `manifest` was written with this version's LAYERS."""
-    if manifest.get("layers") != LAYERS:
-        raise ckpt.CheckpointError(
-            f"checkpoint {path} was written by an earlier TED (its tensor-parallel layers "
-            f"are {manifest.get('layers')!r}, this version reads {LAYERS!r}); resume or "
-            "consolidate it with the mcrdl version that wrote it, then start from the "
-            "consolidated state_dict with --init-from")
-
-
-def consolidate(directory: str | Path) -> tuple[dict, dict]:
-    """(the serial MoEGPT state_dict, {"model": ..., "moe": ...}) from a TED checkpoint:
-    each tensor-parallel parameter reassembled from its tensor ranks' pieces by its
-    ``Split``, each expert taken from the rank holding it."""
-    manifest = ckpt.read_manifest(directory)
-    check_layers(manifest, directory)
-    pieces: dict[str, dict[int, torch.Tensor]] = {}
-    splits: dict[str, Split] = {}
-    for entry in manifest["shards"]:
-        shard = ckpt.load_shard(directory, manifest, entry["stage"])
-        for name, t in shard["model"].items():
-            pieces.setdefault(name, {}).setdefault(shard["tensor_rank"], t)
-            splits[name] = Split(**shard["layout"][name]["split"])
-    g_tensor = manifest["grid"]["G_tensor"]
-    sizes = {"x": g_tensor, "y": 1, "z": 1, "data": 1}
-    out = {}
-    for name in sorted(pieces):
-        split, by_rank = splits[name], pieces[name]
-        if "x" in split.split_axes and sorted(by_rank) != list(range(g_tensor)):
-            raise ckpt.CheckpointError(f"{directory}: {name} lacks tensor ranks "
-                                       f"{sorted(set(range(g_tensor)) - set(by_rank))}")
-        out[name] = split.assemble({(t, 0, 0): piece for t, piece in by_rank.items()}, sizes)
-    return out, {"model": manifest["model"], "moe": manifest["moe"]}

@@ -5,7 +5,7 @@ over a 3D grid (G_x, G_y, G_z) replicated over G_data data-parallel groups. This
 says which collectives one training step sends on a grid (``collectives``, the contract
 the 4D engine is written against), predicts their time on a machine (``Network``: latency
 per op, bandwidth per axis by Eq. 5.7) and ranks every grid of a world before anyone runs
-it (``rank_grids``; ``python -m training.perf_model`` prints the ranking).
+it (``rank_grids``; ``python -m training.parallel4d.perf_model`` prints the ranking).
 
 - ``step``: ``Grid4D``, ``TrainingStep``, the GPT's ``linear_layers``, feasibility
   (``constraint_violations``, ``check_grid``), ``grids(ranks)``.

@@ -26,7 +26,7 @@ from mcrdl.launch import detect as detect_launch
 
 from . import report
 from .checkpoint import CheckpointError, resume_path
-from .config import PathOptionError, UsageError
+from .options import PathOptionError, UsageError
 from .report import MetricsFile, ProgressLog, TrainResult
 
 

@@ -5,109 +5,36 @@ step, and sharded checkpoints saved and loaded collectively."""
 from __future__ import annotations
 
 import dataclasses
-import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 import mcrdl
 
-from . import checkpoint as ckpt
-from .config import DTYPES, TrainConfig
-from .data import Batches, load_dataset
-from .models.gpt import GPTStage, get_config
-from .optim import DataParallelAdamW, OffloadedAdamW, applied_lr
-from .pipeline import PipelineEngine, partition
-from .pruning import DenseMasking, Pruning, check_shard
-from .samo import SamoAdamW
-from .timers import PhaseTimers
-from .topology import Axis, ProcessGrid
+from ..core import checkpoint as ckpt
+from ..core import runtime
+from ..core.data import Batches, load_dataset
+from ..core.dtypes import torch_dtype
+from ..core.optim import DataParallelAdamW, OffloadedAdamW, applied_lr
+from ..core.options import Options
+from ..core.timers import PhaseTimers
+from ..core.topology import Axis, ProcessGrid
+from ..models.gpt import GPTStage, get_config
+from ..samo.optimizer import SamoAdamW
+from ..samo.pruning import DenseMasking, Pruning, check_shard
+from .engine import PipelineEngine, partition
 
 
-def pick_device(cfg: TrainConfig) -> torch.device:
-    """--device, or for "auto" this rank's GPU if there is one, else cpu. The GPU is the
-    one the nccl backend takes: the node-local rank as the launcher gives it (mpiexec of
-    MPICH or Open MPI, srun, torchrun; mcrdl.launch.detect) modulo the visible GPUs."""
-    if cfg.device != "auto":
-        return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        local = mcrdl.launch.detect().local_rank
-        return torch.device("cuda", local % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def init_comm(cfg: TrainConfig, device: torch.device) -> str:
-    """Initialize mcrdl (unless the caller did) and return the pipeline's p2p backend."""
-    if not mcrdl.is_initialized():
-        usable = mcrdl.available_backends()
-        if cfg.backends:
-            names = cfg.backends.split(",")
-        else:
-            names = [n for n in ("mpi",) if n in usable] or ["gloo"]
-            if device.type == "cuda" and "nccl" in usable:
-                names.append("nccl")
-        init_options = {"timeout": cfg.timeout} if cfg.timeout else {}
-        mcrdl.init(names, **init_options)
+def p2p_backend(cfg: Options, device: torch.device) -> str:
+    """Initialize mcrdl (unless the caller did) and return the pipeline's p2p backend:
+    --p2p-backend, else nccl on a GPU, else mpi, else gloo."""
+    runtime.init_comm(cfg.backends.split(",") if cfg.backends else [], device, cfg.timeout)
     if cfg.p2p_backend:
         return cfg.p2p_backend
     have = mcrdl.get_backends()
     if device.type == "cuda" and "nccl" in have:
         return "nccl"
     return "mpi" if "mpi" in have else "gloo"
-
-
-def staged_save(root: str, step: int, group: mcrdl.Group | None = None) -> tuple[Path, Path]:
-    """Collective over `group` (None: the world): the step directory of a checkpoint of
-    `step` and the fresh staging directory its files go to (named by the group's rank 0,
-    created here on every rank); ``checkpoint.write_manifest(staging, manifest,
-    publish_as=step_dir)`` then publishes it."""
-    token = mcrdl.broadcast_object(uuid.uuid4().hex[:12], group=group)
-    final = ckpt.step_dir(root, step)
-    staging = ckpt.staging_dir(final, token)
-    try:
-        staging.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        pass  # the shard's own write reports it, together (raise_together)
-    return final, staging
-
-
-def raise_together(error: Exception | None, context: str,
-                   group: mcrdl.Group | None = None) -> None:
-    """Collective over `group` (None: the world): when any rank has an `error`, every
-    rank raises CheckpointError with the message of the lowest failing rank, so that no
-    rank is left waiting for the others. Errors other than CheckpointError are prefixed with
-    `context` and their type."""
-    message = None
-    if error is not None:
-        message = (str(error) if isinstance(error, ckpt.CheckpointError)
-                   else f"{context}: {type(error).__name__}: {error}")
-    messages = mcrdl.all_gather_object(message, group=group)
-    failed = [rank for rank, m in enumerate(messages) if m is not None]
-    if not failed:
-        return
-    text = messages[failed[0]]
-    error = ckpt.CheckpointError(text if len(messages) == 1 else f"(rank {failed[0]}) {text}")
-    error.agreed = True
-    error.reporter = mcrdl.get_rank(group=group) == 0  # the run's rank 0, in a sub-group too
-    raise error
-
-
-def read_init_from(path: str, make_template: Callable[[], nn.Module],
-                   group: mcrdl.Group | None = None) -> dict[str, torch.Tensor]:
-    """Collective over `group`: the serial state_dict ``--init-from`` names, read on every
-    rank and checked against ``make_template()`` (this run's serial model, built here on
-    the meta device); a problem on any rank raises CheckpointError on all of them."""
-    error, state = None, None
-    try:
-        with torch.device("meta"):
-            template = make_template()
-        state = ckpt.read_serial_state_dict(path, template)
-    except ckpt.CheckpointError as e:
-        error = e
-    raise_together(error, f"cannot read --init-from {path}", group)
-    return state
 
 
 class Trainer:
@@ -117,13 +44,15 @@ class Trainer:
     made on every rank of the world), every rank of that group: then the run's
     "world" (rank 0's output, checkpoints, losses summed) is that group, and other runs
     may train on other ranks at the same time. `compute_delay` (seconds per forward or
-    backward, by stage index) and `record` (keep the pipeline's events) are for tests."""
+    backward, by stage index) and `record` (keep the pipeline's events) are for tests.
+    `cfg` is train_gpt's TrainConfig (the sections of the shared, pipeline and SAMO
+    options; this engine sits below the command that composes them)."""
 
-    def __init__(self, cfg: TrainConfig, *, grid: ProcessGrid | None = None,
+    def __init__(self, cfg: Options, *, grid: ProcessGrid | None = None,
                  compute_delay: dict[int, float] | None = None, record: bool = False):
         self.cfg = cfg
-        self.device = pick_device(cfg)
-        self.p2p_backend = init_comm(cfg, self.device)
+        self.device = runtime.pick_device(cfg.device)
+        self.p2p_backend = p2p_backend(cfg, self.device)
         if grid is None:
             cfg.check_world(mcrdl.get_size())  # in the options' words, before the grid's
             grid = ProcessGrid(cfg.degrees(), order=cfg.axis_order())
@@ -142,12 +71,12 @@ class Trainer:
                                     block_size=cfg.block_size)
         self.partition = partition(self.model_cfg.n_layer, self.n_stages, cfg.blocks_per_stage())
         first_unit, last_unit = self.partition[self.stage_index]
-        dtype = DTYPES[cfg.dtype]
+        dtype = torch_dtype(cfg.dtype)
         fp32 = None  # --init-from's weights, before the cast to dtype
         self.model_stage = GPTStage(self.model_cfg, first_unit, last_unit, seed=cfg.seed,
                                     activation_checkpointing=cfg.activation_checkpointing)
         if cfg.init_from and not cfg.resume:  # a serial state_dict: each stage its units
-            state = read_init_from(cfg.init_from, lambda: GPTStage(
+            state = runtime.read_init_from(cfg.init_from, lambda: GPTStage(
                 self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
             ckpt.load_serial_part(self.model_stage, state)
             # the fp32 masters start from them, unrounded (a pruned run's are masked)
@@ -164,7 +93,7 @@ class Trainer:
         self.pruning = (Pruning.from_config(cfg, self.model_stage, self.pipe_group,
                                             self.data_group)
                         if cfg.prune_sparsity is not None else None)  # prunes before step 0
-        if cfg.samo:  # compressed model states over the pruning's index (training/samo.py)
+        if cfg.samo:  # compressed model states over the pruning's index (SAMO)
             self.optimizer = SamoAdamW(self.model_stage.named_parameters(), cfg.optim(),
                                        index=self.pruning.index,
                                        loss_scaling=dtype == torch.float16, **comm)
@@ -236,7 +165,7 @@ class Trainer:
         """Collective: the first data-parallel replica of each stage writes its shard,
         world rank 0 the manifest; returns the step directory once the manifest is on
         disk. A failed write raises CheckpointError on every rank."""
-        final, directory = staged_save(self.cfg.checkpoint_dir, self.step, self.world_group)
+        final, directory = runtime.staged_save(self.cfg.checkpoint_dir, self.step, self.world_group)
         shard, error = None, None
         try:
             if self.data_rank == 0:
@@ -249,7 +178,7 @@ class Trainer:
                 shard = ckpt.save_shard(directory, self.stage_index, state)
         except (OSError, RuntimeError) as e:
             error = e
-        raise_together(error, f"cannot save checkpoint {final}", self.world_group)
+        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world_group)
         shards = [s for s in mcrdl.all_gather_object(shard, group=self.world_group)
                   if s is not None]
         if self.world_rank == 0:
@@ -262,28 +191,21 @@ class Trainer:
             except OSError as e:
                 error = e
         # after the manifest
-        raise_together(error, f"cannot save checkpoint {final}", self.world_group)
+        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world_group)
         return final
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank and return its step;
         a missing, damaged or mismatched checkpoint raises CheckpointError on every rank
         before any state changes."""
-        error: Exception | None = None
-        path = None
-        try:
-            path = ckpt.resume_path(spec, self.cfg.checkpoint_dir)
-            manifest = ckpt.read_manifest(path)
-            ckpt.check_engine(manifest, path, "pipeline")
-            ckpt.check_resumable(manifest, path, n_stages=self.n_stages,
-                                 partition=self.partition, model=self.model_cfg.as_dict(),
-                                 optimizer=type(self.optimizer).__name__)
-            ckpt.check_dtype(manifest, path, self.cfg.dtype)
-            shard = ckpt.load_shard(path, manifest, self.stage_index)
-            check_shard(shard, self.pruning, path, manifest["step"])
-        except (ckpt.CheckpointError, OSError, RuntimeError, KeyError, ValueError) as e:
-            error = e
-        raise_together(error, f"cannot load checkpoint {path}", self.world_group)
+        manifest, shard = runtime.load_for_resume(
+            spec, self.cfg.checkpoint_dir, engine="pipeline", dtype=self.cfg.dtype,
+            shard=self.stage_index, group=self.world_group,
+            check=lambda manifest, path: ckpt.check_resumable(
+                manifest, path, n_stages=self.n_stages, partition=self.partition,
+                model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__),
+            check_shard=lambda shard, manifest, path: check_shard(
+                shard, self.pruning, path, manifest["step"]))
         self.model_stage.load_state_dict(ckpt.shard_model(shard))
         if self.pruning is not None:
             self.pruning.load_shard(shard, manifest["step"])

@@ -8,7 +8,7 @@ debug_checks, off by default, still run their checks there). Backward collective
 never stashed (they run once either way).
 
 Layers opt in by issuing each *forward, blocking* collective through
-:func:`through_stash` (the TED collectives of training/collectives.py and the 4D
+:func:`through_stash` (the TED collectives of training/ted/autograd_collectives.py and the 4D
 engine's ``AxisComm``). The contract for a caller: use the returned tensor, never the
 input it reduced in place, since a replayed call writes nothing. The recomputation must
 issue the same collectives in the same order as the first forward; the stash checks

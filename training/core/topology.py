@@ -5,7 +5,8 @@
 
 Axes are the members of ``Axis``; their values ("pipe", "data") are accepted wherever an
 axis is, so a grid order read from the command line names them. The options that set
-an axis's degree (``--G-inter`` for PIPE) declare it in ``training/config.py``.
+an axis's degree (``--G-inter`` for PIPE) declare it (``option(..., axis=Axis.PIPE)``
+in training/pipeline/options.py).
 
 ``order`` lists the axes from the fastest-varying (consecutive ranks, e.g. the
 ranks of one node) to the slowest; by default the order of ``sizes``. With
@@ -54,7 +55,7 @@ class GridError(ValueError):
 
 
 #: Axes whose lines get a second group each (ProcessGrid.twin_group): the pipeline's,
-#: whose forward and backward messages go on groups of their own (training/pipeline.py).
+#: whose forward and backward messages go on groups of their own (training/pipeline/engine.py).
 TWINNED = (Axis.PIPE,)
 
 

@@ -1,8 +1,8 @@
 """SAMO: sparsity-aware memory optimization for pruned networks (Singh & Bhatele,
 IPDPS 2023; dissertation ch. 4), in the pipeline x data engine.
 
-After pruning (``training/pruning.py``: per parameter tensor, the flat int32 index of its
-unpruned entries), ``SamoAdamW`` keeps only the compute copy dense:
+After pruning (``training/samo/pruning.py``: per parameter tensor, the flat int32 index
+of its unpruned entries), ``SamoAdamW`` keeps only the compute copy dense:
 
 - theta16, the parameters in the training dtype, stay dense with zeros at the pruned
   positions, so that forward and backward run the ordinary dense kernels.
@@ -52,7 +52,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .optim import (
+from ..core.optim import (
     BucketedAdamW,
     DataParallelAdamW,
     LossScaler,
@@ -60,9 +60,10 @@ from .optim import (
     OptimConfig,
     decays,
     make_buckets,
+    storage_bytes,
 )
+from ..core.timers import PhaseTimers
 from .pruning import full_index, pruned_mask
-from .timers import PhaseTimers
 
 KIND = "samo-adamw"
 
@@ -99,18 +100,8 @@ def p2p_messages(global_batch: int, micro_batch: int, n_replicas: int) -> float:
     return 4 * global_batch / (micro_batch * n_replicas)
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of the storages behind `tensors`, each storage counted once."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
 def dense_state_bytes(optimizer) -> dict[str, int]:
-    """Bytes of the model states of a dense optimizer of training/optim.py at its step:
+    """Bytes of the model states of a dense optimizer of training/core/optim.py at its step:
     its buffers' storages, plus the gradients autograd leaves in ``p.grad`` (one per
     parameter, of its size and dtype), which live from the backward pass until the step
     gathers them (OffloadedAdamW copies them into its flat gradient buffer there)."""
@@ -130,7 +121,7 @@ def dense_state_bytes(optimizer) -> dict[str, int]:
         out = {"theta": storage_bytes(params), "exp_avg + exp_avg_sq": moments}
     else:
         raise TypeError(f"dense_state_bytes: {type(optimizer).__name__} is not a dense "
-                        "optimizer of training/optim.py")
+                        "optimizer of training/core/optim.py")
     out["grad16 (autograd)" if isinstance(optimizer, OffloadedAdamW) else "grad"] = sum(
         p.numel() * p.element_size() for p in params)
     return out

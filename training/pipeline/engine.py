@@ -34,8 +34,8 @@ import torch
 
 import mcrdl
 
-from .models.gpt import GPTStage, lm_loss
-from .timers import NullTimers, PhaseTimers
+from ..core.timers import NullTimers, PhaseTimers
+from ..models.gpt import GPTStage, lm_loss
 
 FWD, BWD = 0, 1
 MAX_MICROBATCHES = 16383  # tags 2*mb+dir stay below the MPI minimum tag bound 32767

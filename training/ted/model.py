@@ -16,7 +16,7 @@ d)`` with t the tensor, e the expert and d the expert-data coordinate.
 Each non-expert data rank trains on its own 1/G_data_nonexp of the global batch; the
 tensor ranks of one data rank hold the same tokens.
 
-**MoE layer**, per router group (training/moe.py routes): the slots of every expert
+**MoE layer**, per router group (training/models/moe.py routes): the slots of every expert
 (dispatch buffer ``(E, groups, C_buf, C)``) go by all_to_all over the expert group to
 the rank holding the expert, the local experts run (tensor-parallel FFNs, one
 all_reduce for all of them), and the reverse all_to_all brings the results back to be
@@ -51,11 +51,26 @@ import torch.nn.functional as F
 import mcrdl
 from mcrdl.launch import launch_command
 
-from .cac import checkpointed
-from .checkpoint import load_serial_part
-from .collectives import (
-    KINDS,
-    Backends,
+from ..core.backends import KINDS, Backends
+from ..core.cac import checkpointed
+from ..core.checkpoint import load_serial_part
+from ..core.sharding import Split, split_of
+from ..core.topology import Axis, ProcessGrid
+from ..models.gpt import MLP, Block, Embedding, GPTConfig, Head
+from ..models.moe import (
+    MoEBlock,
+    MoEConfig,
+    MoEStats,
+    Routing,
+    init_expert,
+    make_moe_unit,
+    route,
+    run_units,
+)
+from ..models.moe import to_groups as _to_groups
+from ..tensor_parallel.comm import AxisComm, TensorComms
+from ..tensor_parallel.layers import ParallelMLP, ParallelSelfAttention
+from .autograd_collectives import (
     Comm,
     all_to_all,
     copy_to,
@@ -63,13 +78,6 @@ from .collectives import (
     gather_share,
     reduce_from,
 )
-from .models.gpt import MLP, Block, Embedding, GPTConfig, Head, checkpoint_interval
-from .moe import MoEBlock, MoEConfig, MoEStats, Routing, init_expert, make_moe_unit, route
-from .moe import to_groups as _to_groups
-from .parallel4d.comm import AxisComm, TensorComms
-from .parallel4d.layers import ParallelSelfAttention, Split, split_of
-from .parallel4d.model import MLP4D
-from .topology import Axis, ProcessGrid
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,7 @@ def mark_replicated(module: nn.Module) -> None:
             p.split = Split(tuple(p.shape))
 
 
-class ExpertFFN(MLP4D):
+class ExpertFFN(ParallelMLP):
     """One expert's FFN on this tensor rank (c_fc an N-layer, c_proj a T-layer over the
     tensor group: Megatron's column/row pair), run by ``partial``: the MoE layer reduces
     the terms of all its local experts over the tensor group at once, one ``copy_to``
@@ -309,7 +317,7 @@ class ParallelBlock(nn.Module):
             self.moe = ParallelMoE(cfg, moe, serial.moe.router, experts, groups, dtd=dtd,
                                    debug_checks=debug_checks, prefix=f"{prefix}.moe")
         else:
-            self.mlp = MLP4D(serial.mlp, comms, f"{prefix}.mlp")
+            self.mlp = ParallelMLP(serial.mlp, comms, f"{prefix}.mlp")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
         x = x + self.attn(self.ln_1(x))
@@ -320,9 +328,9 @@ class ParallelBlock(nn.Module):
 
 
 class TEDGPT(nn.Module):
-    """This rank's share of the MoE GPT (training/moe.py's MoEGPT) under a TED layout.
+    """This rank's share of the MoE GPT (training/models/moe.py's MoEGPT) under a TED layout.
     Parameter names are the serial model's; each parameter carries its ``split``
-    (training/parallel4d/layers.py: X is the tensor group) and expert parameters
+    (training/tensor_parallel/layers.py: X is the tensor group) and expert parameters
     ``expert = True``.
 
     ``state_dict``: start from the serial model's weights (any layout's, consolidated)
@@ -366,22 +374,12 @@ class TEDGPT(nn.Module):
         mark_replicated(self)
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        units = list(self.units.values())
-        x = units[0](idx)
-        stats = MoEStats(torch.zeros((), device=x.device))
-        blocks = units[1:-1]
-        k = checkpoint_interval(len(blocks))
-        for i in range(0, len(blocks), k):
-            seg = blocks[i:i + k]
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x, aux, counts = checkpointed(_segment, x, *seg, cac=self.cac,
-                                              early_stop=self.early_stop)
-            else:
-                x, aux, counts = _segment(x, *seg)
-            stats.aux_loss = stats.aux_loss + aux
-            stats.kept += counts[0]
-            stats.assigned += counts[1]
-        return units[-1](x), stats
+        recompute = None
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            def recompute(segment, x, *blocks):
+                return checkpointed(segment, x, *blocks, cac=self.cac,
+                                    early_stop=self.early_stop)
+        return run_units(list(self.units.values()), idx, _segment, recompute)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if getattr(p, "expert", False)]
@@ -406,8 +404,3 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     for p in model.parameters():
         out["expert" if getattr(p, "expert", False) else "nonexpert"] += p.numel()
     return out
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-

@@ -12,7 +12,7 @@ or any mix is a matter of which groups are passed.
 Every collective here is a SUM. ``Pending`` is an issued collective: ``wait()`` returns
 its result; with async off (or degree 1) the result is already there. Use that result,
 not the tensor passed in: a blocking call inside a CAC segment's recomputation
-(training/cac.py) returns the first forward's stashed result and writes nothing.
+(training/core/cac.py) returns the first forward's stashed result and writes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 import mcrdl
 
-from ..cac import through_stash
+from ..core.cac import through_stash
 
 #: --overlap levels: what each turns on (each includes the ones before it).
 OVERLAP_LEVELS = ("none", "oar", "oar+ors", "all")
@@ -115,7 +115,7 @@ class AxisComm:
 
     def _issue(self, op: str, tag: str, fn, value: torch.Tensor, async_op: bool) -> Pending:
         """Run `fn(async_op)`, the collective that leaves its result in `value`. Blocking
-        calls go through the CAC stash (training/cac.py); async ones never do, so a
+        calls go through the CAC stash (training/core/cac.py); async ones never do, so a
         segment must issue the same ones in its first forward and its recomputation."""
         self.recorder.add("issue", op, self.name, tag)
         if async_op:

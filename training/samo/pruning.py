@@ -2,7 +2,7 @@
 
 A pruned tensor is described by the *index* of its unpruned entries: a sorted 1-D int32
 tensor of positions in ``tensor.view(-1)``, one per parameter tensor, shared by all the
-states of that tensor (SAMO, ``training/samo.py``, stores theta32, the gradients and the
+states of that tensor (SAMO, ``training/samo/optimizer.py``, stores theta32, the gradients and the
 Adam moments as their values at the index; dense masked training holds the other
 entries at zero).
 
@@ -48,8 +48,8 @@ import torch
 
 import mcrdl
 
-from .checkpoint import CheckpointError
-from .optim import DataParallelAdamW, OffloadedAdamW
+from ..core.checkpoint import CheckpointError
+from ..core.optim import DataParallelAdamW, OffloadedAdamW
 
 SCOPES = ("global", "layer")
 _FLOAT32_INF_BITS = 0x7F800000
@@ -212,7 +212,7 @@ class DenseMasking:
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer):
         if not isinstance(optimizer, DataParallelAdamW | OffloadedAdamW):
             raise TypeError(f"DenseMasking: {type(optimizer).__name__} is not a dense "
-                            "optimizer of training/optim.py")
+                            "optimizer of training/core/optim.py")
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]

@@ -23,14 +23,17 @@ The router is a function of the data and the seed only, never of the parallel la
 Routing is returned per slot: ``slot_token[g, e, c]`` is the token (index inside group g)
 in slot c of expert e, or -1; ``slot_weight`` its gate. The serial reference
 (:class:`MoEGPT`) runs every expert on its kept tokens with a plain loop; the parallel
-engine (training/ted.py) moves the same slots through all-to-alls. Both draw every
+engine (training/ted/model.py) moves the same slots through all-to-alls. Both draw every
 expert's weights from a generator private to (seed, unit, expert), so any layout holds
 exactly the serial experts' weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from fractions import Fraction
 
@@ -39,7 +42,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .models.gpt import (
+from .gpt import (
+    CONFIGS,
     MLP,
     Block,
     CausalSelfAttention,
@@ -301,24 +305,34 @@ class MoEGPT(nn.Module):
         self.activation_checkpointing = activation_checkpointing
 
     def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        units = list(self.units.values())
-        x = units[0](idx)
-        stats = MoEStats(torch.zeros((), device=x.device))
-        blocks = units[1:-1]
-        k = checkpoint_interval(len(blocks))
-        for i in range(0, len(blocks), k):
-            seg = blocks[i:i + k]
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x, aux, kept = checkpoint(_serial_segment, x, *seg, use_reentrant=False)
-            else:
-                x, aux, kept = _serial_segment(x, *seg)
-            stats.aux_loss = stats.aux_loss + aux
-            stats.kept += kept[0]
-            stats.assigned += kept[1]
-        return units[-1](x), stats
+        recompute = None
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            def recompute(segment, x, *blocks):
+                return checkpoint(segment, x, *blocks, use_reentrant=False)
+        return run_units(list(self.units.values()), idx, _serial_segment, recompute)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def run_units(units: list[nn.Module], idx: torch.Tensor, segment: Callable,
+              recompute: Callable | None = None) -> tuple[torch.Tensor, MoEStats]:
+    """(logits, MoEStats) of an MoE GPT's units (embedding, blocks, head) on tokens
+    `idx`: the blocks run in segments of ~sqrt(N) (checkpoint_interval), each by
+    ``segment(x, *blocks)`` -> (x, aux loss, (kept, assigned)), or under activation
+    checkpointing by ``recompute(segment, x, *blocks)``."""
+    x = units[0](idx)
+    stats = MoEStats(torch.zeros((), device=x.device))
+    blocks = units[1:-1]
+    k = checkpoint_interval(len(blocks))
+    for i in range(0, len(blocks), k):
+        seg = blocks[i:i + k]
+        run = segment if recompute is None else functools.partial(recompute, segment)
+        x, aux, counts = run(x, *seg)
+        stats.aux_loss = stats.aux_loss + aux
+        stats.kept += counts[0]
+        stats.assigned += counts[1]
+    return units[-1](x), stats
 
 
 def _serial_segment(x, *blocks):
@@ -354,3 +368,12 @@ MOE_BASES: dict[str, GPTConfig] = {
     "moe-6.7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048,
                           vocab_size=50304),
 }
+
+
+def base_config(name: str, **overrides) -> GPTConfig:
+    """A base shape by name (MOE_BASES, then the GPT CONFIGS), with overrides."""
+    table = {**CONFIGS, **MOE_BASES}
+    if name not in table:
+        raise ValueError(f"unknown model {name!r}; expected one of {', '.join(table)}")
+    return dataclasses.replace(table[name],
+                               **{k: v for k, v in overrides.items() if v is not None})

@@ -41,10 +41,10 @@ import torch
 
 import mcrdl
 
-from .collectives import Comm
-from .optim import LossScaler, OptimConfig, decays
-from .parallel4d.layers import split_of
-from .timers import NullTimers, PhaseTimers
+from ..core.optim import LossScaler, OptimConfig, decays
+from ..core.sharding import split_of
+from ..core.timers import NullTimers, PhaseTimers
+from .autograd_collectives import Comm
 
 
 @dataclass

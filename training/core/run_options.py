@@ -1,0 +1,152 @@
+"""The option sections every training command shares: the model, the data, the
+optimizer and the run (steps, precision, backends, checkpoints, output). An engine
+composes its config class from these and its own sections (training/core/options.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .backends import Backends
+from .dtypes import NAMES, dtype_name
+from .optim import OptimConfig
+from .options import Options, PathOptionError, check_directory, check_file, option
+
+
+@dataclass
+class ModelOptions(Options):
+    section = "model"
+    model: str = option("tiny", "model size (training/models/gpt.py CONFIGS)")
+    n_layer: int | None = option(None, "transformer blocks (overrides --model)", minimum=1)
+    n_head: int | None = option(None, "attention heads (overrides --model)", minimum=1)
+    n_embd: int | None = option(None, "embedding width (overrides --model)", minimum=1)
+    block_size: int | None = option(None, "context length in tokens (overrides --model)",
+                                    minimum=1)
+    activation_checkpointing: bool = option(False, "store activations every ~sqrt(N) blocks")
+
+
+@dataclass
+class DataOptions(Options):
+    section = "data"
+    data: str = option("stdlib", "'stdlib' (bytes of Python's sources) or a directory of "
+                       "nanoGPT train.bin/val.bin")
+    vocab_size: int | None = option(None, "vocabulary of --data DIR's tokens", minimum=1)
+    micro_batch_size: int = option(2, "sequences per microbatch", minimum=1)
+    global_batch_size: int = option(8, "sequences per step, over all data-parallel ranks",
+                                    minimum=1)
+
+
+
+@dataclass
+class OptimizerOptions(Options):
+    section = "optimizer"
+    lr: float = option(1e-3, "peak learning rate", above=0)
+    min_lr: float | None = option(None, "learning rate at the end of the cosine decay "
+                                  "(default 1e-4, or --lr where that is lower)", minimum=0)
+    warmup_steps: int = option(5, "steps of linear warm-up", minimum=0)
+    decay_steps: int | None = option(None, "step where the decay reaches --min-lr "
+                                     "(default --steps)", minimum=1)
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices and embeddings",
+                                 minimum=0)
+    grad_clip: float = option(1.0, "global gradient norm bound (0: no clipping)", minimum=0)
+    offload_optimizer: bool = option(False, "fp32 master weights and Adam states in host "
+                                     "memory (always on for bf16/fp16)")
+    bucket_mib: float = option(4.0, "offloaded optimizer's bucket size in MiB", above=0)
+    coarsening: int = option(2, "buckets per all-reduce chunk", minimum=1)
+
+    def check(self) -> None:
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}: the decay "
+                             "goes from --lr down to --min-lr")
+
+    def optim(self) -> OptimConfig:
+        """The optimizers' settings for this run (decay over --steps by default)."""
+        return self.optimizer_config(self.steps)
+
+    def optimizer_config(self, total_steps: int) -> OptimConfig:
+        """The optimizers' settings for a run of `total_steps` steps."""
+        min_lr = min(1e-4, self.lr) if self.min_lr is None else self.min_lr
+        return OptimConfig(lr=self.lr, min_lr=min_lr, warmup_steps=self.warmup_steps,
+                           decay_steps=self.decay_steps or total_steps,
+                           weight_decay=self.weight_decay, grad_clip=self.grad_clip,
+                           bucket_mib=self.bucket_mib, coarsening=self.coarsening)
+
+
+
+def check_backend_names(option: str, given: str, names: list[str]) -> None:
+    """ValueError naming `option` when one of `names` is no mcrdl backend (a typo would
+    otherwise surface only at init, as a traceback about mcrdl.init)."""
+    from mcrdl.backends.registry import known_names
+
+    known = known_names()
+    bad = [n.strip() for n in names if n.strip() not in (*known, "auto")]
+    if bad:
+        raise ValueError(f"{option} {given!r}: unknown backend {bad[0]!r}; mcrdl's backends "
+                         f"are {', '.join(known)} (and auto)")
+
+
+
+@dataclass
+class RunOptions(Options):
+    section = "run"
+    steps: int = option(20, "training steps", minimum=1)
+    dtype: str = option("fp32", "training precision (or float32, bfloat16, float16)",
+                        choices=NAMES, parse=dtype_name)
+    device: str = option("auto", "torch device ('auto': this rank's GPU if any, else cpu)")
+    seed: int = option(1234, "seed of the weights and of the batches", minimum=0)
+    backends: str | None = option(None, "mcrdl backends to initialize, comma-separated "
+                                  "(default mpi or gloo, plus nccl on GPUs)")
+    timeout: float | None = option(None, "seconds before a missing message or rank is an "
+                                   "error (default mcrdl's)", minimum=0.001)
+    metrics: str | None = option(None, "JSON-lines metrics file (default "
+                                 "<out-dir>/metrics.jsonl)")
+    out_dir: str = option("runs/gpt", "directory of the metrics and the loss plot")
+    checkpoint_dir: str | None = option(None, "directory of the checkpoints")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)",
+                                   minimum=0)
+    stop_after: int | None = option(None, "stop (with a checkpoint) after this step")
+    resume: str | None = option(None, "resume from --checkpoint-dir's latest checkpoint, or "
+                                "from a path", const="latest")
+    init_from: str | None = option(None, "start from a serial state_dict (.pt: 'python -m "
+                                   "training.checkpoint consolidate' writes one) instead of "
+                                   "--seed's weights; any grid or layout (with --resume, the "
+                                   "checkpoint's weights)")
+    log_interval: int = option(1, "steps between log lines", minimum=1)
+    plot: bool = option(True, "save the loss curve as <out-dir>/loss.png")
+    progress: bool = option(True, "progress bar on a terminal")
+    quiet: bool = option(False, "no start line, step lines or breakdown (benchmarks)")
+
+    @property
+    def last_step(self) -> int:
+        """The step this run ends after: --stop-after, else --steps."""
+        return self.stop_after or self.steps
+
+    @property
+    def metrics_path(self) -> Path:
+        """--metrics, else <out-dir>/metrics.jsonl."""
+        return Path(self.metrics or Path(self.out_dir) / "metrics.jsonl")
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a checkpoint is written after `step` (1-based)."""
+        if not self.checkpoint_dir:
+            return False
+        every = self.checkpoint_every and step % self.checkpoint_every == 0
+        return bool(every) or step == self.last_step
+
+    def check(self) -> None:
+        if self.backends:  # names, or KIND=NAME pins (train_moe): every name it initializes
+            check_backend_names("--backends", self.backends,
+                                Backends.parse(self.backends).init)
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"--stop-after {self.stop_after}: expected 1..--steps ({self.steps})")
+        if (self.checkpoint_every or self.stop_after) and not self.checkpoint_dir:
+            raise ValueError("--checkpoint-every/--stop-after need --checkpoint-dir")
+        if self.resume == "latest" and not self.checkpoint_dir:
+            raise ValueError("--resume without a path needs --checkpoint-dir")
+        if self.init_from is not None and not Path(self.init_from).is_file():
+            raise PathOptionError(f"--init-from {self.init_from}: no such file")
+        if self.plot or not self.metrics:  # else nothing goes to --out-dir
+            check_directory("--out-dir", self.out_dir)
+        if self.checkpoint_dir:
+            check_directory("--checkpoint-dir", self.checkpoint_dir)
+        check_file("--metrics" if self.metrics else "--out-dir", self.metrics_path)

@@ -1,0 +1,58 @@
+"""The options of AxoNN's pipeline engine: its grid (stages x data replicas), how the
+blocks are split into stages, and the pipeline's messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.options import Options, option
+from ..core.run_options import check_backend_names
+from ..core.topology import Axis, to_axis
+
+
+@dataclass
+class PipelineOptions(Options):
+    """AxoNN's grid: pipelines of G_inter stages, G_data of them side by side."""
+
+    section = "parallel"
+    G_inter: int = option(1, "pipeline stages", minimum=1, axis=Axis.PIPE)
+    G_data: int = option(1, "data-parallel replicas of each stage", minimum=1, axis=Axis.DATA)
+    grid_order: str = option("x,y,z,pipe,data", "grid axes from the fastest-varying rank "
+                             "to the slowest (axes of degree 1 may be left out)")
+    layers_per_stage: str | None = option(None, "transformer blocks per stage, e.g. 2,1,1 "
+                                          "(default: as even as possible)")
+    pipeline_limit: int | None = option(None, "microbatches in flight at stage 0 (default "
+                                        "2 x G_inter)", minimum=1)
+    p2p_backend: str | None = option(None, "mcrdl backend of the pipeline's messages "
+                                     "(default nccl on GPUs, else mpi, else gloo)")
+
+    def axis_order(self) -> list[Axis]:
+        """--grid-order as axes, each axis of the grid once; axes of degree 1 that it
+        leaves out go last (where they are does not change any rank's place)."""
+        try:
+            order = [to_axis(a.strip()) for a in self.grid_order.split(",")]
+        except ValueError as e:
+            raise ValueError(f"--grid-order {self.grid_order!r}: {e}") from None
+        degrees = self.degrees()
+        order += [a for a in degrees if a not in order and degrees[a] == 1]
+        if sorted(order) != sorted(degrees):
+            raise ValueError(f"--grid-order {self.grid_order!r}: expected each of "
+                             f"{', '.join(a.value for a in degrees)} once (those of "
+                             "degree 1 may be left out)")
+        return order
+
+    def blocks_per_stage(self) -> list[int] | None:
+        """--layers-per-stage as integers (None: spread evenly)."""
+        if self.layers_per_stage is None:
+            return None
+        try:
+            return [int(x) for x in self.layers_per_stage.split(",")]
+        except ValueError:
+            raise ValueError(f"--layers-per-stage {self.layers_per_stage!r}: expected "
+                             "comma-separated block counts, one per stage (2,1,1)") from None
+
+    def check(self) -> None:
+        self.axis_order()
+        self.blocks_per_stage()
+        if self.p2p_backend is not None:
+            check_backend_names("--p2p-backend", self.p2p_backend, [self.p2p_backend])
