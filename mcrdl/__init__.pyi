@@ -146,7 +146,16 @@ def all_reduce(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def all_reduce(
@@ -156,23 +165,7 @@ def all_reduce(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Reduce `tensor` across the group, in place on every rank.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        op: a mcrdl.ReduceOp or a torch.distributed.ReduceOp.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def all_reduce(
@@ -181,23 +174,8 @@ def all_reduce(
     op: ReduceOp | torch.distributed.ReduceOp | torch.distributed.ReduceOp.RedOpType = ReduceOp.SUM,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Reduce `tensor` across the group, in place on every rank.
+) -> Work | None: ...
 
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        op: a mcrdl.ReduceOp or a torch.distributed.ReduceOp.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
 
 @overload
 def reduce(
@@ -224,7 +202,16 @@ def reduce(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def reduce(
@@ -235,24 +222,7 @@ def reduce(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Reduce `tensor` to group rank `dst`; other ranks' tensors are unchanged.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        dst: a group rank.
-        op: a mcrdl.ReduceOp or a torch.distributed.ReduceOp.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def reduce(
@@ -262,24 +232,7 @@ def reduce(
     op: ReduceOp | torch.distributed.ReduceOp | torch.distributed.ReduceOp.RedOpType = ReduceOp.SUM,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Reduce `tensor` to group rank `dst`; other ranks' tensors are unchanged.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        dst: a group rank.
-        op: a mcrdl.ReduceOp or a torch.distributed.ReduceOp.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -305,7 +258,16 @@ def bcast(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def bcast(
@@ -315,23 +277,7 @@ def bcast(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Broadcast `tensor` from group rank `src` to every rank.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def bcast(
@@ -340,23 +286,7 @@ def bcast(
     src: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Broadcast `tensor` from group rank `src` to every rank.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -384,7 +314,16 @@ def broadcast(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def broadcast(
@@ -394,25 +333,7 @@ def broadcast(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Broadcast `tensor` from group rank `src` to every rank.
-
-    Alias of mcrdl.bcast.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def broadcast(
@@ -421,25 +342,7 @@ def broadcast(
     src: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Broadcast `tensor` from group rank `src` to every rank.
-
-    Alias of mcrdl.bcast.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -466,7 +369,16 @@ def all_gather(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def all_gather(
@@ -476,24 +388,7 @@ def all_gather(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Gather every rank's `input` into `output` (one tensor of size blocks, or a list).
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: one tensor of group-size blocks of the per-rank tensor along dim 0 (group rank
-            order), or a list of group-size tensors shaped like the per-rank tensor.
-        input: a tensor.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def all_gather(
@@ -502,24 +397,7 @@ def all_gather(
     input: Tensor,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Gather every rank's `input` into `output` (one tensor of size blocks, or a list).
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: one tensor of group-size blocks of the per-rank tensor along dim 0 (group rank
-            order), or a list of group-size tensors shaped like the per-rank tensor.
-        input: a tensor.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -548,7 +426,16 @@ def gather(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def gather(
@@ -559,25 +446,7 @@ def gather(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Gather every rank's `input` into `output` on group rank `dst` (None elsewhere).
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: as for a block argument (one tensor of group-size blocks along dim 0, or a list
-            of group-size tensors) on the root; None elsewhere.
-        input: a tensor.
-        dst: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def gather(
@@ -587,25 +456,7 @@ def gather(
     dst: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Gather every rank's `input` into `output` on group rank `dst` (None elsewhere).
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: as for a block argument (one tensor of group-size blocks along dim 0, or a list
-            of group-size tensors) on the root; None elsewhere.
-        input: a tensor.
-        dst: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -634,7 +485,16 @@ def scatter(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def scatter(
@@ -645,25 +505,7 @@ def scatter(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Scatter block i of `input` (on group rank `src`) into `output` of rank i.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: as for a block argument (one tensor of group-size blocks along dim 0, or a list
-            of group-size tensors) on the root; None elsewhere.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def scatter(
@@ -673,25 +515,7 @@ def scatter(
     src: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Scatter block i of `input` (on group rank `src`) into `output` of rank i.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: as for a block argument (one tensor of group-size blocks along dim 0, or a list
-            of group-size tensors) on the root; None elsewhere.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -720,7 +544,16 @@ def reduce_scatter(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def reduce_scatter(
@@ -731,25 +564,7 @@ def reduce_scatter(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Reduce `input` (size blocks) across ranks; rank i gets block i in `output`.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: one tensor of group-size blocks of the per-rank tensor along dim 0 (group rank
-            order), or a list of group-size tensors shaped like the per-rank tensor.
-        op: a mcrdl.ReduceOp or a torch.distributed.ReduceOp.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def reduce_scatter(
@@ -759,25 +574,7 @@ def reduce_scatter(
     op: ReduceOp | torch.distributed.ReduceOp | torch.distributed.ReduceOp.RedOpType = ReduceOp.SUM,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Reduce `input` (size blocks) across ranks; rank i gets block i in `output`.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: one tensor of group-size blocks of the per-rank tensor along dim 0 (group rank
-            order), or a list of group-size tensors shaped like the per-rank tensor.
-        op: a mcrdl.ReduceOp or a torch.distributed.ReduceOp.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -807,7 +604,16 @@ def all_to_all_single(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def all_to_all_single(
@@ -819,25 +625,7 @@ def all_to_all_single(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Exchange rows (dim 0) of `input`: split i goes to rank i; equal splits when None.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor.
-        output_split_sizes: dim-0 rows per group rank; None: equal splits.
-        input_split_sizes: dim-0 rows per group rank; None: equal splits.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def all_to_all_single(
@@ -848,25 +636,7 @@ def all_to_all_single(
     input_split_sizes: Sequence[int] | Tensor | None = None,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Exchange rows (dim 0) of `input`: split i goes to rank i; equal splits when None.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor.
-        output_split_sizes: dim-0 rows per group rank; None: equal splits.
-        input_split_sizes: dim-0 rows per group rank; None: equal splits.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -892,7 +662,16 @@ def all_to_all(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def all_to_all(
@@ -902,23 +681,7 @@ def all_to_all(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Send input_list[i] to rank i, receive output_list[i] from rank i.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output_list: a list of group-size tensors, entry i for group rank i.
-        input_list: a list of group-size tensors, entry i for group rank i.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def all_to_all(
@@ -927,23 +690,7 @@ def all_to_all(
     input_list: list[Tensor] | tuple[Tensor, ...],
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Send input_list[i] to rank i, receive output_list[i] from rank i.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output_list: a list of group-size tensors, entry i for group rank i.
-        input_list: a list of group-size tensors, entry i for group rank i.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -979,7 +726,16 @@ def gatherv(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def gatherv(
@@ -992,30 +748,7 @@ def gatherv(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Gather `counts[i]` elements from rank i at element `displs[i]` of `output` on `dst`.
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor on the root; None elsewhere.
-        input: a tensor.
-        counts: element counts (not bytes), one per group rank.
-        displs: element displacements (not bytes), one per group rank; None: packed (the prefix
-            sums of the counts).
-        dst: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def gatherv(
@@ -1027,30 +760,7 @@ def gatherv(
     dst: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Gather `counts[i]` elements from rank i at element `displs[i]` of `output` on `dst`.
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor on the root; None elsewhere.
-        input: a tensor.
-        counts: element counts (not bytes), one per group rank.
-        displs: element displacements (not bytes), one per group rank; None: packed (the prefix
-            sums of the counts).
-        dst: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -1086,7 +796,16 @@ def scatterv(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def scatterv(
@@ -1099,30 +818,7 @@ def scatterv(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Scatter `counts[i]` elements at element `displs[i]` of `input` (on `src`) to rank i.
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor on the root; None elsewhere.
-        counts: element counts (not bytes), one per group rank.
-        displs: element displacements (not bytes), one per group rank; None: packed (the prefix
-            sums of the counts).
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def scatterv(
@@ -1134,30 +830,7 @@ def scatterv(
     src: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Scatter `counts[i]` elements at element `displs[i]` of `input` (on `src`) to rank i.
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor on the root; None elsewhere.
-        counts: element counts (not bytes), one per group rank.
-        displs: element displacements (not bytes), one per group rank; None: packed (the prefix
-            sums of the counts).
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -1191,7 +864,16 @@ def all_gatherv(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def all_gatherv(
@@ -1203,29 +885,7 @@ def all_gatherv(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """All-gather variable blocks: rank i's `input` lands at element `displs[i]`.
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor.
-        counts: element counts (not bytes), one per group rank.
-        displs: element displacements (not bytes), one per group rank; None: packed (the prefix
-            sums of the counts).
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def all_gatherv(
@@ -1236,29 +896,7 @@ def all_gatherv(
     displs: Sequence[int] | Tensor | None = None,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """All-gather variable blocks: rank i's `input` lands at element `displs[i]`.
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor.
-        counts: element counts (not bytes), one per group rank.
-        displs: element displacements (not bytes), one per group rank; None: packed (the prefix
-            sums of the counts).
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -1297,7 +935,16 @@ def all_to_allv(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def all_to_allv(
@@ -1311,32 +958,7 @@ def all_to_allv(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """All-to-all with element counts/displacements per rank (flattened tensors).
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor.
-        send_counts: element counts (not bytes), one per group rank.
-        recv_counts: element counts (not bytes), one per group rank.
-        send_displs: element displacements (not bytes), one per group rank; None: packed (the
-            prefix sums of the counts).
-        recv_displs: element displacements (not bytes), one per group rank; None: packed (the
-            prefix sums of the counts).
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def all_to_allv(
@@ -1349,32 +971,7 @@ def all_to_allv(
     recv_displs: Sequence[int] | Tensor | None = None,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """All-to-all with element counts/displacements per rank (flattened tensors).
-
-    Tensors are read and written flattened (contiguous); counts and displacements are in
-    elements of the tensor's dtype.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        output: a tensor.
-        input: a tensor.
-        send_counts: element counts (not bytes), one per group rank.
-        recv_counts: element counts (not bytes), one per group rank.
-        send_displs: element displacements (not bytes), one per group rank; None: packed (the
-            prefix sums of the counts).
-        recv_displs: element displacements (not bytes), one per group rank; None: packed (the
-            prefix sums of the counts).
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -1402,7 +999,16 @@ def send(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def send(
@@ -1413,24 +1019,7 @@ def send(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Send `tensor` to group rank `dst` with `tag` (0..32767).
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        dst: a group rank.
-        tag: a message tag, 0..32767.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def send(
@@ -1440,24 +1029,7 @@ def send(
     tag: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Send `tensor` to group rank `dst` with `tag` (0..32767).
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        dst: a group rank.
-        tag: a message tag, 0..32767.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -1485,7 +1057,16 @@ def recv(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def recv(
@@ -1496,24 +1077,7 @@ def recv(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Receive into `tensor` from group rank `src` with `tag`.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        tag: a message tag, 0..32767.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def recv(
@@ -1523,24 +1087,7 @@ def recv(
     tag: int = 0,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Receive into `tensor` from group rank `src` with `tag`.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        tag: a message tag, 0..32767.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...
 
 
 @overload
@@ -1562,7 +1109,16 @@ def barrier(
     Returns:
         None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
         returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+        work.is_completed() polls, work.backend names the backend that ran it.
+
+    Raises:
+        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
+        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
+            checked before anything is sent.
+        UnsupportedOperationError: the backend lacks this operation (the message names the
+            backends that have it).
+        CommTimeoutError: a blocking call did not complete within the init timeout (an async
+            one's Work.wait raises it)."""
 
 @overload
 def barrier(
@@ -1570,39 +1126,11 @@ def barrier(
     group: Group | None = None,
     *,
     async_op: Literal[True],
-) -> Work:
-    """Block until every rank of the group reached the barrier.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work: ...
 
 @overload
 def barrier(
     backend: str,
     group: Group | None = None,
     async_op: bool = False,
-) -> Work | None:
-    """Block until every rank of the group reached the barrier.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it."""
+) -> Work | None: ...

@@ -69,6 +69,15 @@ ASYNC = ("False: return None once the result is ready to use on the calling stre
 RETURNS = ("None once the result is ready; with async_op=True a Work: work.wait(timeout=None) "
            "returns True once the result is ready (CommTimeoutError past the timeout), "
            "work.is_completed() polls, work.backend names the backend that ran it.")
+RAISES = (
+    ("BackendUnavailableError", "`backend` is unknown, unusable here, or not initialized"),
+    ("InvalidArgumentError", "a bad argument (dtype, device, sizes, counts, ranks, group); "
+                             "checked before anything is sent"),
+    ("UnsupportedOperationError", "the backend lacks this operation (the message names "
+                                  "the backends that have it)"),
+    ("CommTimeoutError", "a blocking call did not complete within the init timeout (an "
+                         "async one's Work.wait raises it)"),
+)
 VECTORED = ("Tensors are read and written flattened (contiguous); counts and "
             "displacements are in elements of the tensor's dtype.")
 
@@ -103,7 +112,7 @@ def docstring(spec: OpSpec, alias_of: str | None = None) -> str:
     for p in spec.params:
         lines.append(f"    {p.name}: {_kind(p)[1]}.")
     lines += [f"    group: {GROUP[1]}.", f"    async_op: {ASYNC}.", "", "Returns:",
-              f"    {RETURNS}"]
+              f"    {RETURNS}", "", "Raises:", *(f"    {e}: {why}." for e, why in RAISES)]
     return "\n".join(lines)
 
 
@@ -124,7 +133,8 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
 
 def operation(name: str, spec: OpSpec, alias_of: str | None = None) -> str:
     """The overloads of operation `name`: blocking (None), ``async_op=True`` (Work), and
-    an ``async_op`` known only as a bool."""
+    an ``async_op`` known only as a bool. The first one holds the docstring, which pyright
+    shows for all three."""
     params = [f"backend: {BACKEND[0]}"]
     for p in spec.params:
         annotation = _kind(p)[0]
@@ -140,7 +150,7 @@ def operation(name: str, spec: OpSpec, alias_of: str | None = None) -> str:
                          ("async_op: bool = False", "Work | None")):
         out += ["@overload", f"def {name}("]
         out += [f"    {p}," for p in (*params, *last.split(", "))]
-        out += [f") -> {result}:", *doc, ""]
+        out += [f") -> {result}:", *doc, ""] if result == "None" else [f") -> {result}: ...", ""]
     return "\n".join(out)
 
 
