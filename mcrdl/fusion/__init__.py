@@ -31,8 +31,6 @@ The package, from the call path down:
   the completion of the fused calls; :func:`fusion_stats`;
 - ``calls.py``: one fused backend call per fusion key, and the copy of its results back
   into the callers' tensors.
-
-The copies and the buffered calls themselves are C++ (csrc/fusion.cpp, ``_C.FusionQueue``).
 """
 
 from .buffer import FusionBuffer, fusion_stats
