@@ -487,14 +487,19 @@ def test_extrapolation_is_anchored_at_the_nearest_measured_point():
     assert rel(t.predict("all_to_all", 32, POW2[5], "mpi"), want) < 1e-12
 
 
-def test_auto_resolves_to_each_of_three_backends():
-    # all_to_all at 4 ranks: mpi = 1 us + n ns, gloo = 10 us + n/10 ns, pccl = 100 us + n/100 ns
-    # crossovers by hand: mpi/gloo at n = 1e4 B, gloo/pccl at n = 1e6 B
+def three_lines() -> TuningTable:
+    """all_to_all at 4 ranks: mpi = 1 us + n ns, gloo = 10 us + n/10 ns, pccl = 100 us +
+    n/100 ns; crossovers by hand: mpi/gloo at n = 1e4 B, gloo/pccl at n = 1e6 B."""
     t = TuningTable()
     lines = {"mpi": (1e-6, 1e-9), "gloo": (1e-5, 1e-10), "pccl": (1e-4, 1e-11)}
     for b, (a, s) in lines.items():
         for n in POW2:
             t.add("all_to_all", 4, b, n, a + s * n)
+    return t
+
+
+def test_auto_resolves_to_each_of_three_backends():
+    t = three_lines()
     names = ("mpi", "gloo", "pccl")
     assert t.winners("all_to_all", 4) == [(8, "mpi"), (16384, "gloo"), (1 << 20, "pccl")]
     assert t.lookup("all_to_all", 4, 64, names) == "mpi"
@@ -506,11 +511,7 @@ def test_auto_resolves_to_each_of_three_backends():
 
 
 def test_lookup_only_returns_requested_backends():
-    t = TuningTable()
-    lines = {"mpi": (1e-6, 1e-9), "gloo": (1e-5, 1e-10), "pccl": (1e-4, 1e-11)}
-    for b, (a, s) in lines.items():
-        for n in POW2:
-            t.add("all_to_all", 4, b, n, a + s * n)
+    t = three_lines()
     for n in (8, 1 << 14, 1 << 20, 1 << 26):
         for g in (2, 4, 16):
             assert t.lookup("all_to_all", g, n, ("mpi", "gloo")) in ("mpi", "gloo")
