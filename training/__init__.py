@@ -1,5 +1,13 @@
-"""mcrdl's training package: process grids, models, data, AxoNN's message-driven
-pipeline x data parallelism, DeepSpeed-TED's tensor x expert x data parallel MoE
-(train_moe), optimizers, checkpoints and entry points.
+"""mcrdl's training package, one package per engine, in layers (each imports only from
+the layers below it; tests/test_architecture.py checks it):
+
+- ``core/``: what every engine shares (options, runtime, runner, checkpoint format,
+  report, timers, process grids, data, optimizers, sharding specs, CAC).
+- ``models/``: the serial GPT and MoE GPT, every engine's reference.
+- ``tensor_parallel/`` (AxoNN's X/Y/Z layers) and ``samo/`` (pruning, SAMO).
+- the engines: ``pipeline/`` (AxoNN's message-driven pipeline x data), ``parallel4d/``
+  (AxoNN's 4D, with its performance model) and ``ted/`` (DeepSpeed-TED's MoE).
+- the commands: ``train_gpt``, ``train_moe``, ``checkpoint``, and ``perf_model`` and
+  ``ted_model`` (the engines' models under their documented names).
 
 Built only on mcrdl's public API (docs/architecture.md: training/ sits above mcrdl/)."""

@@ -1,6 +1,7 @@
 """What every engine's run does around its model: pick the device, initialize mcrdl,
-and the collective parts of checkpointing (a save's staging directory, errors raised
-together on every rank, ``--init-from``'s serial weights, a resume's checks and load)."""
+and the collective parts of checkpointing (a save through its staging directory, errors
+raised together on every rank, ``--init-from``'s serial weights, a resume's checks and
+load)."""
 
 from __future__ import annotations
 
@@ -43,19 +44,36 @@ def init_comm(given: list[str], device: torch.device, timeout: float | None, *,
     mcrdl.init(names, **({"timeout": timeout} if timeout else {}))
 
 
-def staged_save(root: str, step: int, group: mcrdl.Group | None = None) -> tuple[Path, Path]:
-    """Collective over `group` (None: the world): the step directory of a checkpoint of
-    `step` and the fresh staging directory its files go to (named by the group's rank 0,
-    created here on every rank); ``checkpoint.write_manifest(staging, manifest,
-    publish_as=step_dir)`` then publishes it."""
+def save_checkpoint(root: str, step: int, *, write_shard: Callable[[Path], dict | None],
+                    manifest: Callable[[list[dict]], dict],
+                    group: mcrdl.Group | None = None) -> Path:
+    """Collective over `group` (None: the world): a checkpoint of `step` under `root`.
+    Each rank's ``write_shard(directory)`` writes its file(s) into the save's staging
+    directory and returns its manifest entry (None: it writes none); then the group's
+    rank 0 writes ``manifest(entries)`` (the entries of every rank, in rank order),
+    which publishes the checkpoint. Returns the step directory once the manifest is on
+    disk; a failed write on any rank raises CheckpointError on every rank."""
     token = mcrdl.broadcast_object(uuid.uuid4().hex[:12], group=group)
     final = ckpt.step_dir(root, step)
-    staging = ckpt.staging_dir(final, token)
+    directory = ckpt.staging_dir(final, token)
     try:
-        staging.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError:
-        pass  # the shard's own write reports it, together (raise_together)
-    return final, staging
+        pass  # a rank's own write reports it, together (raise_together)
+    entry, error = None, None
+    try:
+        entry = write_shard(directory)
+    except (OSError, RuntimeError) as e:
+        error = e
+    raise_together(error, f"cannot save checkpoint {final}", group)
+    entries = [e for e in mcrdl.all_gather_object(entry, group=group) if e is not None]
+    if mcrdl.get_rank(group=group) == 0:
+        try:
+            ckpt.write_manifest(directory, manifest(entries), publish_as=final)
+        except OSError as e:
+            error = e
+    raise_together(error, f"cannot save checkpoint {final}", group)  # after the manifest
+    return final
 
 
 def raise_together(error: Exception | None, context: str,

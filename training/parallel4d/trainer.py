@@ -210,29 +210,23 @@ class Trainer4D:
         """Collective over the run's ranks: each rank of data replica 0 writes its shard
         (its pieces with their splits and coordinates, and its optimizer state), the
         run's rank 0 the manifest (with the 4D grid); returns the step directory."""
-        final, directory = runtime.staged_save(self.cfg.checkpoint_dir, self.step, self.world)
-        c, shard, error = self.comms, None, None
-        try:
-            if c.data.rank == 0:
-                state = {"model": self.model.local_pieces(), "coords": c.coords(),
-                         "splits": {n: asdict(s) for n, s in self.model.splits().items()},
-                         "optimizer": self.optimizer.state_dict(), "step": self.step}
-                shard = ckpt.save_shard(directory, self.tensor_rank, state, prefix="tensor")
-        except (OSError, RuntimeError) as e:
-            error = e
-        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world)
-        shards = [s for s in mcrdl.all_gather_object(shard, group=self.world) if s is not None]
-        if self.world_rank == 0:
-            try:
-                ckpt.write_manifest(directory, ckpt.build_manifest(
-                    step=self.step, grid=self.cfg.degree_options(), partition=[],
-                    model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
-                    train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d"),
-                    publish_as=final)
-            except OSError as e:
-                error = e
-        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world)
-        return final
+        c = self.comms
+
+        def write_shard(directory: Path) -> dict | None:
+            if c.data.rank != 0:
+                return None
+            state = {"model": self.model.local_pieces(), "coords": c.coords(),
+                     "splits": {n: asdict(s) for n, s in self.model.splits().items()},
+                     "optimizer": self.optimizer.state_dict(), "step": self.step}
+            return ckpt.save_shard(directory, self.tensor_rank, state, prefix="tensor")
+
+        return runtime.save_checkpoint(
+            self.cfg.checkpoint_dir, self.step, write_shard=write_shard,
+            manifest=lambda shards: ckpt.build_manifest(
+                step=self.step, grid=self.cfg.degree_options(), partition=[],
+                model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
+                train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d"),
+            group=self.world)
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) written on the same tensor grid

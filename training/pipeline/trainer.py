@@ -165,34 +165,24 @@ class Trainer:
         """Collective: the first data-parallel replica of each stage writes its shard,
         world rank 0 the manifest; returns the step directory once the manifest is on
         disk. A failed write raises CheckpointError on every rank."""
-        final, directory = runtime.staged_save(self.cfg.checkpoint_dir, self.step, self.world_group)
-        shard, error = None, None
-        try:
-            if self.data_rank == 0:
-                state = {"model": {k: v.detach().clone()
-                                   for k, v in self.model_stage.state_dict().items()},
-                         "optimizer": self.optimizer.state_dict(), "stage": self.stage_index,
-                         "units": self.partition[self.stage_index], "step": self.step}
-                if self.pruning is not None:
-                    self.pruning.add_to_shard(state)
-                shard = ckpt.save_shard(directory, self.stage_index, state)
-        except (OSError, RuntimeError) as e:
-            error = e
-        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world_group)
-        shards = [s for s in mcrdl.all_gather_object(shard, group=self.world_group)
-                  if s is not None]
-        if self.world_rank == 0:
-            try:
-                ckpt.write_manifest(directory, ckpt.build_manifest(
-                    step=self.step, grid=self.cfg.degree_options(), partition=self.partition,
-                    model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
-                    train_config=dataclasses.asdict(self.cfg), shards=shards),
-                    publish_as=final)
-            except OSError as e:
-                error = e
-        # after the manifest
-        runtime.raise_together(error, f"cannot save checkpoint {final}", self.world_group)
-        return final
+        def write_shard(directory: Path) -> dict | None:
+            if self.data_rank != 0:
+                return None
+            state = {"model": {k: v.detach().clone()
+                               for k, v in self.model_stage.state_dict().items()},
+                     "optimizer": self.optimizer.state_dict(), "stage": self.stage_index,
+                     "units": self.partition[self.stage_index], "step": self.step}
+            if self.pruning is not None:
+                self.pruning.add_to_shard(state)
+            return ckpt.save_shard(directory, self.stage_index, state)
+
+        return runtime.save_checkpoint(
+            self.cfg.checkpoint_dir, self.step, write_shard=write_shard,
+            manifest=lambda shards: ckpt.build_manifest(
+                step=self.step, grid=self.cfg.degree_options(), partition=self.partition,
+                model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
+                train_config=dataclasses.asdict(self.cfg), shards=shards),
+            group=self.world_group)
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank and return its step;

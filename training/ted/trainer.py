@@ -163,31 +163,21 @@ class MoETrainer:
 
     def save_checkpoint(self) -> Path:
         """Collective: every rank writes its file, world rank 0 the manifest (last)."""
-        final, directory = runtime.staged_save(self.cfg.checkpoint_dir, self.step)
-        entry, error = None, None
-        try:
+        def write_shard(directory: Path) -> dict:
             name = f"rank_{self.world_rank:05d}.pt"
             nbytes, sha = ckpt.atomic_save(self._rank_state(), directory / name)
             # "stage" keys the file for checkpoint.load_shard: here the world rank
-            entry = {"stage": self.world_rank, "file": name, "bytes": nbytes, "sha256": sha}
-        except (OSError, RuntimeError) as e:
-            error = e
-        runtime.raise_together(error, f"cannot save checkpoint {final}")
-        entries = mcrdl.all_gather_object(entry)
-        if self.world_rank == 0:
-            try:
-                ckpt.write_manifest(directory, {
-                    "format": ckpt.FORMAT, "engine": ENGINE, "layers": LAYERS,
-                    "step": self.step,
-                    "grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
-                             "G_data": self.layout.g_data},
-                    "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict(),
-                    "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
-                    "shards": entries}, publish_as=final)
-            except OSError as e:
-                error = e
-        runtime.raise_together(error, f"cannot save checkpoint {final}")
-        return final
+            return {"stage": self.world_rank, "file": name, "bytes": nbytes, "sha256": sha}
+
+        return runtime.save_checkpoint(
+            self.cfg.checkpoint_dir, self.step, write_shard=write_shard,
+            manifest=lambda entries: {
+                "format": ckpt.FORMAT, "engine": ENGINE, "layers": LAYERS, "step": self.step,
+                "grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
+                         "G_data": self.layout.g_data},
+                "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict(),
+                "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
+                "shards": entries})
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank; returns its step.
