@@ -158,9 +158,11 @@ def test_backends_parse():
 def test_tiled_zero_adamw_matches_torch():
     """One rank, no communication: the tiled ZeRO-1 update (tiles cutting through
     parameters) equals torch.optim.AdamW with clipping."""
-    from training.core.optim import OptimConfig, param_groups
+    from training.core.optim import OptimConfig
     from training.ted.autograd_collectives import Comm
     from training.ted.zero import ParamSet, ZeroAdamW
+
+    from .training.reference import torch_adamw, torch_step
     torch.manual_seed(0)
     a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
     b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
@@ -168,18 +170,13 @@ def test_tiled_zero_adamw_matches_torch():
     oc = OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
     ours = ZeroAdamW([ParamSet("all", list(a.parameters()), Comm(None), tile=4)], oc,
                      Comm(None))
-    ref = torch.optim.AdamW(param_groups(b.parameters(), oc.weight_decay), lr=oc.lr,
-                            betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+    ref = torch_adamw(b, oc)
     for step in range(5):
         x = torch.randn(4, 7)
         for m in (a, b):
             m(x).square().sum().backward()
-        torch.nn.utils.clip_grad_norm_(b.parameters(), oc.grad_clip)
         ours.step()
-        for g in ref.param_groups:
-            g["lr"] = oc.lr_at(step)
-        ref.step()
-        ref.zero_grad()
+        torch_step(b, ref, oc, step)
     assert ours.peak_temp_bytes["all"] == 16
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

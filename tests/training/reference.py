@@ -10,10 +10,28 @@ from __future__ import annotations
 import torch
 
 from training.core.data import Batches, load_dataset
-from training.core.optim import param_groups
+from training.core.optim import OptimConfig, param_groups
 from training.models.gpt import GPT, get_config, lm_loss
 from training.samo.pruning import full_index, kept_count, parse_schedule, pruned_mask, select
 from training.train_gpt import TrainConfig
+
+
+def torch_adamw(model: torch.nn.Module, oc: OptimConfig) -> torch.optim.AdamW:
+    """torch.optim.AdamW with `oc`'s settings and the engines' weight decay groups."""
+    return torch.optim.AdamW(param_groups(model.parameters(), oc.weight_decay), lr=oc.lr,
+                             betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+
+
+def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, oc: OptimConfig,
+               step: int) -> None:
+    """One update of `model` by `opt` (torch_adamw) from its gradients: clipped to
+    ``oc.grad_clip`` (0: not clipped), at the learning rate of `step` (0-based)."""
+    if oc.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+    for g in opt.param_groups:
+        g["lr"] = oc.lr_at(step)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
@@ -33,8 +51,7 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
     oc = cfg.optim()
     torch.manual_seed(cfg.seed)
     model = GPT(mcfg, seed=cfg.seed)
-    opt = torch.optim.AdamW(param_groups(model.parameters(), oc.weight_decay), lr=oc.lr,
-                            betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+    opt = torch_adamw(model, oc)
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
     params = list(model.parameters())
@@ -63,12 +80,7 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
         for p, mask in zip(params, pruned, strict=True):
             if mask is not None:
                 p.grad.view(-1).masked_fill_(mask, 0)
-        if oc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = oc.lr_at(step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch_step(model, opt, oc, step)
         losses.append(loss.item())
     return losses, model
 
@@ -109,8 +121,7 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
     oc = cfg.optim()
     torch.manual_seed(cfg.seed)
     model = MoEGPT(mcfg, moe, seed=cfg.seed)
-    opt = torch.optim.AdamW(param_groups(model.parameters(), oc.weight_decay), lr=oc.lr,
-                            betas=(oc.beta1, oc.beta2), eps=oc.eps, foreach=False)
+    opt = torch_adamw(model, oc)
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
     margins = []
@@ -131,12 +142,7 @@ def serial_moe_losses(cfg, dataset=None, router_gaps: list | None = None
         for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if oc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = oc.lr_at(step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        torch_step(model, opt, oc, step)
         out.append((lm.item(), stats.aux_loss.item()))
     return out
 

@@ -40,7 +40,7 @@ def synthetic_text(n_bytes: int, seed: int = 0) -> bytes:
 
 
 def write_token_file(directory: str | Path, n_bytes: int = 1 << 19, seed: int = 0) -> Path:
-    """``directory``/train.bin (uint16 tokens, vocabulary 256), as training.data's
+    """``directory``/train.bin (uint16 tokens, vocabulary 256), as training.core.data's
     TokenFile reads it; returns ``directory``."""
     d = Path(directory)
     text = synthetic_text(n_bytes, seed)
