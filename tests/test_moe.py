@@ -162,24 +162,13 @@ def test_tiled_zero_adamw_matches_torch():
     from training.ted.autograd_collectives import Comm
     from training.ted.zero import ParamSet, ZeroAdamW
 
-    from .training.reference import torch_adamw, torch_step
-    torch.manual_seed(0)
-    a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
-    b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
-    b.load_state_dict(a.state_dict())
+    from .training.reference import assert_steps_like_torch, twin_models
+    a, b = twin_models()
     oc = OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0.5)
     ours = ZeroAdamW([ParamSet("all", list(a.parameters()), Comm(None), tile=4)], oc,
                      Comm(None))
-    ref = torch_adamw(b, oc)
-    for step in range(5):
-        x = torch.randn(4, 7)
-        for m in (a, b):
-            m(x).square().sum().backward()
-        ours.step()
-        torch_step(b, ref, oc, step)
+    assert_steps_like_torch(a, b, ours, oc)
     assert ours.peak_temp_bytes["all"] == 16
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
 def test_serial_moe_checkpointing_and_single_rank_engine():

@@ -613,23 +613,12 @@ def test_offloaded_adamw_matches_torch():
     """Bucketed, host-side AdamW == torch.optim.AdamW (no communication, one rank)."""
     from training.core.optim import OffloadedAdamW, OptimConfig
 
-    from .training.reference import torch_adamw, torch_step
-    torch.manual_seed(0)
-    a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
-    b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
-    b.load_state_dict(a.state_dict())
+    from .training.reference import assert_steps_like_torch, twin_models
+    a, b = twin_models()
     oc = OptimConfig(lr=1e-2, warmup_steps=1, grad_clip=0, bucket_mib=1e-5, coarsening=2)
     ours = OffloadedAdamW(a.parameters(), oc)
     assert len(ours.buckets) > 2
-    ref = torch_adamw(b, oc)
-    for step in range(5):
-        x = torch.randn(4, 7)
-        for m in (a, b):
-            m(x).square().sum().backward()
-        ours.step()
-        torch_step(b, ref, oc, step)
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert_steps_like_torch(a, b, ours, oc)
 
 
 @pytest.fixture

@@ -34,6 +34,31 @@ def torch_step(model: torch.nn.Module, opt: torch.optim.Optimizer, oc: OptimConf
     opt.zero_grad(set_to_none=True)
 
 
+def twin_models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two small models with the same weights (seeded): one for the optimizer under test,
+    one for torch's."""
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    b = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def assert_steps_like_torch(a: torch.nn.Module, b: torch.nn.Module, ours, oc: OptimConfig,
+                            steps: int = 5) -> None:
+    """`steps` steps of `a` by the optimizer `ours` and of its twin `b` by torch_adamw, on
+    the same random batches, leave the same parameters."""
+    ref = torch_adamw(b, oc)
+    for step in range(steps):
+        x = torch.randn(4, 7)
+        for m in (a, b):
+            m(x).square().sum().backward()
+        ours.step()
+        torch_step(b, ref, oc, step)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
     return serial_run(cfg, dataset)[0]
 
