@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from training.core.arguments import dtype  # noqa: E402
 from training.core.timers import PHASES  # noqa: E402
 from training.train_gpt import (
     TrainConfig,  # noqa: E402
@@ -52,7 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--global-batch-size", type=int, default=16)
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", type=dtype, default="fp32",
+                    help="fp32, bf16, fp16 (or float32, bfloat16, float16)")
     ap.add_argument("--offload-optimizer", action="store_true")
     ap.add_argument("--grids", help="e.g. 4x1,2x2,1x4 (default: every factorization)")
     ap.add_argument("--plot", help="PNG of the per-phase breakdown per grid")

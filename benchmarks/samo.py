@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from training.core.arguments import dtype  # noqa: E402
 from training.core.optim import OffloadedAdamW, OptimConfig  # noqa: E402
 from training.models.gpt import GPT, get_config  # noqa: E402
 from training.pipeline.trainer import Trainer  # noqa: E402
@@ -108,7 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--global-batch-size", type=int, default=16)
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", type=dtype, default="bf16",
+                    help="fp32, bf16, fp16 (or float32, bfloat16, float16)")
     ap.add_argument("--layouts", default="4x2:dense,2x4:dense,1x8:dense,2x4:samo,1x8:samo",
                     help="G_interxG_data:dense|samo, comma-separated")
     ap.add_argument("--memory-limit", type=float,
