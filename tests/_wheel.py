@@ -22,6 +22,10 @@ Both are cached: every caller in one pytest process (any test module) shares one
 and one venv, made under ``$TMPDIR`` (the session's pytest folder in the suite) and
 removed when the process exits. A failed build raises ``WheelBuildError`` with pip's
 output; it is not retried within the process.
+
+Whichever test calls them first pays for the build, past the suite's per-test timeout
+on a loaded machine (9 minutes with six other jobs on 2 cores): mark every test that
+calls them, or its module, with ``pytest.mark.timeout(TEST_TIMEOUT_S)``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 1800  # the C++ core on a busy 2-core machine takes minutes
+#: The pytest timeout of a test that may be the first to call build_wheel/wheel_venv.
+TEST_TIMEOUT_S = BUILD_TIMEOUT_S + 600
 
 
 class WheelBuildError(RuntimeError):

@@ -14,7 +14,10 @@ import pytest
 from mcrdl.tuning.schema import decode, read
 from mcrdl.tuning.table import TuningTable
 
-from ._wheel import ROOT, build_wheel, venv_env, wheel_venv
+from ._wheel import ROOT, TEST_TIMEOUT_S, build_wheel, venv_env, wheel_venv
+
+# the first test to run builds the wheel (minutes)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 TABLES = ROOT / "tuning_tables"
 PROBE = pathlib.Path(__file__).resolve().parent / "tuning" / "installed_auto.py"
