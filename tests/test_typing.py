@@ -16,6 +16,7 @@ half a minute here; its cache under pytest's cache folder makes later runs secon
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 import json
@@ -31,7 +32,7 @@ import tokenize
 import pytest
 
 import mcrdl
-from mcrdl.ops import ALIASES, OPS
+from mcrdl.ops import ALIASES, OPS, Kind, Param
 from mcrdl.tools import stubgen
 
 from ._launch import clean_env, mpiexec_or_skip, run_launcher, skip_without
@@ -48,6 +49,18 @@ def test_stub_is_generated_from_the_specs(capsys):
     stale = stubgen.main(["--check"])
     assert stale == 0, (f"mcrdl/__init__.pyi is out of date; run `{stubgen.COMMAND}`:\n"
                         f"{capsys.readouterr().out[-6000:]}")
+
+
+def test_a_new_parameter_or_operation_makes_the_stub_stale(monkeypatch):
+    """The check above fails on what it must catch: a spec that grew a parameter, and
+    a new operation."""
+    spec = OPS["all_reduce"]
+    grown = dataclasses.replace(spec, params=(*spec.params, Param("extra", Kind.TAG, 0)))
+    new = dataclasses.replace(spec, name="all_reduce_new")
+    monkeypatch.setattr(stubgen, "OPS", {**OPS, "all_reduce": grown, new.name: new})
+    text = stubgen.render()
+    assert text != stubgen.STUB.read_text()
+    assert "    extra: int = 0," in text and "def all_reduce_new(" in text
 
 
 def _stub() -> ast.Module:
