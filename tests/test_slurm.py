@@ -259,7 +259,7 @@ def test_kill_ends_the_step(cluster):
     out = cluster.srun(4, [RANKS, "kill", "2"], timeout=120, expect_rc="nonzero",
                        options=("--kill-on-bad-exit=1",))
     job = step_job_id(out)
-    assert out.count("waiting") == 3, out
+    assert len(re.findall(r"^rank \d: waiting$", out, re.M)) == 3, out
     assert re.search(r"task 2: Killed|signal 9", out), out
     record = cluster.job(job, timeout=30)
     assert record["JobState"] == "FAILED", record

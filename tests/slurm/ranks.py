@@ -25,6 +25,7 @@ import runpy
 import signal
 import socket
 import sys
+import time
 
 import torch
 
@@ -78,6 +79,7 @@ def fault(kind: str, victim: int) -> None:
     rank = mcrdl.get_rank()
     mcrdl.barrier("mpi")  # every rank is in mcrdl before the fault
     if rank == victim:
+        time.sleep(2)  # the others print and block first (4 ranks share 2 cores)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"rank {rank}: the fault this test injects")
