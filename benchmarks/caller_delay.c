@@ -7,7 +7,7 @@
  * with mcrdl's MPI setup (MPI_THREAD_MULTIPLE; give it mcrdl's MPICH selection file as
  * below). The rise over D = 0, against D, says how much of a caller's time lands on
  * the call's critical path: the floor under any Python caller's "mcrdl - C" at 8 B
- * (docs/performance.md, fifteenth session).
+ * (docs/performance.md, "The C floor").
  *
  *   MPICC=$(dirname $(python -c 'import sys; print(sys.executable)'))/mpicc
  *   $MPICC -O2 -o /tmp/caller_delay benchmarks/caller_delay.c

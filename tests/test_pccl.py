@@ -151,7 +151,7 @@ def test_model_and_env_errors(monkeypatch):
 
 def test_mpi_algorithm_blocking_variant():
     """The "mpi" algorithm's MPI collectives follow MCRDL_MPI_BLOCKING like the "mpi"
-    backend's (issue 22): with "always" the blocking collective runs in both phases of a
+    backend's: with "always" the blocking collective runs in both phases of a
     hierarchical group, on the caller's thread for blocking calls and on the issue thread
     for async ones; with "never" the nonblocking one. Results are checked either way. One
     launch: each mode is an init/finalize session."""

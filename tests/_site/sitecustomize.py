@@ -3,7 +3,7 @@ first on PYTHONPATH): the process's exit skips the cyclic garbage collection of 
 still alive.
 
 Interpreter teardown collects every object left after the atexit handlers, torch's
-hundreds of thousands among them: 0.6 s of CPU per process on the project's 2-core
+hundreds of thousands among them: 0.6 s of CPU per process on a 2-core
 machine, about 1.5 s of wall time per 4-rank launch and a tenth of the suite. The handler
 registered here runs last (atexit runs handlers in reverse order of registration), after
 mcrdl's own finalization, and moves those objects to the permanent generation
