@@ -183,12 +183,7 @@ class ProcessGrid:
             lines = sorted({tuple(self.line(axis, r)) for r in range(self.world_size)})
             mine = tuple(self.line(axis)) if self.is_member else None
             for ln in lines:
-                ranks = tuple(world_ranks[r] for r in ln)
-                g = None if self._cache is None else self._cache.get(ranks)
-                if g is None:
-                    g = mcrdl.new_group(list(ranks))
-                    if self._cache is not None:
-                        self._cache[ranks] = g
+                g = self._cached_group(tuple(world_ranks[r] for r in ln))
                 if ln == mine:
                     self._groups[axis] = g
             if axis in TWINNED:  # never cached: communicators of their own
@@ -197,6 +192,17 @@ class ProcessGrid:
                     if ln == mine:
                         self._twins[axis] = g
         self._made_groups = True
+
+    def _cached_group(self, ranks: tuple[int, ...]) -> mcrdl.Group:
+        """Collective over the world: the group of world ranks `ranks`, from
+        ``group_cache`` where a grid made it already (then every rank skips new_group
+        alike), else made and cached."""
+        g = None if self._cache is None else self._cache.get(ranks)
+        if g is None:
+            g = mcrdl.new_group(list(ranks))
+            if self._cache is not None:
+                self._cache[ranks] = g
+        return g
 
     def twin_group(self, axis: Axis | str) -> mcrdl.Group | None:
         """The second group of this rank's line along `axis` (an axis of TWINNED): the
@@ -234,12 +240,7 @@ class ProcessGrid:
         group = None
         for members in planes:
             if len(members) > 1:
-                ranks = tuple(world_ranks[r] for r in members)
-                g = None if self._cache is None else self._cache.get(ranks)
-                if g is None:
-                    g = mcrdl.new_group(list(ranks))
-                    if self._cache is not None:
-                        self._cache[ranks] = g
+                g = self._cached_group(tuple(world_ranks[r] for r in members))
                 if members == mine:
                     group = g
         self._planes[key] = group
