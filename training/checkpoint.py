@@ -14,6 +14,10 @@ configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a f
 prints each step directory and whether it can be loaded (its manifest, its shards'
 sizes, with ``--verify`` their sha256), and exits 1 when one cannot.
 
+Both read shards with ``torch.load(weights_only=True)`` (nothing in a file runs);
+``--trust-checkpoint`` also admits checkpoints of an earlier format, whose shards are
+read with pickle's full unpickler: give it only for files you trust.
+
 Each engine consolidates its own layout: training/pipeline/consolidate.py,
 training/parallel4d/consolidate.py, training/ted/consolidate.py.
 """
@@ -36,12 +40,14 @@ CONSOLIDATE = {"pipeline": pipeline.consolidate, "4d": parallel4d.consolidate,
                "ted": ted.consolidate}
 
 
-def consolidate(directory: str | os.PathLike, *, masters: bool = False) -> tuple[dict, dict]:
+def consolidate(directory: str | os.PathLike, *, masters: bool = False,
+                trust: bool = False) -> tuple[dict, dict]:
     """(state_dict of the whole model, model config dict) from a checkpoint's shards;
     `masters`: the fp32 master weights of a bf16/fp16 or --offload-optimizer run
     instead of the model's (in the training dtype). A TED MoE checkpoint (train_moe)
-    gives the serial MoEGPT's state_dict and ``{"model": ..., "moe": ...}``."""
-    manifest = ckpt.read_manifest(directory)
+    gives the serial MoEGPT's state_dict and ``{"model": ..., "moe": ...}``. `trust`
+    (``--trust-checkpoint``): also a checkpoint of an earlier format (ckpt.TRUSTED_ONLY)."""
+    manifest = ckpt.read_manifest(directory, trust=trust)
     engine = manifest.get("engine", "pipeline")
     if engine not in CONSOLIDATE:
         raise ckpt.CheckpointError(f"{directory} was written by the engine {engine!r}; this "
@@ -65,10 +71,13 @@ def main(argv=None) -> int:
     ls.add_argument("directory")
     ls.add_argument("--verify", action="store_true",
                     help="also check every shard's sha256 (reads every byte)")
+    for p in (c, ls):
+        p.add_argument(ckpt.TRUST_OPTION, action="store_true", help=ckpt.TRUST_HELP)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "list":
-            return _list(Path(args.directory), verify=args.verify)
+            return _list(Path(args.directory), verify=args.verify,
+                         trust=args.trust_checkpoint)
         path = Path(args.checkpoint)
         if not (path / "manifest.json").exists() and ckpt.latest_checkpoint(path):
             path = ckpt.latest_checkpoint(path)
@@ -76,7 +85,7 @@ def main(argv=None) -> int:
         if out.suffix == ".json":  # the config goes to OUT with the suffix .json
             raise ckpt.CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
                                   "the same file; name the state_dict .pt")
-        state, cfg = consolidate(path, masters=args.masters)
+        state, cfg = consolidate(path, masters=args.masters, trust=args.trust_checkpoint)
         ckpt.atomic_save(state, out)
         ckpt.atomic_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
         n = sum(t.numel() for t in state.values())
@@ -88,8 +97,9 @@ def main(argv=None) -> int:
         return 2
 
 
-def _list(root: Path, *, verify: bool) -> int:
-    """``list``: one line per step directory (complete or not), the newest usable one."""
+def _list(root: Path, *, verify: bool, trust: bool = False) -> int:
+    """``list``: one line per step directory (complete or not), the newest usable one;
+    one of an earlier format is usable only with `trust` (--trust-checkpoint)."""
     if not root.is_dir():
         raise ckpt.CheckpointError(f"{root} is not a directory")
     steps = ckpt.step_dirs(root)
@@ -98,7 +108,7 @@ def _list(root: Path, *, verify: bool) -> int:
     for p in steps:
         mark = "  (latest)" if latest is not None and p.name == latest.name else ""
         try:
-            m = ckpt.read_manifest(p)
+            m = ckpt.read_manifest(p, trust=trust)
             problems = ckpt.shard_problems(p, m, verify=verify)
             line = f"{p}  step {m['step']}  grid {m['grid']}  {len(m['shards'])} shards"
         except (ckpt.CheckpointError, OSError, KeyError, TypeError, AttributeError) as e:

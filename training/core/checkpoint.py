@@ -21,6 +21,17 @@ ranks agree before any state changes: a truncated or corrupt shard raises
 ``python -m training.checkpoint`` (training/checkpoint.py) lists checkpoints and
 consolidates them into one serial ``state_dict``.
 
+Every file a checkpoint, a consolidation or ``--init-from`` reads is loaded by
+``load_file``: ``torch.load(weights_only=True)``, which rebuilds tensors and plain data
+(dict, list, tuple, str, numbers, bool, None) and refuses any other Python object a
+pickle names, so a file cannot run code when it is read (a manifest's sha256 proves the
+shard intact, not who wrote it: whoever can write the shard can write the manifest).
+A shard therefore holds only such data (``atomic_save`` checks it): optimizer states
+as dicts of tensors and numbers, splits and layouts as dicts, the pruning mask as int32
+tensors; the data position is the step. Checkpoints of an earlier ``FORMAT``
+(``TRUSTED_ONLY``) were read with pickle's full unpickler and load only with
+``--trust-checkpoint`` (``TRUST_OPTION``), which lets their files run any code.
+
 A pruned run's shard also holds its mask (``"pruning"``: each tensor's int32 index of
 unpruned entries, ``training/samo/pruning.py``); SAMO's shards store the model compressed, as
 its values at the index, and consolidation expands them: a dense ``state_dict`` with
@@ -30,15 +41,29 @@ zeros at the pruned positions.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
+import pickletools
 import re
 import shutil
+import zipfile
 from pathlib import Path
 
 import torch
 
-FORMAT = "mcrdl-training-checkpoint/1"
+FORMAT = "mcrdl-training-checkpoint/2"
+#: Earlier formats, read only with TRUST_OPTION: their shards were read with pickle's
+#: full unpickler (the format did not promise plain data), which runs what a file names.
+TRUSTED_ONLY = ("mcrdl-training-checkpoint/1",)
+TRUST_OPTION = "--trust-checkpoint"
+#: The help text of TRUST_OPTION, the same in every command that takes it.
+TRUST_HELP = ("load a checkpoint of an earlier format (mcrdl-training-checkpoint/1), whose "
+              "shards are read with pickle's full unpickler: this allows ARBITRARY CODE "
+              "EXECUTION by whoever could write its files; give it only for checkpoints "
+              "you wrote yourself (or trust as such). Checkpoints of the current format "
+              "never need it")
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -71,10 +96,38 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def atomic_save(obj, path: Path) -> tuple[int, str]:
-    """torch.save to a temp file, fsync, rename; returns (bytes, sha256)."""
-    import io
+#: What a checkpoint file holds, besides dicts, lists and tuples of it: what
+#: ``torch.load(weights_only=True)`` rebuilds without any allow-list.
+PLAIN = (torch.Tensor, str, int, float, bool, type(None), torch.dtype, torch.Size)
 
+
+def check_plain(obj, where: str = "") -> None:
+    """CheckpointError naming the first entry of `obj` (a shard, a state_dict) that
+    ``load_file`` would refuse: an object other than PLAIN, dict, list and tuple (a
+    dataclass, an enum, a numpy value or RNG state): save it as such data instead."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise CheckpointError(f"checkpoint entry {where or '/'} has a key of type "
+                                      f"{type(k).__name__}: keys are str or int")
+            check_plain(v, f"{where}/{k}")
+    elif isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        for i, v in enumerate(obj):
+            check_plain(v, f"{where}/{i}")
+    elif not isinstance(obj, PLAIN) or (isinstance(obj, torch.Tensor)
+                                        and type(obj) not in (torch.Tensor,
+                                                              torch.nn.Parameter)):
+        raise CheckpointError(
+            f"checkpoint entry {where or '/'} is a {type(obj).__module__}."
+            f"{type(obj).__qualname__}: a checkpoint holds only tensors, str, numbers, "
+            "bool, None and dicts, lists and tuples of them (what torch.load(weights_only"
+            "=True) rebuilds); store it as such data")
+
+
+def atomic_save(obj, path: Path) -> tuple[int, str]:
+    """torch.save of plain data (``check_plain``) to a temp file, fsync, rename; returns
+    (bytes, sha256)."""
+    check_plain(obj)
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = buf.getvalue()
@@ -241,7 +294,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
+def read_manifest(directory: str | os.PathLike, *, trust: bool = False) -> dict:
+    """The manifest of checkpoint `directory`; one of a TRUSTED_ONLY format only with
+    `trust` (TRUST_OPTION given): its shards are then read with pickle's full unpickler."""
     directory = Path(directory)
     mpath = directory / "manifest.json"
     if not directory.is_dir():
@@ -256,20 +311,29 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {directory} has no manifest.json: it was not "
                               f"completely written{_alternatives(directory)}")
     try:
-        return _parse_manifest(mpath)
+        return _parse_manifest(mpath, trust)
     except CheckpointError as e:
         raise CheckpointError(f"{e}{_alternatives(directory)}") from e
 
 
-def _parse_manifest(mpath: Path) -> dict:
-    """Manifest file `mpath` as a dict of this format; CheckpointError (without hints:
-    ``usable`` calls it on other checkpoints while building one) when it is not."""
+def _parse_manifest(mpath: Path, trust: bool = False) -> dict:
+    """Manifest file `mpath` as a dict of this format (with `trust`, TRUST_OPTION given,
+    or of a TRUSTED_ONLY one); CheckpointError (without hints: ``usable`` calls it on
+    other checkpoints while building one) when it is not."""
     try:
         manifest = json.loads(mpath.read_text())
     except (OSError, ValueError) as e:  # JSON's and UTF-8's errors are ValueErrors
         raise CheckpointError(f"{mpath} is not valid JSON ({e})") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else manifest
+    got = manifest.get("format") if isinstance(manifest, dict) else manifest
+    if got in TRUSTED_ONLY and not trust:
+        raise CheckpointError(
+            f"{mpath}: format {got!r} of an earlier version, whose shards are read with "
+            f"pickle's full unpickler: loading them runs any code their files name. Pass "
+            f"{TRUST_OPTION} only if you trust whoever could write {mpath.parent} (it "
+            f"allows arbitrary code execution from its files), e.g. to consolidate it "
+            f"(python -m training.checkpoint consolidate {TRUST_OPTION}) into a state_dict "
+            f"this version reads safely with --init-from")
+    if got != FORMAT and got not in TRUSTED_ONLY:
         raise CheckpointError(f"{mpath}: format {got!r}, expected {FORMAT!r}")
     return manifest
 
@@ -301,10 +365,12 @@ def shard_problems(directory: Path, manifest: dict, *, verify: bool = False) -> 
     return problems
 
 
-def usable(directory: Path) -> bool:
-    """Whether checkpoint `directory` has a readable manifest and shards of its sizes."""
+def usable(directory: Path, trust: bool = False) -> bool:
+    """Whether checkpoint `directory` has a readable manifest (of a TRUSTED_ONLY format:
+    with `trust`) and shards of its sizes."""
     try:
-        return not shard_problems(directory, _parse_manifest(directory / "manifest.json"))
+        return not shard_problems(directory,
+                                  _parse_manifest(directory / "manifest.json", trust))
     except (CheckpointError, OSError, KeyError, TypeError, AttributeError):
         return False
 
@@ -318,8 +384,58 @@ def _alternatives(directory: Path) -> str:
             + f" (resume from one with --resume {others[-1]})")
 
 
+def _unpickled_globals(data: bytes) -> list[str]:
+    """The globals (``module.name``) the pickle in `data` (a torch.save zip, or a bare
+    pickle) would import, found by reading its opcodes without running any; for a
+    torch.save file, those beyond the ones ``weights_only`` allows."""
+    if zipfile.is_zipfile(io.BytesIO(data)):
+        try:
+            return torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+        except Exception:  # noqa: BLE001 - a damaged archive: no names to give
+            return []
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                names.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except Exception:  # noqa: BLE001 - not a pickle to its end: the names read so far
+        pass
+    return list(dict.fromkeys(names))
+
+
+def load_file(source: bytes | str | os.PathLike, path: str | os.PathLike,
+              what: str = "checkpoint file") -> object:
+    """The tensors and plain data in the torch.save file `source` (its bytes, or its
+    path), read with ``torch.load(weights_only=True)`` onto the CPU: nothing in the file
+    runs. A file that names any other Python object (a class, a function such as
+    os.system) is refused with a CheckpointError naming `what` `path` and those names;
+    FileNotFoundError and torch's errors of a file of another kind pass through."""
+    try:
+        if isinstance(source, bytes):
+            return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        names = _unpickled_globals(data)
+        if names:
+            found = "Unsupported global: " + ", ".join(names)
+        else:  # no global named: torch's own reason
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            found = next((line for line in lines if "nsupported" in line), type(e).__name__)
+        raise CheckpointError(
+            f"{what} {path} is refused: it holds more than tensors and plain data "
+            f"({found}), which unpickling would import and run; nothing of it was run. "
+            "This training package writes no such file: do not load it") from None
+
+
 def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict:
-    """Read and verify (size, sha256) one stage's shard."""
+    """Read and verify (size, sha256) one stage's shard: with ``load_file`` (nothing in
+    it runs) unless `manifest` is of a TRUSTED_ONLY format (read_manifest took it with
+    TRUST_OPTION), whose shards are read with pickle's full unpickler as they were."""
     directory = Path(directory)
     entry = next((s for s in manifest["shards"] if s["stage"] == stage), None)
     if entry is None:
@@ -334,9 +450,9 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise CheckpointError(f"shard {path} is corrupt: its sha256 differs from the "
                               f"manifest's{_alternatives(directory)}")
-    import io
-
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    if manifest.get("format") in TRUSTED_ONLY:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return load_file(data, path, "shard")
 
 
 def read_serial_state_dict(path: str | os.PathLike, template: torch.nn.Module,
@@ -347,10 +463,12 @@ def read_serial_state_dict(path: str | os.PathLike, template: torch.nn.Module,
     CheckpointError naming `option` and what differs: a name missing or extra (another
     model, or a file of another kind), or a shape (another size)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_file(path, path, option)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"{option} {path}: no such file") from None
-    except Exception as e:  # pickle's and torch's errors of a file of another kind
+    except Exception as e:  # torch's errors of a file of another kind
         raise CheckpointError(f"{option} {path}: not a state_dict torch can load "
                               f"({type(e).__name__}: {e})") from None
     want = template.state_dict()

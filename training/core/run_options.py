@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backends import Backends
+from .checkpoint import TRUST_HELP
 from .dtypes import NAMES, dtype_name
 from .optim import OptimConfig
 from .options import Options, PathOptionError, check_directory, check_file, option
@@ -111,6 +112,7 @@ class RunOptions(Options):
                                    "training.checkpoint consolidate' writes one) instead of "
                                    "--seed's weights; any grid or layout (with --resume, the "
                                    "checkpoint's weights)")
+    trust_checkpoint: bool = option(False, TRUST_HELP)
     log_interval: int = option(1, "steps between log lines", minimum=1)
     plot: bool = option(True, "save the loss curve as <out-dir>/loss.png")
     progress: bool = option(True, "progress bar on a terminal")

@@ -116,18 +116,21 @@ def read_init_from(path: str, make_template: Callable[[], nn.Module],
 def load_for_resume(spec: str, root: str | None, *, engine: str, dtype: str, shard: int,
                     check: Callable[[dict, Path], None],
                     check_shard: Callable[[dict, dict, Path], None] | None = None,
-                    group: mcrdl.Group | None = None) -> tuple[dict, dict]:
+                    group: mcrdl.Group | None = None,
+                    trust: bool = False) -> tuple[dict, dict]:
     """Collective over `group` (None: the world): the manifest of the checkpoint
     ``--resume`` `spec` names (``"latest"``: the newest under `root`) and this rank's
     shard number `shard` of it, once it is known to fit the run: written by `engine`,
     passing `check(manifest, path)` (the engine's model, grid and optimizer), of
     ``--dtype`` `dtype`, its shard intact and passing `check_shard(shard, manifest,
-    path)`. A problem on any rank raises CheckpointError on all of them before any
-    state changes."""
+    path)`. The shard is read with ``ckpt.load_file`` (nothing in it runs); `trust`
+    (``--trust-checkpoint``) also admits a checkpoint of an earlier format, read with
+    pickle's full unpickler. A problem on any rank raises CheckpointError on all of them
+    before any state changes."""
     error, path, manifest, state = None, None, None, None
     try:
         path = ckpt.resume_path(spec, root)
-        manifest = ckpt.read_manifest(path)
+        manifest = ckpt.read_manifest(path, trust=trust)
         ckpt.check_engine(manifest, path, engine)
         check(manifest, path)
         ckpt.check_dtype(manifest, path, dtype)

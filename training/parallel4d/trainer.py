@@ -244,7 +244,8 @@ class Trainer4D:
 
         manifest, shard = runtime.load_for_resume(spec, self.cfg.checkpoint_dir, engine="4d",
                                           dtype=self.cfg.dtype, shard=self.tensor_rank,
-                                          check=check, group=self.world)
+                                          check=check, group=self.world,
+                                          trust=self.cfg.trust_checkpoint)
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 p.copy_(shard["model"][name])

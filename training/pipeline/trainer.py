@@ -190,7 +190,7 @@ class Trainer:
         before any state changes."""
         manifest, shard = runtime.load_for_resume(
             spec, self.cfg.checkpoint_dir, engine="pipeline", dtype=self.cfg.dtype,
-            shard=self.stage_index, group=self.world_group,
+            shard=self.stage_index, group=self.world_group, trust=self.cfg.trust_checkpoint,
             check=lambda manifest, path: ckpt.check_resumable(
                 manifest, path, n_stages=self.n_stages, partition=self.partition,
                 model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__),

@@ -192,7 +192,8 @@ class MoETrainer:
                                "resume with the same model, MoE options and layout")
 
         _, state = runtime.load_for_resume(spec, self.cfg.checkpoint_dir, engine=ENGINE,
-                                   dtype=self.cfg.dtype, shard=self.world_rank, check=check)
+                                   dtype=self.cfg.dtype, shard=self.world_rank, check=check,
+                                   trust=self.cfg.trust_checkpoint)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
