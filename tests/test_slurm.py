@@ -10,8 +10,7 @@ conformance suite in one srun; discovery, the torch backend, mcrdl-bench and the
 training entry points in another (tests/_multi.py); a killed rank, a raising rank, a job
 that resumes a checkpoint in its second step and a job past its time limit in one each.
 The time-limited job runs beside the others from the start (its limit is a minute, the
-least Slurm allows, and slurmctld checks the limits every 30 s), at the lowest CPU
-priority.
+least Slurm allows, and slurmctld checks the limits every 30 s).
 
 Skipped, with the reason, where the cluster cannot start (not root, no Slurm and no apt);
 with CI=true that fails instead. The cluster is stopped after the module, unless it was
@@ -45,6 +44,8 @@ MPI = "--mpi=pmi2"
 # The pipeline run the resumed ones must equal (2 stages x 2 replicas, tiny GPT)
 GPT_2X2 = ["--G-inter", "2", "--G-data", "2", "--no-plot"]
 REFERENCE_STEPS = 8
+# The run past its time limit, and its resumes (2 stages)
+TIME_LIMITED = ["--G-inter", "2", "--no-plot"]
 
 
 @dataclass
@@ -161,15 +162,16 @@ def cluster() -> Cluster:
 
 @pytest.fixture(scope="module", autouse=True)
 def time_limited(cluster, tmp_path_factory):
-    """A 4-rank train_gpt job under a one-minute limit, submitted before the first test
-    so that it runs beside the others: niced, checkpointing every 10 steps, with more steps than it
-    can make. Returns its job id and directory."""
+    """A 2-rank train_gpt job (a 2-stage pipeline) under a one-minute limit, submitted
+    before the first test so that it runs beside the others (on a third of the CPU,
+    against their 4 ranks), checkpointing every 10 steps, with more steps than it can
+    make. Returns its job id and directory."""
     work = tmp_path_factory.mktemp("time_limit")
-    args = " ".join([*GPT_2X2, "--steps", "100000", "--checkpoint-every", "10",
+    args = " ".join([*TIME_LIMITED, "--steps", "100000", "--checkpoint-every", "10",
                      "--checkpoint-dir", str(work / "ck"), "--metrics",
                      str(work / "killed.jsonl"), "--out-dir", str(work)])
-    job = cluster.sbatch(f"srun {MPI} nice -n 19 {sys.executable} -m training.train_gpt {args}\n",
-                         work, ("-n", "4", "--time=1"))
+    job = cluster.sbatch(f"srun {MPI} {sys.executable} -m training.train_gpt {args}\n",
+                         work, ("-n", "2", "--time=1"))
     return job, work
 
 
@@ -324,13 +326,13 @@ def test_time_limit_leaves_a_loadable_checkpoint(cluster, time_limited, world, t
     plan = []
     for c in starts:
         stop = max(last, c + 1)
-        resume = ["module", "training.train_gpt", *GPT_2X2, "--steps", "100000",
+        resume = ["module", "training.train_gpt", *TIME_LIMITED, "--steps", "100000",
                   "--resume", str(work / "ck" / f"step_{c:06d}"), "--stop-after", str(stop),
                   "--checkpoint-dir", str(tmp_path / f"ck{c}"), "--metrics",
                   str(tmp_path / f"from{c}.jsonl"), "--out-dir", str(tmp_path)]
         plan.append([str(RANKS), resume, {}])
     env = dict(cluster.env, MCRDL_TEST_SCRIPTS=json.dumps(plan))
-    run_launcher(["srun", "-n", "4", MPI, sys.executable, str(MULTI)], env=env, timeout=300)
+    run_launcher(["srun", "-n", "2", MPI, sys.executable, str(MULTI)], env=env, timeout=300)
     compared = 0
     for c in starts:
         resumed = losses(tmp_path / f"from{c}.jsonl")

@@ -28,6 +28,7 @@ from . import report
 from .checkpoint import CheckpointError, resume_path
 from .options import PathOptionError, UsageError
 from .report import MetricsFile, ProgressLog, TrainResult
+from .sigterm import SigtermGuard
 
 
 def _rank() -> str:
@@ -99,7 +100,8 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
     checkpoint is saved when due, a non-finite loss stops the run (``nan_hint`` says
     what to change). The first step is warm-up: the timers restart after it
     (``on_warmup_end`` runs then). ``on_step`` runs after every step, on every rank.
-    Returns (wall seconds, steps) of the timed steps."""
+    SIGTERM (a batch system's end of the job) ends the rank, never inside a checkpoint
+    save (training/core/sigterm.py). Returns (wall seconds, steps) of the timed steps."""
     if cfg.resume:
         result.start_step = trainer.load_checkpoint(cfg.resume)
     is_rank0 = trainer.world_rank == 0
@@ -116,6 +118,8 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
                            bar=verbose and cfg.progress)
     tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
     timed_since, timed_from_step = time.perf_counter(), result.start_step
+    sigterm = SigtermGuard(trainer.world_rank, lambda: trainer.step)
+    sigterm.install()
     try:
         while trainer.step < cfg.last_step:
             if trainer.step == result.start_step + 1:  # the run's first step is warm-up
@@ -136,9 +140,11 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {trainer.step}; {nan_hint}")
             if cfg.checkpoint_due(trainer.step):
-                directory = trainer.save_checkpoint()
+                with sigterm.saving():
+                    directory = trainer.save_checkpoint()
                 progress.log(f"checkpoint {directory}")
     finally:
+        sigterm.uninstall()
         progress.close()
         if metrics:
             metrics.close()
