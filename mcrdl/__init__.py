@@ -53,12 +53,17 @@ from .extensions import (
     reset_log,
 )
 from .groups import Group
+from .bootstrap import select_mpich_collectives
 from .ops import ALIASES, OPS, ReduceOp
 from . import torch_backend
 from .torch_backend import TorchBackendOptions
 from .torch_backend import routes as torch_routes
 from .torch_backend import set_routes as set_torch_routes
 from .work import Work
+
+# Before the program may initialize MPI itself (mpi4py.MPI imported after mcrdl): MPICH
+# reads its collective selection in MPI_Init only (mcrdl.bootstrap).
+select_mpich_collectives()
 
 # The operations: mcrdl.all_reduce(backend, tensor, ...) and the others, one function per
 # spec of mcrdl.ops.OPS, made in mcrdl.api.

@@ -41,8 +41,19 @@ from .launch import LaunchInfo, detect, node_cores_for_ranks, node_id, oversubsc
 # selection. Other MPI libraries ignore the variable. Only when the node's ranks fit its
 # cores: these algorithms spin on shared memory, and a rank spinning while the peer it
 # waits for is descheduled costs whole time slices (4 ranks on 2 cores: 8 B all_reduce
-# 6.8 ms against 0.3 ms, 16 MiB 16.8 s against 20 ms; docs/performance.md).
+# 6.8 ms against 0.3 ms, 16 MiB 16.8 s against 20 ms).
 MPICH_POSIX_COLL_CVAR = "MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE"
+# MPICH reads the variable in MPI_Init only, and a program may initialize MPI itself
+# before mcrdl.init (`from mpi4py import MPI` after `import mcrdl`): mcrdl sets it when it
+# is imported (select_mpich_collectives). Under MPI_THREAD_MULTIPLE nothing restores the
+# fast path later: the csel tree is built from the file in MPI_Init, communicators prune
+# it when made, and forcing the algorithm through its MPI_T control variable
+# (MPIR_CVAR_ALLREDUCE_POSIX_INTRA_ALGORITHM=release_gather) falls back to the generic
+# algorithm when the library is multi-threaded (src/mpid/ch4/shm/posix/posix_coll.h:
+# MPII_COLLECTIVE_FALLBACK_CHECK(!MPIR_IS_THREADED ...)). init() warns then.
+# MCRDL_MPICH_SELECTION holds the value mcrdl set, so that a child process (mpiexec from
+# a test) tells it from a value its user set, and decides for its own node again.
+_MCRDL_SET = "MCRDL_MPICH_SELECTION"
 
 
 def mpich_posix_coll_json() -> str:
@@ -57,16 +68,47 @@ def mpich_selection_default(local_size: int, cores: int) -> str | None:
     return None if oversubscribed(local_size, cores) else mpich_posix_coll_json()
 
 
+def select_mpich_collectives() -> None:
+    """Give MPICH mcrdl's shared-memory selection (mpich_selection_default) unless MPI may
+    already be initialized (mpi4py.MPI imported) or the user set the variable: at `import
+    mcrdl`, and again before mcrdl initializes MPI. A value an earlier mcrdl (a parent
+    process) set is decided again here, for this node's ranks."""
+    if "mpi4py.MPI" in sys.modules:
+        return
+    env = os.environ
+    value = env.get(MPICH_POSIX_COLL_CVAR)
+    if value is not None and value != env.get(_MCRDL_SET):
+        return  # the user's
+    default = mpich_selection_default(detect().local_size, node_cores_for_ranks())
+    if default is None:
+        for key in (MPICH_POSIX_COLL_CVAR, _MCRDL_SET):
+            env.pop(key, None)
+    else:
+        env[MPICH_POSIX_COLL_CVAR] = env[_MCRDL_SET] = default
+
+
+def mpich_selection_is_users() -> bool:
+    """Whether MPICH_POSIX_COLL_CVAR holds a value the user set (not mcrdl)."""
+    value = os.environ.get(MPICH_POSIX_COLL_CVAR)
+    return value is not None and value != os.environ.get(_MCRDL_SET)
+
+
+#: Whether mcrdl initialized MPI (imported mpi4py.MPI first); None before it asked.
+initialized_mpi: bool | None = None
+
+
 def mpi_module():
     """mpi4py's MPI module, initialized with MPI_THREAD_MULTIPLE (lanes need it)."""
+    global initialized_mpi
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
 
         mpi4py.rc.thread_level = "multiple"
-        default = mpich_selection_default(detect().local_size, node_cores_for_ranks())
-        if default is not None:
-            os.environ.setdefault(MPICH_POSIX_COLL_CVAR, default)
+        select_mpich_collectives()
         atexit.register(_before_mpi_finalize)  # runs before mpi4py's MPI_Finalize
+        initialized_mpi = True
+    elif initialized_mpi is None:
+        initialized_mpi = False
     from mpi4py import MPI
 
     if not MPI.Is_initialized():

@@ -22,11 +22,12 @@ import os
 from functools import cache
 from importlib import resources
 
-from .. import _C
+from .. import _C, bootstrap
 from ..bootstrap import (
     MPICH_POSIX_COLL_CVAR,
     mpi_module,
     mpich_posix_coll_json,
+    mpich_selection_is_users,
     track_mpi_lane,
 )
 from ..errors import DesyncError
@@ -105,6 +106,39 @@ def blocking_mode() -> str:
     return _env_mode("MCRDL_MPI_BLOCKING", BLOCKING_MODES)
 
 
+_THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+
+def mpi_init_mode(MPI) -> dict[str, str | None]:
+    """How MPI was initialized, as far as it changes which variant is faster (the keys a
+    tuning table's provenance records them under): ``mpi_initialized_by`` "mcrdl" or
+    "the program" (mpi4py.MPI imported before mcrdl.init), ``mpi_thread_level``, and
+    ``mpich_selection``, MPICH's shared-memory collective selection in effect: "mcrdl"
+    (mcrdl/tuning/mpich_posix_coll.json), "mpich" (its built-in one), another file's
+    path, or None for another MPI library. The selection is the environment's value:
+    MPI_Init read it there, after `import mcrdl` set it or before mcrdl was imported
+    (select_mpich_collectives leaves it then). MPI_T cannot read it back: MPICH's
+    MPI_T_cvar_read of a string variable copies the bytes of its pointer."""
+    selection = None
+    if "MPICH" in MPI.Get_library_version():
+        value = os.environ.get(MPICH_POSIX_COLL_CVAR)
+        selection = "mcrdl" if value == mpich_posix_coll_json() else value or "mpich"
+    return {"mpi_initialized_by": "mcrdl" if bootstrap.initialized_mpi else "the program",
+            "mpi_thread_level": _THREAD_LEVELS[MPI.Query_thread()],
+            "mpich_selection": selection}
+
+
+def shared_memory_path(mode: dict) -> bool:
+    """Whether the shipped blocking steps hold for MPI initialized as `mode`
+    (mpi_init_mode): they were measured with mcrdl's MPICH selection. Under MPICH's own
+    selection and MPI_THREAD_MULTIPLE its small blocking collectives take the generic
+    algorithms, as its nonblocking ones do, and then wait in a progress loop that yields
+    the core: no faster than the nonblocking variant for a blocking call, and an async
+    call queued on the issue thread waits for that thread's turns (docs/api.md)."""
+    return mode.get("mpich_selection") in (None, "mcrdl") or \
+        mode.get("mpi_thread_level") != "multiple"
+
+
 @cache
 def shipped_blocking() -> dict:
     """mcrdl/tuning/mpi_blocking.json: per op and group size, the (largest bytes,
@@ -117,7 +151,7 @@ def shipped_blocking() -> dict:
 
 
 def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = None,
-                   oversubscribed: bool = False) -> list:
+                   oversubscribed: bool = False, shared_memory: bool = True) -> list:
     """The (largest bytes, variant) steps of `op` at `group_size` (-1 bytes: no limit; the
     variant True: blocking, False: nonblocking, or "allreduce"): `mode`
     "always"/"never"/"allreduce" fix the variant; "auto" takes `table` (op -> group size ->
@@ -130,12 +164,16 @@ def blocking_steps(op: str, group_size: int, mode: str, table: dict | None = Non
     off (csrc/lane.cpp); the shipped steps were measured on ranks that fit the cores. An
     isolated call can still win blocking, but a training step loses (benchmarks/moe_step.py,
     4 ranks on 2 cores: with the shipped blocking steps all mpi 44-76 ms, auto 1.08-1.28x
-    the best fixed choice, load average 36; without, 44-48 ms and 0.95-0.98x)."""
+    the best fixed choice, load average 36; without, 44-48 ms and 0.95-0.98x).
+
+    Without `shared_memory` (MPI initialized without mcrdl's MPICH selection:
+    shared_memory_path) "auto" without table steps stays nonblocking too."""
     if mode == "allreduce":
         return [(-1, "allreduce" if "allreduce" in op_variants(op) else True)]
     if mode != "auto":
         return [(-1, mode == "always")]
-    for source in (table or {}, {} if oversubscribed else shipped_blocking()):
+    shipped = shipped_blocking() if shared_memory and not oversubscribed else {}
+    for source in (table or {}, shipped):
         by_g = source.get(op)
         if by_g:
             below = [g for g in by_g if g <= group_size]
@@ -195,6 +233,9 @@ class MPILaneBackend(Backend):
         # same on every rank (any node) by use_tuning_table, which the runtime calls
         # before any operation
         self._oversubscribed = oversubscribed(local, cores)
+        #: how MPI was initialized (mpi_init_mode); compared across ranks with the steps
+        self.init_mode = mpi_init_mode(MPI)
+        self._shared_memory = shared_memory_path(self.init_mode)
 
     #: Whose steps of the tuning table choose the variants (the MPI library's collectives
     #: as the backend of that name measured them).
@@ -215,13 +256,15 @@ class MPILaneBackend(Backend):
         the ranks compare their choice (mode and steps) and raise DesyncError when it
         differs."""
         steps = {} if table is None else table.blocking_table(self.blocking_source)
+        if steps and not self._table_init_matches(table):
+            steps = {}
         odd = sorted(op for op in steps if op not in BLOCKING_OPS)
         if odd:  # a hand-made table: these steps would never be read
             raise TuningTableError(
                 f"tuning table: blocking steps for {odd} on backend {self.blocking_source!r}, "
                 f"which have no blocking MPI variant (those that have: {list(BLOCKING_OPS)}); "
                 "remove them from the table")
-        mine = (self._blocking_mode(), steps)
+        mine = (self._blocking_mode(), steps, self._shared_memory)
         gathered = self.ctx.bootstrap.all_gather_object((mine, (node_id(), affinity_bits())),
                                                         purpose="the mpi backend")
         self._settle_oversubscription([where for _, where in gathered])
@@ -230,10 +273,14 @@ class MPILaneBackend(Backend):
         if differ:
             raise DesyncError(
                 f"init: backend {self.name!r} would run other blocking variants on ranks "
-                f"{differ} than on rank 0 (MCRDL_MPI_BLOCKING, MCRDL_DEBUG and the tuning "
-                "table, e.g. MCRDL_TUNING_TABLE, must be the same on every rank); (mode, "
-                f"table steps) on rank 0: {views[0]}, on rank {differ[0]}: {views[differ[0]]}")
+                f"{differ} than on rank 0 (MCRDL_MPI_BLOCKING, MCRDL_DEBUG, the tuning "
+                "table, e.g. MCRDL_TUNING_TABLE, and whether MPICH's shared-memory selection "
+                "is in effect, i.e. MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE and "
+                "whether mpi4py.MPI is imported before mcrdl, must be the same on every "
+                "rank); (mode, table steps, shared-memory selection) on rank 0: "
+                f"{views[0]}, on rank {differ[0]}: {views[differ[0]]}")
         self._blocking_table = steps
+        self._warn_lost_selection()
         for c in self._cpp_comms():
             self._choose_blocking(c)
 
@@ -264,6 +311,38 @@ class MPILaneBackend(Backend):
                 "; MPICH's shared-memory collectives, selected before MPI_Init when each rank "
                 f"seemed to have cores of its own, spin (set {MPICH_POSIX_COLL_CVAR}= to leave "
                 "them out)" if selection else "")
+
+    def _table_init_matches(self, table) -> bool:
+        """Whether `table`'s variant steps were measured with MPI initialized as now (its
+        provenance's mpich_selection; tables without it were measured with mcrdl's)."""
+        had = table.provenance.get("mpich_selection", "mcrdl")
+        now = self.init_mode["mpich_selection"]
+        if now is None or had == now or (had == "mcrdl") == self._shared_memory:
+            return True
+        log.info("mcrdl: the tuning table's variant steps were measured with MPICH's "
+                 "selection %r, this run has %r: the %s backend runs the default steps",
+                 had, now, self.name)
+        return False
+
+    def _warn_lost_selection(self) -> None:
+        """Once an init, on rank 0: MPI was initialized without mcrdl's MPICH selection
+        (nor one the user set), on ranks that fit their cores, where mcrdl would have set
+        it: the small blocking collectives lost MPICH's shared-memory path."""
+        boot = self.ctx.bootstrap
+        if (self.init_mode["mpich_selection"] != "mpich" or mpich_selection_is_users()
+                or self._oversubscribed or boot.rank != 0
+                or getattr(boot, "warned_mpich_selection", False)):
+            return
+        boot.warned_mpich_selection = True
+        log.warning(
+            "mcrdl: MPI was initialized before mcrdl could select MPICH's shared-memory "
+            "collectives (mpi4py.MPI imported before mcrdl): under MPI_THREAD_MULTIPLE "
+            "MPICH then runs its generic algorithms for small blocking collectives, and "
+            "nothing restores the fast path after MPI_Init (at 2 ranks an 8 B all_reduce "
+            "took 1.97 us instead of 0.42 us). The %s backend runs its nonblocking "
+            "variant. Fix: import mcrdl before mpi4py.MPI (or before any module that "
+            "imports it), or set %s=%s in the job's environment.",
+            self.name, MPICH_POSIX_COLL_CVAR, mpich_posix_coll_json())
 
     def _cpp_comms(self):
         """Every C++ communicator of this backend: use_tuning_table sets their variants
@@ -334,7 +413,8 @@ class MPIBackend(MPILaneBackend):
         mode = self._blocking_mode()
         for op in ops:
             c.set_blocking(op, step_codes(blocking_steps(op, c.size, mode, self._blocking_table,
-                                                         self._oversubscribed)))
+                                                         self._oversubscribed,
+                                                         self._shared_memory)))
 
     @contextlib.contextmanager
     def variant(self, op: str, variant: str | bool):

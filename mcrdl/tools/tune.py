@@ -143,6 +143,7 @@ def _start(args, command: str) -> tuple[str | None, dict | None]:
 
     current = current_provenance(command)
     current["dtype"] = args.dtype
+    current.update(_mpi_init_mode())
     if args.system:
         current["system"] = args.system
     # checked before measuring: rank 0 writes the table every few points, and a write
@@ -171,12 +172,30 @@ def _start(args, command: str) -> tuple[str | None, dict | None]:
     had = table.provenance.get("dtype", "float32")  # tables before the key: the default
     if had != args.dtype:
         stale.append(f"dtype: table measured with {had}, this run {args.dtype}")
+    for key, now in _mpi_init_mode().items():  # the variants' times depend on it
+        then = table.provenance.get(key, now)  # tables before the keys: not compared
+        if then != now:
+            stale.append(f"{key}: table measured with {then!r}, this run {now!r}")
     if stale:
         return (f"cannot resume {args.output}: {'; '.join(stale)}. Resume it with what it "
                 "was measured with, or start over with --force"), None
     if args.system:
         table.provenance["system"] = args.system
     return None, table.to_dict()
+
+
+def _mpi_init_mode() -> dict:
+    """How MPI was initialized (mcrdl.backends.mpi.mpi_init_mode), when a backend of this
+    run uses it: which blocking variant wins depends on it, and a table records it
+    (a backend whose steps it reads ignores steps measured under another selection)."""
+    import mcrdl
+    from mcrdl.api import current_runtime
+
+    for name in mcrdl.get_backends():
+        mode = getattr(current_runtime().backend(name), "init_mode", None)
+        if mode:
+            return dict(mode)
+    return {}
 
 
 class _progress:
