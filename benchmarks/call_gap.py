@@ -5,12 +5,13 @@ against the C loop and the minimal C entry called from Python, on the real multi
                                   [--trials 9] [--ops all_reduce ...]
 
 Why: at 1 MiB a call's total over the C loop swings between runs by more than mcrdl's
-own share of it (docs/performance.md, "eighth"), so totals cannot say whether a change
-to mcrdl's call path helped. Here a PMPI library (benchmarks/call_gap.c, preloaded into
-the ranks) timestamps every collective: the time inside MPI per call, and the time
-outside it, from one call's return to the next call's entry. Outside is what the caller
-runs between calls (the C loop's few instructions; the Python loop and the C entry;
-mcrdl's path before and after MPI), cache misses after a large call included.
+own share of it (docs/performance.md, "The rest of a call: cache lines and time outside
+MPI"), so totals cannot say whether a change to mcrdl's call path helped. Here a PMPI
+library (benchmarks/call_gap.c, preloaded into the ranks) timestamps every collective:
+the time inside MPI per call, and the time outside it, from one call's return to the
+next call's entry. Outside is what the caller runs between calls (the C loop's few
+instructions; the Python loop and the C entry; mcrdl's path before and after MPI), cache
+misses after a large call included.
 
 Three arms per (op, size), timed in a shuffled order each trial, on the same tensors:
 "C loop" (c_floor.c's in-process loop), "C per py call" (c_floor.c's C entry, once per

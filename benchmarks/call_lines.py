@@ -8,11 +8,12 @@ valgrind's callgrind.
 Why: between two large collectives the MPI copy evicts the caches, so the code and data
 a call runs through before and after MPI come from memory again on every call. At 1 MiB
 that, not the instructions, is most of what mcrdl costs over C (docs/performance.md,
-"sixth"), and timings on a shared 2-core machine cannot resolve it: this count is
-exact and repeatable. One rank (an MPI singleton, world of 1: the path up to MPI and
-back is the same as at any size; MPI's own lines are counted in both columns). mcrdl
-runs every op as the blocking MPI collective (MCRDL_MPI_BLOCKING=always, unless the
-caller set it), as the C entry does: each row's "minus C" is then mcrdl's own part.
+"The rest of a call: cache lines and time outside MPI"), and timings on a shared 2-core
+machine cannot resolve it: this count is exact and repeatable. One rank (an MPI
+singleton, world of 1: the path up to MPI and back is the same as at any size; MPI's own
+lines are counted in both columns). mcrdl runs every op as the blocking MPI collective
+(MCRDL_MPI_BLOCKING=always, unless the caller set it), as the C entry does: each row's
+"minus C" is then mcrdl's own part.
 
 Each call is made after 4 MiB of writes (data caches) and a 370 KB function (the
 instruction cache), with simulated 64 KiB 16-way first-level caches: a miss is then a

@@ -2,12 +2,12 @@
 
 The module (mcrdl._C) shares its process with torch's libraries, which use the shared C++
 runtime (libstdc++.so). Where a compiler links its C++ runtime statically (a GCC built
-without a shared libstdc++, or with -static-libstdc++ in its specs: an H100 machine's
-image did), that copy must stay private to the module (setup.py links with
+without a shared libstdc++, or with -static-libstdc++ in its specs, as some CUDA
+container images' GCC does), that copy must stay private to the module (setup.py links with
 --exclude-libs,ALL). Exported, its symbols bind half to torch's runtime and half to the
 copy, the two copies' locale facet ids disagree, and formatting a number in an
 ostringstream then calls the wrong facet: the CommTimeoutError text stopped at its first
-number here, and the process died of SIGSEGV on that machine.
+number, or the process died of SIGSEGV.
 """
 
 from __future__ import annotations
