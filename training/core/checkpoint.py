@@ -404,7 +404,12 @@ def _unpickled_globals(data: bytes) -> list[str]:
                 strings.append(arg)
     except Exception:  # noqa: BLE001 - not a pickle to its end: the names read so far
         pass
-    return list(dict.fromkeys(names))
+    try:  # those weights_only allows (tensors' rebuild functions) are no news
+        from torch._weights_only_unpickler import _get_allowed_globals
+        allowed = set(_get_allowed_globals())
+    except (ImportError, AttributeError):  # a torch without it: name them all
+        allowed = set()
+    return [n for n in dict.fromkeys(names) if n not in allowed]
 
 
 def load_file(source: bytes | str | os.PathLike, path: str | os.PathLike,
