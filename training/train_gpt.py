@@ -25,11 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core import options, report
+from mcrdl.launch import detect as detect_launch
+
+from .core import options, report, runtime
 from .core.report import TrainResult
 from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from .core.runner import run_command, train_loop
 from .core.topology import GridError
+from .models.gpt import GPTConfig, get_config
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
 from .pipeline.trainer import Trainer
@@ -42,11 +45,31 @@ class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, Pipe
     """The options of ``python -m training.train_gpt`` (the last base's fields come
     first: model, data, parallel, tensor, optimizer, run, samo)."""
 
+    def model_config(self) -> GPTConfig:
+        """The model's shape (training/models/gpt.py get_config), ValueError naming
+        --model."""
+        try:
+            return get_config(self.model, vocab_size=self.data_vocab_size(),
+                              n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                              block_size=self.block_size)
+        except ValueError as e:
+            raise ValueError(self.model_error(e)) from None
 
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """The run's validated options (ValueError naming a bad option)."""
+
+def parse_args(argv: Sequence[str] | None = None, *,
+               world_size: int | None = None) -> TrainConfig:
+    """The run's validated options (ValueError naming a bad option); with `world_size`,
+    also checked against a world of that many ranks."""
     return options.parse_args(TrainConfig, argv, prog="python -m training.train_gpt",
-                             description=__doc__)
+                             description=__doc__, world_size=world_size)
+
+
+def connect(cfg: TrainConfig | None) -> None:
+    """Initialize mcrdl as the run's trainer does (its backends, on its device; the
+    defaults' where this rank's options were refused)."""
+    cfg = cfg or TrainConfig()
+    runtime.init_comm(cfg.backends.split(",") if cfg.backends else [],
+                      runtime.pick_device(cfg.device), cfg.timeout)
 
 
 def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
@@ -88,8 +111,9 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: 0 when trained, 2 for bad options, 3 for an unusable checkpoint.
     A grid that does not fit the run is the same error on every rank."""
-    return run_command(parse_args, run, argv, layout_errors=(GridError,),
-                       layout_errors_agree=True)
+    return run_command(lambda args: parse_args(args, world_size=detect_launch().size), run,
+                       argv, layout_errors=(GridError,),
+                       layout_errors_agree=True, connect=connect)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,13 @@ def flag(name: str) -> str:
 class Options:
     """Base of the config sections. A section class sets ``section`` (its name in
     ``--help`` and in config files) and may define ``check(self)`` for the rules between
-    its options; ``validate()`` checks every field, then runs each section's ``check``.
+    its options and ``check_model(self, model)`` for those between its options and the
+    model's shape (``model_config()``); ``validate()`` checks every field, then runs
+    each section's ``check``, then its ``check_model``. ``check_world(world_size)``
+    holds the rules of the world's size, ``check_paths(self)`` (``validate_paths()``)
+    those of this node's files. Together they state every rule an engine enforces
+    before anything is built (``parse_args`` with `world_size`), so that an engine's
+    own checks are guards a user's options never reach.
     The grid is read from the options declared with an ``axis``, whatever their section."""
 
     section: ClassVar[str]
@@ -79,6 +85,25 @@ class Options:
         for section in sections(type(self)):
             if "check" in vars(section):
                 section.check(self)
+        model = self.model_config()
+        if model is not None:
+            for section in sections(type(self)):
+                if "check_model" in vars(section):
+                    section.check_model(self, model)
+
+    def model_config(self) -> Any:
+        """The model shape the options give (the command's config class resolves it:
+        ValueError naming the model options), for the sections' ``check_model(self,
+        model)`` rules; None: no model to check."""
+        return None
+
+    def validate_paths(self) -> None:
+        """Run each section's ``check_paths``: the paths this process cannot use
+        (PathOptionError). Kept apart from validate(): another node may see another
+        file system, so these are the errors only some ranks of a launch may have."""
+        for section in sections(type(self)):
+            if "check_paths" in vars(section):
+                section.check_paths(self)
 
     def degrees(self) -> dict[Axis, int]:
         """The degree of each grid axis, from the options that declare an axis."""
@@ -241,11 +266,16 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *,
-               prog: str | None = None, description: str | None = None) -> ConfigT:
+               prog: str | None = None, description: str | None = None,
+               world_size: int | None = None) -> ConfigT:
     """A validated `config_class` from the defaults, ``--config FILE`` and `argv` (in
-    that order of precedence, the last winning). Raises ValueError naming a bad option
-    (UsageError where argparse refuses the command line, PathOptionError for a path this
-    node cannot use), FileNotFoundError for a missing config file."""
+    that order of precedence, the last winning); with `world_size`, also checked
+    against a world of that many ranks (``check_world``). Every rule of the command
+    line and the world is checked before any path (``validate_paths``), so that every
+    rank of a launch refuses the same command line alike, and only path errors may
+    differ between them. Raises ValueError naming a bad option (UsageError where
+    argparse refuses the command line, PathOptionError for a path this node cannot use
+    or a value of a --config file), FileNotFoundError for a missing config file."""
     parser = _Parser(prog=prog, description=description,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML or JSON file of options (see above)")
@@ -263,6 +293,9 @@ def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *
                        if getattr(args, name) is not None})
         config = config_class(**values)
         config.validate()
+        if world_size is not None:
+            config.check_world(world_size)
+        config.validate_paths()
     except PathOptionError:
         raise
     except ValueError as e:

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backends import Backends
-from .checkpoint import TRUST_HELP
+from .checkpoint import TRUST_HELP, latest_checkpoint
+from .data import ByteCorpus
 from .dtypes import NAMES, dtype_name
 from .optim import OptimConfig
-from .options import Options, PathOptionError, check_directory, check_file, option
+from .options import Options, PathOptionError, check_directory, check_file, flag, option
 
 
 @dataclass
@@ -25,6 +26,22 @@ class ModelOptions(Options):
                                     minimum=1)
     activation_checkpointing: bool = option(False, "store activations every ~sqrt(N) blocks")
 
+    def model_error(self, error: ValueError) -> str:
+        """`error` of resolving the model's shape, as a refusal naming the model options."""
+        given = " ".join(f"{flag(n)} {getattr(self, n)}" for n in
+                         ("n_layer", "n_head", "n_embd", "block_size") if getattr(self, n))
+        text = str(error).removeprefix("GPTConfig: ")
+        return f"--model {self.model}{' ' + given if given else ''}: {text}"
+
+
+# load_dataset's (training/core/data.py): the names of the byte corpus, and the
+# vocabulary of a token directory without --vocab-size
+_TOKEN_VOCAB = 50304
+
+
+def _is_stdlib(data: str | None) -> bool:
+    return data in (None, "", "stdlib")
+
 
 @dataclass
 class DataOptions(Options):
@@ -35,6 +52,17 @@ class DataOptions(Options):
     micro_batch_size: int = option(2, "sequences per microbatch", minimum=1)
     global_batch_size: int = option(8, "sequences per step, over all data-parallel ranks",
                                     minimum=1)
+
+    def data_vocab_size(self) -> int:
+        """The vocabulary of --data's tokens (load_dataset's): bytes, or --vocab-size."""
+        return ByteCorpus.vocab_size if _is_stdlib(self.data) else (
+            self.vocab_size or _TOKEN_VOCAB)
+
+    def check_paths(self) -> None:
+        if not _is_stdlib(self.data) and not (Path(self.data) / "train.bin").is_file():
+            what = "has no train.bin" if Path(self.data).is_dir() else "is no directory"
+            raise PathOptionError(f"--data {self.data} {what}; expected 'stdlib' or a "
+                                  "directory of nanoGPT train.bin/val.bin (uint16 token ids)")
 
 
 
@@ -145,8 +173,19 @@ class RunOptions(Options):
             raise ValueError("--checkpoint-every/--stop-after need --checkpoint-dir")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("--resume without a path needs --checkpoint-dir")
+
+    def check_paths(self) -> None:
         if self.init_from is not None and not Path(self.init_from).is_file():
             raise PathOptionError(f"--init-from {self.init_from}: no such file")
+        if self.resume == "latest" and latest_checkpoint(self.checkpoint_dir) is None:
+            raise PathOptionError(f"--resume: no complete checkpoint in --checkpoint-dir "
+                                  f"{self.checkpoint_dir}; expected one an earlier run saved "
+                                  "there; drop --resume to start at step 0, or give the "
+                                  "directory that holds the checkpoints")
+        if self.resume not in (None, "latest") and not Path(self.resume).is_dir():
+            raise PathOptionError(f"--resume {self.resume}: no such checkpoint directory; "
+                                  "expected a step directory a run saved (or --resume alone "
+                                  "for --checkpoint-dir's latest)")
         if self.plot or not self.metrics:  # else nothing goes to --out-dir
             check_directory("--out-dir", self.out_dir)
         if self.checkpoint_dir:

@@ -29,6 +29,7 @@ from .checkpoint import CheckpointError, resume_path
 from .options import PathOptionError, UsageError
 from .report import MetricsFile, ProgressLog, TrainResult
 from .sigterm import SigtermGuard
+from .validate import print_traceback, refuse_together
 
 
 def _rank() -> str:
@@ -42,27 +43,49 @@ def report_option_error(e: Exception) -> None:
     --config file's contents (PathOptionError, a missing --config file) by each rank,
     named, since nodes may see different file systems."""
     launch = detect_launch()
-    if isinstance(e, (PathOptionError, FileNotFoundError)):
+    if isinstance(e, LOCAL_ERRORS):
         who = f" (rank {launch.rank})" if launch.size > 1 else ""
+        print_traceback(e)
         print(f"error{who}: {e}", file=sys.stderr, flush=True)
     elif launch.rank == 0:
+        print_traceback(e)
         usage = e.usage if isinstance(e, UsageError) else ""
         print(f"{usage}{e}" if usage else f"error: {e}", file=sys.stderr, flush=True)
 
 
+#: The refusals of this node's files (report_option_error): a launch's ranks may differ.
+LOCAL_ERRORS = (PathOptionError, FileNotFoundError)
+
+
 def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable[[Any], Any],
                 argv: Sequence[str] | None, *, layout_errors: tuple[type[Exception], ...],
-                layout_errors_agree: bool) -> int:
+                layout_errors_agree: bool,
+                connect: Callable[[Any], None] | None = None) -> int:
     """``run(parse_args(argv))`` with the module's exit codes. ``layout_errors``: the
     exceptions that name a layout the world cannot hold (exit 2); when
     ``layout_errors_agree`` every rank raises the same one and only rank 0 prints it,
-    else every rank prints its own, prefixed with its rank."""
+    else every rank prints its own, prefixed with its rank. `parse_args` is the
+    validation pass: it checks every rule of the command line and the world before any
+    path, so its errors other than LOCAL_ERRORS are the same on every rank (the launch's
+    rank 0 prints them). With `connect` (``connect(cfg)`` initializes mcrdl as the run
+    would; cfg None where this rank's options were refused) and several ranks, the ranks
+    then agree on LOCAL_ERRORS before the run (validate.refuse_together: printed once,
+    with the ranks they concern); without it, each rank prints its own."""
+    cfg, local = None, None
     try:
         cfg = parse_args(argv)
-    except (ValueError, FileNotFoundError) as e:
+    except LOCAL_ERRORS as e:
+        if connect is None or detect_launch().size == 1:
+            report_option_error(e)
+            return 2
+        local = e
+    except ValueError as e:
         report_option_error(e)
         return 2
     try:
+        if connect is not None and detect_launch().size > 1 and refuse_together(
+                local, lambda: connect(cfg)):
+            return 2
         run(cfg)
     except CheckpointError as e:
         if not e.agreed:

@@ -92,9 +92,31 @@ class TensorOptions(Options):
             if getattr(self, "prune_sparsity", None) is not None:
                 raise ValueError("--prune-sparsity/--samo are not supported by the 4D engine "
                                  "yet (training/samo/ runs with the pipeline engine)")
+            if self.dtype == "fp16":
+                raise ValueError("--dtype fp16 is not supported by the 4D engine (no loss "
+                                 "scaling yet); use bf16 or fp32")
+            # the rule of Batches over the (z, data) shards
             shards = self.G_z * self.G_data
-            if self.global_batch_size % shards:
+            need = shards * self.micro_batch_size
+            if self.global_batch_size % need:
+                split = (f"G_z*G_data={self.G_z}*{self.G_data}={shards}"
+                         if self.global_batch_size % shards else
+                         f"G_z*G_data*--micro-batch-size={self.G_z}*{self.G_data}*"
+                         f"{self.micro_batch_size}={need}")
                 raise ValueError(f"--global-batch-size {self.global_batch_size} is not "
-                                 f"divisible by G_z*G_data={self.G_z}*{self.G_data}={shards}: "
-                                 "every (z, data) rank takes whole sequences; choose a "
-                                 f"multiple of {shards}")
+                                 f"divisible by {split}: every (z, data) rank takes whole "
+                                 f"microbatches of --micro-batch-size {self.micro_batch_size};"
+                                 f" choose a multiple of {need} or a smaller "
+                                 "--micro-batch-size")
+
+    def check_world(self, world_size: int) -> None:
+        """The 4D engine's rules of its grid (check_grid, as Trainer4D applies them):
+        the world's size, and heads, widths, vocabulary and weight blocks split evenly
+        over the tensor axes, every problem named at once."""
+        if not self.uses_4d():
+            super().check_world(world_size)
+            return
+        from .perf_model.step import Grid4D, TrainingStep, check_grid
+
+        check_grid(TrainingStep(self.model_config(), self.global_batch_size),
+                   Grid4D(self.G_x, self.G_y, self.G_z, self.G_data), world_size)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..core.options import Options, option
 from ..core.run_options import check_backend_names
 from ..core.topology import Axis, to_axis
+from .engine import MAX_MICROBATCHES
 
 
 @dataclass
@@ -51,8 +52,55 @@ class PipelineOptions(Options):
             raise ValueError(f"--layers-per-stage {self.layers_per_stage!r}: expected "
                              "comma-separated block counts, one per stage (2,1,1)") from None
 
+    def uses_4d(self) -> bool:
+        """Whether the run uses the 4D engine: not with these options alone (the 4D
+        engine's TensorOptions decide where a config has them)."""
+        return False
+
     def check(self) -> None:
         self.axis_order()
         self.blocks_per_stage()
         if self.p2p_backend is not None:
             check_backend_names("--p2p-backend", self.p2p_backend, [self.p2p_backend])
+        if self.uses_4d():
+            return
+        # the rules of Batches and PipelineEngine.run, stated here first
+        replicas = self.G_data * self.micro_batch_size
+        if self.global_batch_size % replicas:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple "
+                             f"of G_data x --micro-batch-size = {self.G_data} x "
+                             f"{self.micro_batch_size} = {replicas}: every data-parallel "
+                             "replica takes whole microbatches; choose a multiple of "
+                             f"{replicas} or a smaller --micro-batch-size")
+        n_micro = self.global_batch_size // replicas
+        if n_micro > MAX_MICROBATCHES:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} makes {n_micro} "
+                             f"microbatches of {self.micro_batch_size} per replica; expected "
+                             f"at most {MAX_MICROBATCHES} (the pipeline's message tags); "
+                             "raise --micro-batch-size or --G-data")
+
+    def check_model(self, model) -> None:
+        """The rules of partition(): every stage holds a block, or the given split."""
+        if self.uses_4d():
+            return
+        stages, n_layer = self.G_inter, model.n_layer
+        split = self.blocks_per_stage()
+        if split is None:
+            if n_layer < stages:
+                raise ValueError(f"--G-inter {stages}: the model has {n_layer} transformer "
+                                 f"blocks and each pipeline stage takes at least one; expected "
+                                 f"--G-inter <= {n_layer}; use fewer stages or a deeper model "
+                                 "(--n-layer)")
+            return
+        given = f"--layers-per-stage {self.layers_per_stage}"
+        if len(split) != stages:
+            raise ValueError(f"{given} has {len(split)} entries for --G-inter {stages}; "
+                             f"expected one block count per stage ({stages})")
+        if sum(split) != n_layer:
+            raise ValueError(f"{given} places {sum(split)} transformer blocks but the model "
+                             f"has {n_layer}; expected counts summing to {n_layer}; change "
+                             "the counts or --n-layer")
+        for s, b in enumerate(split):
+            if b < 0 or (b == 0 and 0 < s < stages - 1):
+                raise ValueError(f"{given}: stage {s} would hold {b} blocks; expected >= 1 "
+                                 "for an inner stage (>= 0 for the first and the last)")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from ..core.options import Options, option
 from ..core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
-from ..core.topology import Axis
-from ..models.moe import MoEConfig
+from ..core.topology import Axis, GridError
+from ..models.moe import MoEConfig, base_config
 from .model import TEDLayout
 
 
@@ -78,6 +78,45 @@ class TEDOptions(Options):
                              "recomputation's collectives)")
         if self.G_data is not None:
             TEDLayout(self.G_tensor, self.G_expert, self.G_data).check()
+            self._check_batch(self.G_data)
+
+    def check_model(self, model) -> None:
+        """The layout's rules of the model (TEDLayout.check: experts over G_expert,
+        heads and widths over G_tensor, a block with experts), and the router's: every
+        microbatch holds whole router groups (to_groups)."""
+        TEDLayout(self.G_tensor, self.G_expert, self.G_data or self.G_expert).check(
+            model, self.moe_config())
+        tokens = self.micro_batch_size * model.block_size
+        if tokens % self.router_group_tokens:
+            raise ValueError(f"--router-group-tokens {self.router_group_tokens} does not "
+                             f"divide a microbatch's {tokens} tokens (--micro-batch-size "
+                             f"{self.micro_batch_size} x block_size {model.block_size}): "
+                             "capacity and dropping are per whole router group; choose a "
+                             f"divisor of {tokens}")
+
+    def check_world(self, world_size: int) -> None:
+        """The layout's rules of the world (TEDLayout.check) and the batch's split over
+        G_data_nonexp, whose default is world / G_tensor."""
+        if self.G_data is None and world_size % self.G_tensor:
+            raise GridError(f"--G-tensor {self.G_tensor} does not divide the world of "
+                            f"{world_size} ranks (G_data defaults to world / G_tensor); "
+                            f"launch a multiple of {self.G_tensor} ranks or change --G-tensor")
+        layout = self.layout(world_size)
+        try:
+            layout.check(world_size=world_size)
+        except ValueError as e:
+            raise GridError(str(e)) from None
+        self._check_batch(layout.g_data)
+
+    def _check_batch(self, g_data: int) -> None:
+        """The rule of Batches over the G_data_nonexp batch shards."""
+        shards = g_data * self.micro_batch_size
+        if self.global_batch_size % shards:
+            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple "
+                             f"of G_data x --micro-batch-size = {g_data} x "
+                             f"{self.micro_batch_size} = {shards}: every data-parallel rank "
+                             f"takes whole microbatches; choose a multiple of {shards} or a "
+                             "smaller --micro-batch-size")
 
 
 @dataclass
@@ -91,6 +130,16 @@ class MoETrainConfig(RunOptions, OptimizerOptions, TEDOptions, DataOptions, MoEO
     backends: str | None = option(None, "mcrdl backends to initialize and collective kinds "
                                   "pinned, e.g. mpi,gloo,a2a=gloo,allreduce=mpi (default: mpi "
                                   "or gloo; every kind 'auto')")
+
+    def model_config(self):
+        """The base model shape (training/models/moe.py base_config), ValueError naming
+        --model."""
+        try:
+            return base_config(self.model, vocab_size=self.data_vocab_size(),
+                               n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                               block_size=self.block_size)
+        except ValueError as e:
+            raise ValueError(self.model_error(e)) from None
 
     def describe_grid(self) -> str:
         g = f"G_data={self.G_data}" if self.G_data else "G_data=world/G_tensor"
