@@ -70,8 +70,8 @@ def _mpi_flags() -> tuple[list[str], list[str], list[str], list[str]]:
 
 inc, libdirs, libs, link = _mpi_flags()
 sources = [os.path.join("mcrdl", "csrc", f) for f in
-           ("module.cpp", "lane.cpp", "validate.cpp", "mpi_comm.cpp", "pccl.cpp", "fusion.cpp",
-            "watchdog.cpp", "front.cpp", "gil.cpp")]
+           ("module.cpp", "lane.cpp", "validate.cpp", "mpi_comm.cpp", "mpi_fast.cpp", "pccl.cpp",
+            "fusion.cpp", "watchdog.cpp", "front.cpp", "gil.cpp")]
 
 setup(
     # The repository's top-level tuning_tables/ (the measured tables, one per system) ships

@@ -134,6 +134,7 @@ class Issuer : public std::enable_shared_from_this<Issuer> {
 
 // An op issued by the Issuer: its MPI error code once issued.
 struct Issued {
+  virtual ~Issued() = default;
   std::atomic<bool> done{false};
   int rc = MPI_SUCCESS;
   // On the issue thread, once the MPI call returned `code`.
@@ -146,6 +147,33 @@ struct Issued {
     if (!done.load(std::memory_order_acquire)) return false;
     check_mpi(rc, mpi_name);
     return true;
+  }
+};
+
+// An op queued on the Issuer that owns what it runs (the MPI call, its buffers): the Work
+// that tracks it holds it in its test, and the task only points at it. The task's thread
+// must not release the buffers: dropping a tensor's last reference but one from C++ takes
+// the GIL to decref its Python object (torch), so an issue thread that did so after each
+// call stalled behind a caller holding the GIL (posting a burst of async ops), and issued
+// nothing meanwhile. The Work releases them when it completes (Work::complete, on the
+// thread that completes it, holding no lane lock), or keeps them for good when abandoned
+// (MPI may still use them).
+struct Queued : Issued {
+  explicit Queued(std::function<int()> call) : call(std::move(call)) {}
+  std::function<int()> call;
+  // Set when the call has returned, before `done`: the Work's gate (Work::gate). An object
+  // of its own, which the Work keeps to its end: the Work is destroyed wherever its last
+  // reference goes, under the lane's lock too, where it must not release tensors (the GIL
+  // they may take is held by a thread waiting for that lock).
+  std::shared_ptr<std::atomic<bool>> returned = std::make_shared<std::atomic<bool>>(false);
+  // The task to push: runs the call and publishes its code. The Work must hold this
+  // object until done is set (its test does); after set() the task touches only `returned`.
+  std::function<void()> task() {
+    return [self = this, returned = returned] {
+      const int rc = self->call();
+      returned->store(true, std::memory_order_release);
+      self->set(rc);
+    };
   }
 };
 

@@ -58,6 +58,12 @@ class Work {
   std::function<bool()> test;
   // Runs once after completion (copy-back, cast-back, averaging); may throw Error.
   std::function<void()> finish;
+  // An op that another thread issues (a communicator's issue thread, issuer.h): testing it
+  // is pointless until `*gate` is set, and the gates of one `gate_queue` are set in the
+  // order of the ops' sequence numbers. The lane then looks only at each queue's oldest op
+  // instead of testing every op in flight on every pass (see Lane::loop).
+  std::shared_ptr<const std::atomic<bool>> gate;
+  const void* gate_queue = nullptr;
 
   bool progress();
   bool is_completed() { return progress(); }
@@ -126,6 +132,7 @@ class Lane {
   void track(std::shared_ptr<Work> w);
   // Wait for every op tracked so far (GIL released by the caller).
   void synchronize(double timeout_s);
+  // Ops tracked and not finished.
   size_t in_flight();
   // Wait up to drain_s for the ops in flight to complete, then stop the thread; ops still
   // in flight are abandoned with `why` (their buffers are kept: MPI may still use them).
@@ -152,8 +159,11 @@ class Lane {
   std::mutex mu_;
   std::condition_variable cv_;
   std::condition_variable drained_;
+  void add_locked(std::shared_ptr<Work> w);
+  // Every op tracked, finished ones until the lane purges them (synchronize, shutdown).
   std::vector<std::shared_ptr<Work>> inflight_;
-  uint64_t tracked_ = 0;  // ops handed over so far: wakes the lane from an idle sleep
+  std::vector<std::shared_ptr<Work>> fresh_;  // tracked since the lane thread last took them
+  size_t purged_at_ = 0;  // inflight_'s size after the lane's last purge
   bool stop_ = false;
   std::thread thread_;
 };

@@ -11,6 +11,8 @@
 // calls (under post_mu_, or by the communicator's Issuer thread while it has ops queued
 // or a blocking call runs). Timeouts: the watchdog (watchdog.h).
 //
+// The CPython fast path over the hot ops (argument parsing, direct calls) is mpi_fast.cpp.
+//
 // Types MPI lacks (float16, bfloat16) move as 16-bit words and reduce in float32.
 // bool reduces as uint8 0/1 with bitwise ops (SUM/MAX = or, PRODUCT/MIN = and).
 #include <mpi.h>
@@ -36,6 +38,7 @@
 #include "pyargs.h"
 #include "gil.h"
 #include "issuer.h"
+#include "mpi_fast.h"
 #include "watchdog.h"
 
 namespace mcrdl {
@@ -901,12 +904,15 @@ class MpiComm {
       g.unlock();
       w->test = std::move(test);
     } else {
-      auto is = std::make_shared<Issued>();
-      issuer_->push([s, is, post_fn = std::function<int(MPI_Request*)>(
-                                std::forward<PostFn>(post_fn))] { is->set(post_fn(s->req())); });
+      auto q = std::make_shared<Queued>(
+          [s, post_fn = std::function<int(MPI_Request*)>(std::forward<PostFn>(post_fn))] {
+            return post_fn(s->req());
+          });
+      issuer_->push(q->task());
       g.unlock();
-      w->test = [is, mpi_name, test = std::move(test)] {
-        return is->issued(mpi_name) && test();
+      gate(*w, q);
+      w->test = [q, mpi_name, test = std::move(test)] {
+        return q->issued(mpi_name) && test();
       };
     }
     return launch_work(lane_, w, async_op);
@@ -978,12 +984,21 @@ class MpiComm {
     }
     auto w = make_work(op);
     w->finish = std::move(finish);
-    auto is = std::make_shared<Issued>();
+    auto q = std::make_shared<Queued>(
+        [call = std::forward<Call>(call), held = keep()] { return call(); });
     // No watchdog here: the Work's bounded wait raises CommTimeoutError as for any async op.
-    issuer_->push([is, call = std::forward<Call>(call), held = keep()] { is->set(call()); });
+    issuer_->push(q->task());
     g.unlock();
-    w->test = [is, mpi_name] { return is->issued(mpi_name); };
+    gate(*w, q);
+    w->test = [q, mpi_name] { return q->issued(mpi_name); };
     return launch_work(lane_, w, async_op);
+  }
+
+  // `w` waits for `q` on this communicator's issue thread (in issue order): the lane
+  // looks at it only once it heads the thread's queue (Work::gate).
+  void gate(Work& w, const std::shared_ptr<Queued>& q) const {
+    w.gate = q->returned;
+    w.gate_queue = issuer_.get();
   }
 
   MPI_Comm comm_;
@@ -998,150 +1013,22 @@ class MpiComm {
   SlotCache slots_;
 };
 
-// The mpi backend's operations as METH_FASTCALL functions (MPIBackend installs them over
-// its Python methods): a call goes from the front's generated function straight here,
-// without a Python frame of the backend or pybind11's argument dispatch (~0.2 us each,
-// the whole budget of a small blocking call). Calls with keywords, and calls on groups
-// the table does not hold (non-members, foreign objects: errors to report), go to the
-// backend's Python method.
-struct FastOps {
-  MpiComm* world = nullptr;  // comms' entry for None, read first
-  std::vector<std::pair<py::object, MpiComm*>> comms;  // group (None: world) -> its comm
-  std::unordered_map<std::string, py::object> slow;    // op -> the Python method
-};
-
-// The functions' `self`: an object that holds the table itself (a capsule's pointer is
-// read through PyCapsule_GetPointer, a function of libpython with its checks: more code
-// lines on every call).
-struct FastSelf {
-  PyObject_HEAD
-  FastOps* ops;
-};
-
-void fast_self_dealloc(PyObject* o) {
-  delete reinterpret_cast<FastSelf*>(o)->ops;
-  PyTypeObject* tp = Py_TYPE(o);
-  tp->tp_free(o);
-  Py_DECREF(tp);  // instances of a heap type hold a reference to it
+// The entry points of the fast path (mpi_fast.h).
+py::object mpi_all_reduce(MpiComm& c, py::handle tensor, int rop, bool async_op) {
+  return c.all_reduce(tensor, rop, async_op);
 }
-
-PyObject* new_fast_self(FastOps* ops) {
-  static PyTypeObject* type = [] {
-    static PyType_Slot slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(fast_self_dealloc)},
-                                  {0, nullptr}};
-    static PyType_Spec spec = {"mcrdl._C.MpiFastOps", sizeof(FastSelf), 0, Py_TPFLAGS_DEFAULT,
-                               slots};
-    return reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));  // kept for the process
-  }();
-  PyObject* o = type ? type->tp_alloc(type, 0) : nullptr;
-  if (!o) {
-    delete ops;
-    throw py::error_already_set();
-  }
-  reinterpret_cast<FastSelf*>(o)->ops = ops;
-  return o;
+py::object mpi_bcast(MpiComm& c, py::handle tensor, py::handle src, bool async_op) {
+  return c.bcast(tensor, src, async_op);
 }
-
-FastOps* fast_ops(PyObject* self) { return reinterpret_cast<FastSelf*>(self)->ops; }
-
-// An async_op argument: True and False without a call (PyObject_IsTrue is a function of
-// libpython); anything else by its truth value, an error raised as one.
-[[gnu::cold, gnu::noinline]] bool truthy_slow(PyObject* o) {
-  const int r = PyObject_IsTrue(o);
-  if (r < 0) throw py::error_already_set();
-  return r == 1;
+py::object mpi_all_gather(MpiComm& c, py::handle output, py::handle input, bool async_op) {
+  return c.all_gather(output, input, async_op);
 }
-
-C10_ALWAYS_INLINE bool truthy(PyObject* o) {
-  if (o == Py_True) return true;
-  if (o == Py_False) return false;
-  return truthy_slow(o);
+py::object mpi_reduce_scatter(MpiComm& c, py::handle output, py::handle input, int rop,
+                              bool async_op) {
+  return c.reduce_scatter(output, input, rop, async_op);
 }
-
-C10_ALWAYS_INLINE MpiComm* fast_comm(FastOps* f, PyObject* group) {
-  if (group == Py_None && f->world) return f->world;
-  for (auto& [g, c] : f->comms)
-    if (g.ptr() == group) return c;
-  return nullptr;
-}
-
-template <typename Call>
-PyObject* fast_call(PyObject* self, PyObject* const* args, size_t nargsf, PyObject* kwnames,
-                    const char* op, Py_ssize_t want, Call&& call) {
-  const Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-  FastOps* f = fast_ops(self);
-  MpiComm* c = (nargs == want && !kwnames) ? fast_comm(f, args[want - 2]) : nullptr;
-  if (!c) return PyObject_Vectorcall(f->slow.at(op).ptr(), args, nargsf, kwnames);
-  try {
-    return call(*c, args, truthy(args[want - 1])).release().ptr();
-  } catch (...) {
-    set_python_error(std::current_exception());
-    return nullptr;
-  }
-}
-
-PyObject* fast_all_reduce(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
-  return fast_call(self, a, n, kw, "all_reduce", 4, [](MpiComm& c, PyObject* const* a, bool as) {
-    return c.all_reduce(a[0], to_reduce_code(a[1], "all_reduce"), as);
-  });
-}
-PyObject* fast_bcast(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
-  return fast_call(self, a, n, kw, "bcast", 4, [](MpiComm& c, PyObject* const* a, bool as) {
-    return c.bcast(a[0], a[1], as);
-  });
-}
-PyObject* fast_all_gather(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
-  return fast_call(self, a, n, kw, "all_gather", 4, [](MpiComm& c, PyObject* const* a, bool as) {
-    return c.all_gather(a[0], a[1], as);
-  });
-}
-PyObject* fast_reduce_scatter(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
-  return fast_call(self, a, n, kw, "reduce_scatter", 5,
-                   [](MpiComm& c, PyObject* const* a, bool as) {
-                     return c.reduce_scatter(
-                         a[0], a[1], to_reduce_code(a[2], "reduce_scatter"), as);
-                   });
-}
-PyObject* fast_barrier(PyObject* self, PyObject* const* a, size_t n, PyObject* kw) {
-  return fast_call(self, a, n, kw, "barrier", 2, [](MpiComm& c, PyObject* const*, bool as) {
-    return c.barrier(as);
-  });
-}
-
-PyMethodDef kFastDefs[] = {
-    {"all_reduce", (PyCFunction)(void (*)())fast_all_reduce, METH_FASTCALL | METH_KEYWORDS, nullptr},
-    {"bcast", (PyCFunction)(void (*)())fast_bcast, METH_FASTCALL | METH_KEYWORDS, nullptr},
-    {"all_gather", (PyCFunction)(void (*)())fast_all_gather, METH_FASTCALL | METH_KEYWORDS, nullptr},
-    {"reduce_scatter", (PyCFunction)(void (*)())fast_reduce_scatter, METH_FASTCALL | METH_KEYWORDS,
-     nullptr},
-    {"barrier", (PyCFunction)(void (*)())fast_barrier, METH_FASTCALL | METH_KEYWORDS, nullptr},
-};
-
-// mpi_fast_ops(slow): {op: fast function} for the ops of kFastDefs, each falling back to
-// slow[op]; register communicators with the returned dict's "__add__"(group, comm), and
-// forget them all with its "__clear__"().
-py::dict mpi_fast_ops(py::dict slow) {
-  auto* f = new FastOps();
-  auto holder = py::reinterpret_steal<py::object>(new_fast_self(f));
-  py::dict out;
-  for (auto& def : kFastDefs) {
-    f->slow[def.ml_name] = slow[def.ml_name];
-    out[def.ml_name] = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, holder.ptr(), nullptr));
-  }
-  out["__add__"] = py::cpp_function([f, holder](py::object group, py::object comm) {
-    (void)holder;
-    f->comms.emplace_back(group, comm.cast<MpiComm*>());
-    if (group.is_none() && !f->world) f->world = f->comms.back().second;
-  });
-  // At finalize, before the communicators go: from then on every call takes the Python
-  // method, which refuses it (the table holds plain pointers, not the comm objects).
-  out["__clear__"] = py::cpp_function([f, holder] {
-    (void)holder;
-    f->comms.clear();
-    f->world = nullptr;
-  });
-  return out;
-}
+py::object mpi_barrier(MpiComm& c, bool async_op) { return c.barrier(async_op); }
+MpiComm* mpi_comm_of(py::handle comm) { return comm.cast<MpiComm*>(); }
 
 std::string mpi_library_version() {
   char buf[MPI_MAX_LIBRARY_VERSION_STRING];
@@ -1161,10 +1048,7 @@ void bind_mpi(py::module_& m) {
         "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
         "(what the blocking path's watchdog prints before MPI_Abort); `own_timeout`: the "
         "op's own timeout, where the wait had another (the op is still in flight).");
-  m.def("mpi_fast_ops", &mpi_fast_ops, arg("slow"),
-        "{op: METH_FASTCALL function} of the mpi backend's hot ops, each falling back to "
-        "slow[op]; '__add__'(group, comm) registers a communicator (group None: the world), "
-        "'__clear__'() forgets them all.");
+  bind_mpi_fast(m);
   m.def("mpi_library_version", &mpi_library_version,
         "Version string of the MPI library this extension was linked against.");
   py::class_<MpiComm>(m, "MpiComm")
