@@ -13,7 +13,10 @@ the command line of any such class, one argument group per section.
 
 Values come from the field defaults, then ``--config FILE`` (option names as keys, at
 the top level or in a table named after their section: ``[parallel]``), then the
-command line; ``validate()`` then checks types, ranges and the rules between options.
+command line; ``validate()`` then checks types, ranges and the rules between options
+and with the model's shape, ``check_world`` those with the world's size and
+``validate_paths`` this node's paths: together, before anything is built, every rule
+an engine enforces (training/core/validate.py says how a refusal is reported).
 """
 
 from __future__ import annotations
@@ -163,7 +166,11 @@ class PathOptionError(ValueError):
     """An option names a path this process cannot use, or a value read from a --config
     file is refused. Unlike the other option errors, which follow from the command line
     alone and so are the same on every rank, this one is of this node's file system:
-    another node may see another one (or another copy of the file)."""
+    another node may see another one (or another copy of the file). ``config``: the
+    options, where every rule but the paths passed (the ranks of a launch start mcrdl
+    by them to agree on the refusal); else None."""
+
+    config: Any = None
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -295,7 +302,11 @@ def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *
         config.validate()
         if world_size is not None:
             config.check_world(world_size)
-        config.validate_paths()
+        try:
+            config.validate_paths()
+        except PathOptionError as e:
+            e.config = config
+            raise
     except PathOptionError:
         raise
     except ValueError as e:

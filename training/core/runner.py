@@ -68,7 +68,8 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
     validation pass: it checks every rule of the command line and the world before any
     path, so its errors other than LOCAL_ERRORS are the same on every rank (the launch's
     rank 0 prints them). With `connect` (``connect(cfg)`` initializes mcrdl as the run
-    would; cfg None where this rank's options were refused) and several ranks, the ranks
+    would; cfg None where this rank could not read its options: a --config file) and
+    several ranks, the ranks
     then agree on LOCAL_ERRORS before the run (validate.refuse_together: printed once,
     with the ranks they concern); without it, each rank prints its own."""
     cfg, local = None, None
@@ -78,7 +79,7 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
         if connect is None or detect_launch().size == 1:
             report_option_error(e)
             return 2
-        local = e
+        local, cfg = e, getattr(e, "config", None)
     except ValueError as e:
         report_option_error(e)
         return 2
