@@ -78,6 +78,8 @@ CASES = [
     (MOE, 2, ["--out-dir", "afile/run"], "--out-dir afile/run is inside the file", False),
     (GPT, 2, ["--G-data", "2", "--data", "no-tokens"], "--data no-tokens is no directory",
      False),
+    (GPT, 2, ["--G-data", "2", "--data", "tokens", "--vocab-size", "64"], "--data tokens: "
+     "train.bin holds 20 tokens; expected more than block_size + 1 = 33", False),
     # resume without a checkpoint
     (GPT, 2, ["--G-data", "2", "--checkpoint-dir", "ckpts", "--resume"], "--resume: no "
      "complete checkpoint in --checkpoint-dir ckpts", False),
@@ -123,6 +125,8 @@ def workdir(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("")
     (tmp_path / "ckpts").mkdir()
     (tmp_path / "w.pt").write_text("")
+    (tmp_path / "tokens").mkdir()
+    (tmp_path / "tokens" / "train.bin").write_bytes(bytes(40))  # 20 uint16 tokens
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

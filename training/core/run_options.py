@@ -59,10 +59,20 @@ class DataOptions(Options):
             self.vocab_size or _TOKEN_VOCAB)
 
     def check_paths(self) -> None:
-        if not _is_stdlib(self.data) and not (Path(self.data) / "train.bin").is_file():
+        if _is_stdlib(self.data):
+            return
+        train = Path(self.data) / "train.bin"
+        if not train.is_file():
             what = "has no train.bin" if Path(self.data).is_dir() else "is no directory"
             raise PathOptionError(f"--data {self.data} {what}; expected 'stdlib' or a "
                                   "directory of nanoGPT train.bin/val.bin (uint16 token ids)")
+        model = self.model_config()
+        tokens = train.stat().st_size // 2  # Batches' rule: a sequence and its next token
+        if model is not None and tokens <= model.block_size + 1:
+            raise PathOptionError(f"--data {self.data}: train.bin holds {tokens} tokens; "
+                                  f"expected more than block_size + 1 = "
+                                  f"{model.block_size + 1}; give more tokens or a smaller "
+                                  "--block-size")
 
 
 
