@@ -1,4 +1,4 @@
-"""The mpi backend's blocking MPI path (issue 22): the variant choice, and its timeout
+"""The mpi backend's blocking MPI path: the variant choice, and its timeout
 contract (a watchdog ends the job with MPI_Abort, printing the CommTimeoutError text)."""
 
 import json
@@ -618,3 +618,64 @@ def test_blocking_call_releases_the_gil_a_python_thread_needs(two_ranks):
     out = two_ranks
     for variant in ("blocking", "nonblocking"):
         assert f"rank 0 {variant} ok" in out and f"rank 1 {variant} ok" in out, out
+
+
+@pytest.mark.parametrize("mode", ["auto", "always"])
+@pytest.mark.parametrize("order", ["mpi4py", "mcrdl"])
+def test_async_cost_per_op_does_not_grow_with_ops_in_flight(order, mode):
+    """512 small async all_reduces in flight cost per op what 32 do (within 2x), whoever
+    initialized MPI: with MPI initialized by the program (mpi4py.MPI imported first) and
+    ops of the blocking variant queued on the issue thread, every wait of an op on that
+    thread's turns cost the lane a test of every op in flight, and 512 took 2.5-8x per op
+    what 32 took. A ratio over the bound is measured once more (a loaded machine)."""
+    mpiexec = mpiexec_or_skip()
+    env = dict(os.environ, MCRDL_MPI_BLOCKING=mode)
+    ratios = []
+    for _ in range(2):
+        out = run_launcher([mpiexec, "-n", "2", sys.executable,
+                            os.path.join(HERE, "inflight_cost.py"), order, "32", "512"],
+                           env=env, timeout=240)
+        ratios.append(float(re.search(r"ratio ([0-9.]+)", out).group(1)))
+        if ratios[-1] <= 2.0:
+            return
+    pytest.fail(f"per-op cost at 512 in flight over 2x that at 32 ({order} first, "
+                f"MCRDL_MPI_BLOCKING={mode}): ratios {ratios}; last run:\n{out}")
+
+
+INIT_MODE = r"""
+import sys, logging, io
+if sys.argv[1] == 'mpi4py':
+    from mpi4py import MPI
+import mcrdl
+log = io.StringIO()
+logging.getLogger('mcrdl').addHandler(logging.StreamHandler(log))
+mcrdl.init(['mpi'])
+b = mcrdl.api.current_runtime().backend('mpi')
+print('mode:', sorted(b.init_mode.items()))
+print('warned:', log.getvalue().count('import mcrdl before mpi4py.MPI'))
+print('blocking 8 B:', b.comm(None).uses_blocking('all_reduce', 8))
+mcrdl.finalize()
+"""
+
+
+@pytest.mark.parametrize("order", ["mpi4py", "mcrdl"])
+def test_mpi_imported_first_is_told_and_recorded(order, tmp_path):
+    """MPICH reads its collective selection in MPI_Init: mcrdl sets it when imported, so
+    a program that imports mpi4py.MPI after mcrdl keeps MPICH's shared-memory path, and one
+    that imports it before is told once how to keep it (init's warning); mpi_init_mode
+    reads back what MPI_Init saw."""
+    mpiexec = mpiexec_or_skip()
+    script = tmp_path / "init_mode.py"
+    script.write_text(INIT_MODE)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPIR_CVAR_CH4_POSIX_COLL_SELECTION_TUNING_JSON_FILE",
+                        "MCRDL_MPICH_SELECTION")}
+    out = run_launcher([mpiexec, "-n", "1", sys.executable, str(script), order], env=env,
+                       timeout=120)
+    selection = "mpich" if order == "mpi4py" else "mcrdl"
+    assert f"('mpich_selection', '{selection}')" in out, out
+    by = "the program" if order == "mpi4py" else "mcrdl"
+    assert f"('mpi_initialized_by', '{by}')" in out, out
+    assert f"warned: {1 if order == 'mpi4py' else 0}" in out, out
+    # without MPICH's shared-memory path the shipped steps do not hold: nonblocking
+    assert f"blocking 8 B: {order == 'mcrdl'}" in out, out
