@@ -38,6 +38,7 @@ from .api import synchronize as synchronize
 from .backends import Backend as Backend
 from .backends import Capabilities as Capabilities
 from .backends import register_backend as register_backend
+from .bootstrap import select_mpich_collectives as select_mpich_collectives
 from .errors import BackendUnavailableError as BackendUnavailableError
 from .errors import CommTimeoutError as CommTimeoutError
 from .errors import DesyncError as DesyncError
@@ -281,62 +282,6 @@ def bcast(
 
 @overload
 def bcast(
-    backend: str,
-    tensor: Tensor,
-    src: int = 0,
-    group: Group | None = None,
-    async_op: bool = False,
-) -> Work | None: ...
-
-
-@overload
-def broadcast(
-    backend: str,
-    tensor: Tensor,
-    src: int = 0,
-    group: Group | None = None,
-    async_op: Literal[False] = False,
-) -> None:
-    """Broadcast `tensor` from group rank `src` to every rank.
-
-    Alias of mcrdl.bcast.
-
-    Args:
-        backend: a backend name ("mpi", "gloo", "nccl", "rccl", "cray-mpich", "pccl" or a
-            registered one), or "auto" (chosen per call from the tuning table).
-        tensor: a tensor.
-        src: a group rank.
-        group: a Group from mcrdl.new_group; None: the world.
-        async_op: False: return None once the result is ready to use on the calling stream or
-            thread. True: return a Work at once (a bool; 0, 1 and numpy bools are taken as
-            such).
-
-    Returns:
-        None once the result is ready; with async_op=True a Work: work.wait(timeout=None)
-        returns True once the result is ready (CommTimeoutError past the timeout),
-        work.is_completed() polls, work.backend names the backend that ran it.
-
-    Raises:
-        BackendUnavailableError: `backend` is unknown, unusable here, or not initialized.
-        InvalidArgumentError: a bad argument (dtype, device, sizes, counts, ranks, group);
-            checked before anything is sent.
-        UnsupportedOperationError: the backend lacks this operation (the message names the
-            backends that have it).
-        CommTimeoutError: a blocking call did not complete within the init timeout (an async
-            one's Work.wait raises it)."""
-
-@overload
-def broadcast(
-    backend: str,
-    tensor: Tensor,
-    src: int = 0,
-    group: Group | None = None,
-    *,
-    async_op: Literal[True],
-) -> Work: ...
-
-@overload
-def broadcast(
     backend: str,
     tensor: Tensor,
     src: int = 0,
@@ -1134,3 +1079,6 @@ def barrier(
     group: Group | None = None,
     async_op: bool = False,
 ) -> Work | None: ...
+
+
+broadcast = bcast

@@ -2,11 +2,12 @@
 
 The operations (``mcrdl.all_reduce`` ...) are made at import time from
 :data:`mcrdl.ops.OPS` (mcrdl/api.py), so type checkers and editors see them only through
-this stub: one function per spec and alias with the spec's parameters, their types, and
-a docstring (the spec's text, each parameter with its units, and what ``async_op=True``
-returns), overloaded so that ``async_op=True`` types as :class:`mcrdl.Work` and the
-blocking call as None. The rest of the stub re-exports what ``mcrdl/__init__.py`` imports,
-read from its source, so the annotated modules behind it keep their own signatures.
+this stub: one function per spec (an alias is the same function) with the spec's
+parameters, their types and a docstring (the spec's text, each parameter with its units,
+and what ``async_op=True`` returns), overloaded so that ``async_op=True`` types as
+:class:`mcrdl.Work` and the blocking call as None. The rest of the stub re-exports what
+``mcrdl/__init__.py`` imports, read from its source, so the annotated modules behind it
+keep their own signatures.
 
     python -m mcrdl.tools.stubgen          # rewrite mcrdl/__init__.pyi
     python -m mcrdl.tools.stubgen --check  # exit 1 with a diff when it is out of date
@@ -100,12 +101,10 @@ def _kind(param: Param) -> tuple[str, str]:
                          "has no stub type; add it to PARAMS in mcrdl/tools/stubgen.py") from None
 
 
-def docstring(spec: OpSpec, alias_of: str | None = None) -> str:
-    """The docstring of operation `spec` (of its alias when `alias_of` names it): the
-    spec's text, every parameter, and what the call returns."""
+def docstring(spec: OpSpec) -> str:
+    """The docstring of operation `spec`: the spec's text, every parameter, what the
+    call returns and raises."""
     lines = [spec.doc]
-    if alias_of is not None:
-        lines += ["", f"Alias of mcrdl.{alias_of}."]
     if any(p.kind is Kind.COUNTS for p in spec.params):
         lines += ["", VECTORED]
     lines += ["", "Args:", f"    backend: {BACKEND[1]}."]
@@ -131,7 +130,7 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     return out
 
 
-def operation(name: str, spec: OpSpec, alias_of: str | None = None) -> str:
+def operation(name: str, spec: OpSpec) -> str:
     """The overloads of operation `name`: blocking (None), ``async_op=True`` (Work), and
     an ``async_op`` known only as a bool. The first one holds the docstring, which pyright
     shows for all three."""
@@ -142,7 +141,7 @@ def operation(name: str, spec: OpSpec, alias_of: str | None = None) -> str:
                       else f"{p.name}: {annotation} = {_default(p)}")
     params.append(f"group: {GROUP[0]} = None")
     doc = ['    """' + line[4:] if i == 0 else line
-           for i, line in enumerate(_wrap(docstring(spec, alias_of), "    "))]
+           for i, line in enumerate(_wrap(docstring(spec), "    "))]
     doc[-1] += '"""'
     out = []
     for last, result in (("async_op: Literal[False] = False", "None"),
@@ -213,12 +212,10 @@ def render() -> str:
         "]",
         "",
     ]
-    aliases = {name: [a for a, target in ALIASES.items() if target == name] for name in OPS}
     for name, spec in OPS.items():
         out += ["", operation(name, spec)]
-        for alias in aliases[name]:
-            out += ["", operation(alias, spec, alias_of=name)]
-    return "\n".join(out).rstrip("\n").replace('"""\n\n\n', '"""\n\n', 1) + "\n"
+    out += ["", *(f"{alias} = {name}" for alias, name in ALIASES.items())]
+    return "\n".join(out) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
