@@ -3,7 +3,8 @@ no traceback, before a model is built (training/core/validate.py).
 
 The table holds a mistaken command line of every option family (batch and layout
 arithmetic; heads, vocabulary and experts against the axes; layer splits; paths; dtypes;
-ranges; resume without a checkpoint; SAMO; TED's capacity and router groups). Every case
+ranges; resume without a checkpoint; SAMO; TED's capacity and router groups; a backend
+this node cannot start). Every case
 runs in this process through the command's ``main`` (a launch's rank 0 and rank 1 seen
 through the launcher's variables: rank 0 prints the one line, rank 1 nothing; the run
 itself replaced by a failure, so a case that got past the validation fails the test).
@@ -80,6 +81,8 @@ CASES = [
      False),
     (GPT, 2, ["--G-data", "2", "--data", "tokens", "--vocab-size", "64"], "--data tokens: "
      "train.bin holds 20 tokens; expected more than block_size + 1 = 33", False),
+    (GPT, 2, ["--G-data", "2", "--backends", "rccl"], "--backends 'rccl': backend 'rccl' "
+     "is unavailable here", False),
     # resume without a checkpoint
     (GPT, 2, ["--G-data", "2", "--checkpoint-dir", "ckpts", "--resume"], "--resume: no "
      "complete checkpoint in --checkpoint-dir ckpts", False),

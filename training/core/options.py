@@ -15,8 +15,9 @@ Values come from the field defaults, then ``--config FILE`` (option names as key
 the top level or in a table named after their section: ``[parallel]``), then the
 command line; ``validate()`` then checks types, ranges and the rules between options
 and with the model's shape, ``check_world`` those with the world's size and
-``validate_paths`` this node's paths: together, before anything is built, every rule
-an engine enforces (training/core/validate.py says how a refusal is reported).
+``validate_node`` what this node must provide (paths, backends): together, before
+anything is built, every rule an engine enforces (training/core/validate.py says how a
+refusal is reported).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class Options:
     its options and ``check_model(self, model)`` for those between its options and the
     model's shape (``model_config()``); ``validate()`` checks every field, then runs
     each section's ``check``, then its ``check_model``. ``check_world(world_size)``
-    holds the rules of the world's size, ``check_paths(self)`` (``validate_paths()``)
-    those of this node's files. Together they state every rule an engine enforces
+    holds the rules of the world's size, ``check_node(self)`` (``validate_node()``)
+    what this node must provide (files, backends). Together they state every rule an engine enforces
     before anything is built (``parse_args`` with `world_size`), so that an engine's
     own checks are guards a user's options never reach.
     The grid is read from the options declared with an ``axis``, whatever their section."""
@@ -100,13 +101,14 @@ class Options:
         model)`` rules; None: no model to check."""
         return None
 
-    def validate_paths(self) -> None:
-        """Run each section's ``check_paths``: the paths this process cannot use
-        (PathOptionError). Kept apart from validate(): another node may see another
-        file system, so these are the errors only some ranks of a launch may have."""
+    def validate_node(self) -> None:
+        """Run each section's ``check_node``: the paths this process cannot use, the
+        backends it cannot start (PathOptionError). Kept apart from validate():
+        another node may see other files or have other hardware, so these are the
+        errors only some ranks of a launch may have."""
         for section in sections(type(self)):
-            if "check_paths" in vars(section):
-                section.check_paths(self)
+            if "check_node" in vars(section):
+                section.check_node(self)
 
     def degrees(self) -> dict[Axis, int]:
         """The degree of each grid axis, from the options that declare an axis."""
@@ -163,10 +165,10 @@ def _section_fields(section: type) -> list[str]:
 # -- paths ------------------------------------------------------------------------------
 
 class PathOptionError(ValueError):
-    """An option names a path this process cannot use, or a value read from a --config
-    file is refused. Unlike the other option errors, which follow from the command line
-    alone and so are the same on every rank, this one is of this node's file system:
-    another node may see another one (or another copy of the file). ``config``: the
+    """An option names a path or a backend this process cannot use, or a value read
+    from a --config file is refused. Unlike the other option errors, which follow from
+    the command line alone and so are the same on every rank, this one is of this node:
+    another node may see other files (or another copy of the file). ``config``: the
     options, where every rule but the paths passed (the ranks of a launch start mcrdl
     by them to agree on the refusal); else None."""
 
@@ -278,11 +280,12 @@ def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *
     """A validated `config_class` from the defaults, ``--config FILE`` and `argv` (in
     that order of precedence, the last winning); with `world_size`, also checked
     against a world of that many ranks (``check_world``). Every rule of the command
-    line and the world is checked before any path (``validate_paths``), so that every
-    rank of a launch refuses the same command line alike, and only path errors may
-    differ between them. Raises ValueError naming a bad option (UsageError where
-    argparse refuses the command line, PathOptionError for a path this node cannot use
-    or a value of a --config file), FileNotFoundError for a missing config file."""
+    line and the world is checked before this node's paths and backends
+    (``validate_node``), so that every rank of a launch refuses the same command line
+    alike, and only the node's errors may differ between them. Raises ValueError
+    naming a bad option (UsageError where argparse refuses the command line,
+    PathOptionError for a path or backend this node cannot use or a value of a
+    --config file), FileNotFoundError for a missing config file."""
     parser = _Parser(prog=prog, description=description,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="TOML or JSON file of options (see above)")
@@ -303,7 +306,7 @@ def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *
         if world_size is not None:
             config.check_world(world_size)
         try:
-            config.validate_paths()
+            config.validate_node()
         except PathOptionError as e:
             e.config = config
             raise

@@ -58,7 +58,7 @@ class DataOptions(Options):
         return ByteCorpus.vocab_size if _is_stdlib(self.data) else (
             self.vocab_size or _TOKEN_VOCAB)
 
-    def check_paths(self) -> None:
+    def check_node(self) -> None:
         if _is_stdlib(self.data):
             return
         train = Path(self.data) / "train.bin"
@@ -125,6 +125,27 @@ def check_backend_names(option: str, given: str, names: list[str]) -> None:
 
 
 
+def check_backends_usable(option: str, given: str, names: list[str]) -> None:
+    """PathOptionError naming `option` when one of `names` cannot start on this node
+    (mcrdl's reason: nccl without a GPU build, ...; a traceback from mcrdl.init on every
+    rank otherwise). Only the named backends are probed."""
+    from mcrdl.backends import registry
+    from mcrdl.launch import detect
+
+    launch = detect()
+    for name in (n.strip() for n in names):
+        if name == "auto":
+            continue
+        try:
+            why = registry.backend_class(name).availability(launch)
+        except Exception as e:  # as registry.availability reports a failed probe
+            why = f"availability check failed: {e}"
+        if why is not None:
+            usable = [n for n, w in registry.availability(launch).items() if w is None]
+            raise PathOptionError(f"{option} {given!r}: backend {name!r} is unavailable "
+                                  f"here: {why}; usable here: {', '.join(usable)}")
+
+
 @dataclass
 class RunOptions(Options):
     section = "run"
@@ -184,7 +205,10 @@ class RunOptions(Options):
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("--resume without a path needs --checkpoint-dir")
 
-    def check_paths(self) -> None:
+    def check_node(self) -> None:
+        if self.backends:
+            check_backends_usable("--backends", self.backends,
+                                  Backends.parse(self.backends).init)
         if self.init_from is not None and not Path(self.init_from).is_file():
             raise PathOptionError(f"--init-from {self.init_from}: no such file")
         if self.resume == "latest" and latest_checkpoint(self.checkpoint_dir) is None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..core.options import Options, flag, option
-from ..core.run_options import check_backend_names
+from ..core.run_options import check_backend_names, check_backends_usable
 from ..core.topology import Axis
 
 
@@ -108,6 +108,11 @@ class TensorOptions(Options):
                                  f"microbatches of --micro-batch-size {self.micro_batch_size};"
                                  f" choose a multiple of {need} or a smaller "
                                  "--micro-batch-size")
+
+    def check_node(self) -> None:
+        if self.axis_backends:
+            check_backends_usable("--axis-backends", self.axis_backends,
+                                  list(self.backend_of_axis().values()))
 
     def check_world(self, world_size: int) -> None:
         """The 4D engine's rules of its grid (check_grid, as Trainer4D applies them):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.options import Options, option
-from ..core.run_options import check_backend_names
+from ..core.run_options import check_backend_names, check_backends_usable
 from ..core.topology import Axis, to_axis
 from .engine import MAX_MICROBATCHES
 
@@ -78,6 +78,10 @@ class PipelineOptions(Options):
                              f"microbatches of {self.micro_batch_size} per replica; expected "
                              f"at most {MAX_MICROBATCHES} (the pipeline's message tags); "
                              "raise --micro-batch-size or --G-data")
+
+    def check_node(self) -> None:
+        if self.p2p_backend is not None:
+            check_backends_usable("--p2p-backend", self.p2p_backend, [self.p2p_backend])
 
     def check_model(self, model) -> None:
         """The rules of partition(): every stage holds a block, or the given split."""
