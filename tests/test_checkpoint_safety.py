@@ -7,6 +7,7 @@ the global it would call, and a checkpoint of the previous format loads only wit
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -97,8 +98,9 @@ def test_crafted_init_from_file_is_refused(tmp_path):
 
 
 def test_a_shard_holds_only_what_the_safe_loader_reads(tmp_path):
-    """A save refuses what load_file would not read back (a dataclass, a numpy value),
-    naming the entry, before writing anything."""
+    """A save refuses what a checkpoint file cannot hold (a dataclass, a numpy value),
+    naming the entry, before writing anything; so does the consolidated (torch.save)
+    file's."""
     from training.core import checkpoint as ckpt
 
     @dataclasses.dataclass
@@ -109,12 +111,51 @@ def test_a_shard_holds_only_what_the_safe_loader_reads(tmp_path):
                        ({"optimizer": {"rng": [np.int64(3)]}}, "/optimizer/rng/0")):
         with pytest.raises(ckpt.CheckpointError, match=f"checkpoint entry {where} is a "):
             ckpt.atomic_save(bad, tmp_path / "s.pt")
+        with pytest.raises(ckpt.CheckpointError, match=f"checkpoint entry {where} is a "):
+            ckpt.atomic_torch_save(bad, tmp_path / "s.pt")
     assert not list(tmp_path.iterdir())
-    state = {"model": {"w": torch.ones(2)}, "units": (0, 3), "rounds": [[1, 0.5]],
-             "scope": "global", "scale": None, "dtype": torch.bfloat16}
+
+
+
+def test_shard_files_round_trip_and_malformed_ones_are_refused(tmp_path):
+    """A shard file (safetensors layout, the structure as JSON) gives back what was
+    saved, types included (tuples, int keys, dtypes, bf16, int32, 0-d and empty
+    tensors); a malformed one is refused by name; a plain safetensors file reads as
+    its state_dict."""
+    from training.core import checkpoint as ckpt
+    state = {"model": {"w": torch.arange(6.0).view(2, 3).t(), "h": torch.ones(3).bfloat16()},
+             "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "betas": (0.9, 0.95)},
+             "index": torch.tensor([1, 4], dtype=torch.int32), "empty": torch.zeros(0, 2),
+             "units": (0, 3), "rounds": [[1, 0.5]], "scale": float("inf"), "none": None,
+             "dtype": torch.bfloat16, "shape": torch.Size([2, 3]), "@odd": True}
     ckpt.atomic_save(state, tmp_path / "s.pt")
     got = ckpt.load_file(tmp_path / "s.pt", tmp_path / "s.pt")
-    assert got["units"] == (0, 3) and got["dtype"] == torch.bfloat16
+    assert list(got) == list(state)
+    for k in ("units", "rounds", "scale", "none", "dtype", "shape", "@odd"):
+        assert got[k] == state[k] and type(got[k]) is type(state[k]), k
+    assert got["optimizer"]["betas"] == (0.9, 0.95)
+    assert torch.equal(got["optimizer"]["state"][0]["step"], torch.tensor(3.0))
+    for k in ("w", "h"):
+        t = got["model"][k]
+        assert t.dtype == state["model"][k].dtype and torch.equal(t, state["model"][k]), k
+    assert got["index"].dtype == torch.int32 and got["empty"].shape == (0, 2)
+    data = bytearray((tmp_path / "s.pt").read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8:8 + n]))
+    for damage in ({"mcrdl": json.dumps({"@call": ["os.system", "touch x"]})},
+                   {"mcrdl": json.dumps({"@tensor": 99})}):
+        bad = json.dumps(dict(header, __metadata__=damage)).encode()
+        with pytest.raises(ckpt.CheckpointError, match="s.pt is not a well-formed checkpoint"):
+            ckpt.load_file(len(bad).to_bytes(8, "little") + bad + data[8 + n:], "s.pt")
+    first = next(k for k in header if k != "__metadata__")
+    bad = json.dumps(dict(header, **{first: dict(header[first], data_offsets=[0, 10**9])}))
+    with pytest.raises(ckpt.CheckpointError, match="does not fit bytes"):
+        ckpt.load_file(len(bad).to_bytes(8, "little") + bad.encode() + data[8 + n:], "s.pt")
+    # safetensors' own files: a state_dict of its tensors
+    plain = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    got = ckpt.load_file(len(plain).to_bytes(8, "little") + plain
+                         + torch.tensor([1.0, 2.0]).numpy().tobytes(), "w.safetensors")
+    assert torch.equal(got["w"], torch.tensor([1.0, 2.0]))
 
 
 def test_previous_format_loads_only_with_trust(tmp_path, capsys):

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
             raise ckpt.CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
                                   "the same file; name the state_dict .pt")
         state, cfg = consolidate(path, masters=args.masters, trust=args.trust_checkpoint)
-        ckpt.atomic_save(state, out)
+        ckpt.atomic_torch_save(state, out)
         ckpt.atomic_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
         n = sum(t.numel() for t in state.values())
         print(f"consolidated {path} -> {out}: {len(state)} tensors, {n} parameters; "

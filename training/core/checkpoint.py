@@ -3,7 +3,7 @@
 Layout of ``<checkpoint-dir>``::
 
     step_000010/stage_00.pt ...   one shard per pipeline stage (model + optimizer state),
-                                  written by the stage's data-parallel rank 0
+                                  written by the stage's data-parallel rank 0 (``encode``)
     step_000010/manifest.json     written last, by world rank 0: step, grid, partition,
                                   model config, and each shard's size and sha256
     latest                        name of the newest complete checkpoint
@@ -21,15 +21,18 @@ ranks agree before any state changes: a truncated or corrupt shard raises
 ``python -m training.checkpoint`` (training/checkpoint.py) lists checkpoints and
 consolidates them into one serial ``state_dict``.
 
-Every file a checkpoint, a consolidation or ``--init-from`` reads is loaded by
-``load_file``: ``torch.load(weights_only=True)``, which rebuilds tensors and plain data
-(dict, list, tuple, str, numbers, bool, None) and refuses any other Python object a
-pickle names, so a file cannot run code when it is read (a manifest's sha256 proves the
-shard intact, not who wrote it: whoever can write the shard can write the manifest).
-A shard therefore holds only such data (``atomic_save`` checks it): optimizer states
-as dicts of tensors and numbers, splits and layouts as dicts, the pruning mask as int32
-tensors; the data position is the step. Checkpoints of an earlier ``FORMAT``
-(``TRUSTED_ONLY``) were read with pickle's full unpickler and load only with
+No file a resume, a consolidation or ``--init-from`` reads can run code (a manifest's
+sha256 proves a shard intact, not who wrote it: whoever can write the shard can write
+the manifest). A shard is written by ``encode``: the safetensors layout, its tensors'
+bytes with a JSON header, and the structure around them (optimizer states, splits,
+layouts, the pruning mask's bookkeeping, steps; the data position is the step) as JSON
+in its metadata; ``load_file`` parses the JSON and reinterprets the bytes, nothing
+more. A shard therefore holds only tensors, str, numbers, bool, None, dtypes and dicts,
+lists and tuples of them (a save refuses anything else, by name). Other files
+(``--init-from``'s state_dict, written by ``torch.save``) are read with
+``torch.load(weights_only=True)``, which refuses any Python object a pickle names
+beyond tensors and plain data. Checkpoints of the earlier ``FORMAT`` (``TRUSTED_ONLY``:
+torch.save shards, read with pickle's full unpickler) load only with
 ``--trust-checkpoint`` (``TRUST_OPTION``), which lets their files run any code.
 
 A pruned run's shard also holds its mask (``"pruning"``: each tensor's int32 index of
@@ -43,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -96,37 +100,152 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-#: What a checkpoint file holds, besides dicts, lists and tuples of it: what
-#: ``torch.load(weights_only=True)`` rebuilds without any allow-list.
+#: What a checkpoint file holds, in dicts (str or int keys), lists and tuples.
 PLAIN = (torch.Tensor, str, int, float, bool, type(None), torch.dtype, torch.Size)
+#: Tensor dtypes of a shard file and their safetensors names.
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+          torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+          torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_BY_NAME = {v: k for k, v in DTYPES.items()}
 
 
-def check_plain(obj, where: str = "") -> None:
-    """CheckpointError naming the first entry of `obj` (a shard, a state_dict) that
-    ``load_file`` would refuse: an object other than PLAIN, dict, list and tuple (a
-    dataclass, an enum, a numpy value or RNG state): save it as such data instead."""
+def _not_plain(obj, where: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint entry {where or '/'} is a {type(obj).__module__}."
+        f"{type(obj).__qualname__}: a checkpoint holds only tensors, str, numbers, bool, "
+        "None, dtypes and dicts (str or int keys), lists and tuples of them; store it as "
+        "such data")
+
+
+def _tree(obj, tensors: list, where: str = ""):
+    """`obj` as JSON data, each tensor replaced by ``{"@tensor": i}`` (its index in
+    `tensors`, where it is appended); tuples, dtypes, sizes and dicts with int keys (or
+    keys starting with "@") tagged likewise. CheckpointError at anything else."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.dtype not in DTYPES:
+            raise _not_plain(obj, where)
+        tensors.append(obj)
+        return {"@tensor": len(tensors) - 1}
     if isinstance(obj, dict):
-        for k, v in obj.items():
-            if not isinstance(k, (str, int)):
-                raise CheckpointError(f"checkpoint entry {where or '/'} has a key of type "
-                                      f"{type(k).__name__}: keys are str or int")
-            check_plain(v, f"{where}/{k}")
-    elif isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        for i, v in enumerate(obj):
-            check_plain(v, f"{where}/{i}")
-    elif not isinstance(obj, PLAIN) or (isinstance(obj, torch.Tensor)
-                                        and type(obj) not in (torch.Tensor,
-                                                              torch.nn.Parameter)):
-        raise CheckpointError(
-            f"checkpoint entry {where or '/'} is a {type(obj).__module__}."
-            f"{type(obj).__qualname__}: a checkpoint holds only tensors, str, numbers, "
-            "bool, None and dicts, lists and tuples of them (what torch.load(weights_only"
-            "=True) rebuilds); store it as such data")
+        if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in obj):
+            bad = next(k for k in obj if not isinstance(k, (str, int)) or isinstance(k, bool))
+            raise CheckpointError(f"checkpoint entry {where or '/'} has a key of type "
+                                  f"{type(bad).__name__}: keys are str or int")
+        if all(isinstance(k, str) and not k.startswith("@") for k in obj):
+            return {k: _tree(v, tensors, f"{where}/{k}") for k, v in obj.items()}
+        return {"@dict": [[k, _tree(v, tensors, f"{where}/{k}")] for k, v in obj.items()]}
+    if type(obj) in (list, tuple):
+        items = [_tree(v, tensors, f"{where}/{i}") for i, v in enumerate(obj)]
+        return items if type(obj) is list else {"@tuple": items}
+    if isinstance(obj, torch.Size):
+        return {"@size": list(obj)}
+    if isinstance(obj, torch.dtype):
+        return {"@dtype": str(obj).removeprefix("torch.")}
+    if type(obj) in (str, int, float, bool, type(None)):
+        return obj
+    raise _not_plain(obj, where)
+
+
+def _untree(node, tensors: list):
+    """The inverse of ``_tree``; ValueError (KeyError, IndexError) at a malformed node."""
+    if isinstance(node, list):
+        return [_untree(v, tensors) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) == 1 and next(iter(node)).startswith("@"):
+        tag, value = next(iter(node.items()))
+        if tag == "@tensor":
+            return tensors[value]
+        if tag == "@tuple":
+            return tuple(_untree(v, tensors) for v in value)
+        if tag == "@dict":
+            return {k: _untree(v, tensors) for k, v in value}
+        if tag == "@size":
+            return torch.Size(value)
+        if tag == "@dtype" and isinstance(getattr(torch, value, None), torch.dtype):
+            return getattr(torch, value)
+        raise ValueError(f"unknown entry {tag!r}: {value!r}")
+    return {k: _untree(v, tensors) for k, v in node.items()}
+
+
+def check_plain(obj) -> None:
+    """CheckpointError naming the first entry of `obj` (a shard, a state_dict) that a
+    checkpoint file cannot hold: an object other than PLAIN, dict, list and tuple (a
+    dataclass, an enum, a numpy value or RNG state): save it as such data instead."""
+    _tree(obj, [])
+
+
+def encode(obj) -> bytes:
+    """`obj` (plain data: ``check_plain``) as a shard file: the safetensors layout (8
+    bytes little-endian header size, JSON header naming each tensor's dtype, shape and
+    bytes, the tensors' bytes) with the structure around the tensors as JSON in its
+    metadata ("mcrdl"). Tensors go largest element first, so each stays aligned."""
+    tensors: list[torch.Tensor] = []
+    tree = _tree(obj, tensors)
+    header: dict = {"__metadata__": {"mcrdl": json.dumps(tree)}}
+    blobs, offset = [], 0
+    for i in sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size()):
+        t = tensors[i].detach().to("cpu").contiguous()
+        blob = t.reshape(-1).view(torch.uint8).numpy()
+        header[str(i)] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + blob.nbytes]}
+        blobs.append(blob)
+        offset += blob.nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + b"".join(blobs)
+
+
+def _is_encoded(data) -> bool:
+    """Whether `data` has the safetensors layout (torch.save files are zip archives or
+    pickles, whose first bytes are no such header size)."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    return 2 <= n <= len(data) - 8 and data[8:9] == b"{"
+
+
+def decode(data: bytearray, path, what: str = "checkpoint file"):
+    """What ``encode`` wrote into `data`, its tensors views of `data` (a safetensors
+    file without mcrdl's metadata: its tensors by name, a state_dict). Only JSON is
+    parsed and bytes reinterpreted: nothing in the file runs. CheckpointError naming
+    `what` `path` when the file is malformed."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(bytes(data[8:8 + n]))
+        meta = header.pop("__metadata__", None) or {}
+        base, tensors = 8 + n, {}
+        for name, spec in header.items():
+            dtype, shape = _BY_NAME[spec["dtype"]], [int(d) for d in spec["shape"]]
+            begin, end = (int(x) for x in spec["data_offsets"])
+            count = math.prod(shape)
+            size = torch.empty((), dtype=dtype).element_size()
+            if min(shape, default=0) < 0 or not 0 <= begin <= end <= len(data) - base \
+                    or end - begin != count * size:
+                raise ValueError(f"tensor {name!r}: shape {shape} of {spec['dtype']} does "
+                                 f"not fit bytes {begin}..{end} of {len(data) - base}")
+            tensors[name] = (torch.frombuffer(data, dtype=dtype, count=count,
+                                              offset=base + begin).view(shape)
+                             if count else torch.empty(shape, dtype=dtype))
+        if "mcrdl" not in meta:
+            return tensors
+        return _untree(json.loads(meta["mcrdl"]), [tensors[str(i)] for i in range(len(tensors))])
+    except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as e:
+        raise CheckpointError(f"{what} {path} is not a well-formed checkpoint file "
+                              f"({type(e).__name__}: {e})") from None
 
 
 def atomic_save(obj, path: Path) -> tuple[int, str]:
-    """torch.save of plain data (``check_plain``) to a temp file, fsync, rename; returns
-    (bytes, sha256)."""
+    """A shard file (``encode``) written to a temp file, fsync, rename; returns (bytes,
+    sha256)."""
+    data = encode(obj)
+    atomic_write(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def atomic_torch_save(obj, path: Path) -> tuple[int, str]:
+    """torch.save of plain data (``check_plain``: what torch.load(weights_only=True),
+    torch's default, reads) through a temp file, fsync, rename: a consolidated
+    state_dict, for ``torch.load`` as much as for ``--init-from``. Returns (bytes,
+    sha256)."""
     check_plain(obj)
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -412,20 +531,30 @@ def _unpickled_globals(data: bytes) -> list[str]:
     return [n for n in dict.fromkeys(names) if n not in allowed]
 
 
-def load_file(source: bytes | str | os.PathLike, path: str | os.PathLike,
+def _read(path: str | os.PathLike) -> bytearray:
+    """The bytes of file `path`, writable (``decode``'s tensors are views of them)."""
+    with open(path, "rb") as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        f.readinto(data)
+    return data
+
+
+def load_file(source: bytes | bytearray | str | os.PathLike, path: str | os.PathLike,
               what: str = "checkpoint file") -> object:
-    """The tensors and plain data in the torch.save file `source` (its bytes, or its
-    path), read with ``torch.load(weights_only=True)`` onto the CPU: nothing in the file
-    runs. A file that names any other Python object (a class, a function such as
-    os.system) is refused with a CheckpointError naming `what` `path` and those names;
-    FileNotFoundError and torch's errors of a file of another kind pass through."""
+    """The tensors and plain data in checkpoint file `source` (its bytes, or its path),
+    on the CPU, without running anything in it: a shard file (``decode``: JSON and
+    tensor bytes; a safetensors file), else a torch.save file read with
+    ``torch.load(weights_only=True)``. A file that names any other Python object (a
+    class, a function such as os.system) is refused with a CheckpointError naming
+    `what` `path` and those names; FileNotFoundError and torch's errors of a file of
+    another kind pass through."""
+    data = source if isinstance(source, (bytes, bytearray)) else _read(source)
+    if _is_encoded(data):
+        return decode(data if isinstance(data, bytearray) else bytearray(data), path, what)
     try:
-        if isinstance(source, bytes):
-            return torch.load(io.BytesIO(source), map_location="cpu", weights_only=True)
-        return torch.load(source, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        data = source if isinstance(source, bytes) else Path(source).read_bytes()
-        names = _unpickled_globals(data)
+        names = _unpickled_globals(bytes(data))
         if names:
             found = "Unsupported global: " + ", ".join(names)
         else:  # no global named: torch's own reason
@@ -448,7 +577,7 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
     path = directory / entry["file"]
     if not path.exists():
         raise CheckpointError(f"shard {path} is missing{_alternatives(directory)}")
-    data = path.read_bytes()
+    data = _read(path)
     if len(data) != entry["bytes"]:
         raise CheckpointError(f"shard {path} is truncated or overwritten: {len(data)} bytes, "
                               f"the manifest says {entry['bytes']}{_alternatives(directory)}")
