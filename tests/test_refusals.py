@@ -38,13 +38,14 @@ CASES = [
               "--global-batch-size", "16"], "--global-batch-size 16 is not divisible by "
      "G_z*G_data*--micro-batch-size=2*2*16=64", True),
     (GPT, 2, ["--G-data", "2", "--micro-batch-size", "16", "--global-batch-size", "16"],
-     "--global-batch-size 16 is not a multiple of G_data x --micro-batch-size = 2 x 16", True),
+     "--global-batch-size 16 is not divisible by G_data*--micro-batch-size=2*16=32", True),
     (GPT, 2, ["--G-data", "4"], "process grid G_inter=1 x G_data=4 needs 4 ranks but the "
      "world has 2", True),
     (GPT, 4, ["--G-x", "2", "--G-z", "3", "--global-batch-size", "6"], "needs "
      "G_x*G_y*G_z*G_data=6 ranks but the world has 4", True),
     (MOE, 4, ["--G-expert", "4", "--global-batch-size", "6"], "--global-batch-size 6 is not "
-     "a multiple of G_data x --micro-batch-size = 4 x 2", True),
+     "divisible by G_data=4: every data shard takes whole microbatches of "
+     "--micro-batch-size 2; choose a multiple of 8", True),
     (MOE, 4, ["--G-tensor", "2", "--G-data", "4"], "G_tensor=2 x G_data_nonexp=4 = 8 ranks, "
      "but the world has 4", True),
     (MOE, 2, ["--G-expert", "2", "--G-data", "3"], "G_data_nonexp=3 is not divisible by "

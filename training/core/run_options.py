@@ -4,6 +4,7 @@ composes its config class from these and its own sections (training/core/options
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,23 @@ class DataOptions(Options):
     micro_batch_size: int = option(2, "sequences per microbatch", minimum=1)
     global_batch_size: int = option(8, "sequences per step, over all data-parallel ranks",
                                     minimum=1)
+
+    def check_batch_split(self, names: str, degrees: list[int]) -> None:
+        """Batches' rule: every data shard takes whole microbatches. `names`: the
+        options of the degrees the batch is split over (``G_z*G_data``), `degrees`:
+        their values."""
+        shards = math.prod(degrees)
+        need = shards * self.micro_batch_size
+        if self.global_batch_size % need == 0:
+            return
+        values = "" if len(degrees) == 1 else "*".join(map(str, degrees)) + "="
+        split = (f"{names}={values}{shards}" if self.global_batch_size % shards else
+                 f"{names}*--micro-batch-size={values.rstrip('=') or shards}*"
+                 f"{self.micro_batch_size}={need}")
+        raise ValueError(f"--global-batch-size {self.global_batch_size} is not divisible "
+                         f"by {split}: every data shard takes whole microbatches of "
+                         f"--micro-batch-size {self.micro_batch_size}; choose a multiple of "
+                         f"{need} or a smaller --micro-batch-size")
 
     def data_vocab_size(self) -> int:
         """The vocabulary of --data's tokens (load_dataset's): bytes, or --vocab-size."""

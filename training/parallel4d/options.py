@@ -95,19 +95,7 @@ class TensorOptions(Options):
             if self.dtype == "fp16":
                 raise ValueError("--dtype fp16 is not supported by the 4D engine (no loss "
                                  "scaling yet); use bf16 or fp32")
-            # the rule of Batches over the (z, data) shards
-            shards = self.G_z * self.G_data
-            need = shards * self.micro_batch_size
-            if self.global_batch_size % need:
-                split = (f"G_z*G_data={self.G_z}*{self.G_data}={shards}"
-                         if self.global_batch_size % shards else
-                         f"G_z*G_data*--micro-batch-size={self.G_z}*{self.G_data}*"
-                         f"{self.micro_batch_size}={need}")
-                raise ValueError(f"--global-batch-size {self.global_batch_size} is not "
-                                 f"divisible by {split}: every (z, data) rank takes whole "
-                                 f"microbatches of --micro-batch-size {self.micro_batch_size};"
-                                 f" choose a multiple of {need} or a smaller "
-                                 "--micro-batch-size")
+            self.check_batch_split("G_z*G_data", [self.G_z, self.G_data])
 
     def check_node(self) -> None:
         if self.axis_backends:

@@ -65,13 +65,8 @@ class PipelineOptions(Options):
         if self.uses_4d():
             return
         # the rules of Batches and PipelineEngine.run, stated here first
+        self.check_batch_split("G_data", [self.G_data])
         replicas = self.G_data * self.micro_batch_size
-        if self.global_batch_size % replicas:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple "
-                             f"of G_data x --micro-batch-size = {self.G_data} x "
-                             f"{self.micro_batch_size} = {replicas}: every data-parallel "
-                             "replica takes whole microbatches; choose a multiple of "
-                             f"{replicas} or a smaller --micro-batch-size")
         n_micro = self.global_batch_size // replicas
         if n_micro > MAX_MICROBATCHES:
             raise ValueError(f"--global-batch-size {self.global_batch_size} makes {n_micro} "

@@ -78,7 +78,7 @@ class TEDOptions(Options):
                              "recomputation's collectives)")
         if self.G_data is not None:
             TEDLayout(self.G_tensor, self.G_expert, self.G_data).check()
-            self._check_batch(self.G_data)
+            self.check_batch_split("G_data", [self.G_data])
 
     def check_model(self, model) -> None:
         """The layout's rules of the model (TEDLayout.check: experts over G_expert,
@@ -106,17 +106,7 @@ class TEDOptions(Options):
             layout.check(world_size=world_size)
         except ValueError as e:
             raise GridError(str(e)) from None
-        self._check_batch(layout.g_data)
-
-    def _check_batch(self, g_data: int) -> None:
-        """The rule of Batches over the G_data_nonexp batch shards."""
-        shards = g_data * self.micro_batch_size
-        if self.global_batch_size % shards:
-            raise ValueError(f"--global-batch-size {self.global_batch_size} is not a multiple "
-                             f"of G_data x --micro-batch-size = {g_data} x "
-                             f"{self.micro_batch_size} = {shards}: every data-parallel rank "
-                             f"takes whole microbatches; choose a multiple of {shards} or a "
-                             "smaller --micro-batch-size")
+        self.check_batch_split("G_data", [layout.g_data])
 
 
 @dataclass
