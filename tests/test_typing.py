@@ -37,6 +37,7 @@ from mcrdl.ops import ALIASES, OPS, Kind, Param
 from mcrdl.tools import stubgen
 
 from ._launch import clean_env, mpiexec_or_skip, run_launcher, skip_without
+from ._wheel import TEST_TIMEOUT_S
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROGRAMS = pathlib.Path(__file__).resolve().parent / "typing"
@@ -273,12 +274,15 @@ def _installed_typed(python: str, env: dict, package: str) -> bool:
 
 
 def _wheel_python() -> tuple[str, dict]:
+    """The python of the venv the wheel is installed in (the first call builds it: mark
+    its callers with TEST_TIMEOUT_S), and its environment."""
     from . import _wheel
 
     return str(_wheel.wheel_venv()), _wheel.venv_env()
 
 
-@pytest.mark.parametrize("where", ["source", "wheel"])
+@pytest.mark.parametrize("where", [
+    "source", pytest.param("wheel", marks=pytest.mark.timeout(TEST_TIMEOUT_S))])
 def test_checkers_on_user_programs(where, tmp_path, mypy_cache):
     if where == "source":
         python, extra, env = sys.executable, [str(ROOT)], _source_env()
@@ -293,8 +297,10 @@ def test_checkers_on_user_programs(where, tmp_path, mypy_cache):
     _verdict("mypy", mypy(programs, python, env, mypy_cache, names), names)
 
 
-@pytest.mark.xfail(strict=True, reason="training/ has no py.typed (and pyproject.toml's "
-                   "package data none for it): mypy reads no installed package without one")
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "training/ has no py.typed (nor pyproject.toml package data for it): mypy reads no "
+    "installed package without one"))
 def test_installed_training_is_typed():
     python, env = _wheel_python()
     assert _installed_typed(python, env, "training")
