@@ -26,8 +26,22 @@ FLOAT_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "AVG")
 INT_OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 BOOL_OPS = INT_OPS
 
-# Relative tolerance of float reductions (float16/bfloat16 accumulate in float32, round once).
-RTOL = {"float16": 1e-2, "bfloat16": 1e-2, "float32": 1e-5, "float64": 1e-12}
+# Unit roundoff (half an ulp, relative) of each floating dtype: 2**-p for p significand bits.
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8, "float32": 2.0**-24,
+                 "float64": 2.0**-53}
+
+
+def avg_rtol(dtype: str) -> float:
+    """Relative bound of an AVG result against the float64 reference (sum / n).
+
+    The sum of values() inputs is exact (see check_reduced), so the error is the
+    division's alone: up to two roundings in the working precision (float32 for
+    float16/bfloat16, which then round once more to the dtype; a division written as a
+    multiplication by 1/n rounds twice), plus the float64 reference's own rounding.
+    """
+    work = "float32" if dtype in ("float16", "bfloat16") else dtype
+    final = UNIT_ROUNDOFF[dtype] if work != dtype else 0.0
+    return 2 * UNIT_ROUNDOFF[work] + final + UNIT_ROUNDOFF["float64"]
 
 
 def tdtype(name: str) -> torch.dtype:
@@ -156,14 +170,22 @@ def reduce_ref(dtype: str, op: str, arrays: list[np.ndarray]) -> np.ndarray:
 
 
 def check_reduced(t: torch.Tensor, dtype: str, op: str, expected: np.ndarray) -> None:
-    """Assert a reduction result equals the reference (floats within RTOL for sums/products)."""
+    """Assert a reduction result equals the reference: exactly, except a floating AVG
+    (within avg_rtol). values() makes every other result exact in its dtype whatever the
+    order of accumulation: a SUM of at most 8 ranks' integers in [-4, 4], a PRODUCT of
+    factors +-1 and +-2, MIN/MAX picking an input; the reference is checked to be
+    representable, so an input change that breaks this fails here, not as a loose match."""
     assert t.dtype == tdtype(dtype), f"dtype changed to {t.dtype}"
     got = as_ref(t)
     assert got.shape == expected.shape, f"shape {got.shape} != {expected.shape}"
-    if dtype in FLOATS and op not in ("MIN", "MAX"):
-        np.testing.assert_allclose(got, expected, rtol=RTOL[dtype], atol=1e-6)
-    else:
-        np.testing.assert_array_equal(got, expected.astype(got.dtype))
+    if dtype in FLOATS and op == "AVG":
+        np.testing.assert_allclose(got, expected, rtol=avg_rtol(dtype), atol=0)
+        return
+    if dtype in FLOATS:
+        in_dtype = torch.from_numpy(expected).to(tdtype(dtype)).to(torch.float64).numpy()
+        assert np.array_equal(in_dtype, expected, equal_nan=True), (
+            f"{op} reference not exact in {dtype}: the inputs must keep float results exact")
+    np.testing.assert_array_equal(got, expected.astype(got.dtype))
 
 
 def layout(counts: list[int], mode: str):
@@ -183,3 +205,16 @@ def layout(counts: list[int], mode: str):
         displs[k] = pos
         pos += counts[k] + 2
     return list(displs), pos, displs
+
+
+# A value whose spacing in the dtype is 2 (1 + 1 is exact, big + 1 rounds back to big),
+# per 16-bit float dtype: the exact sum big + 1 + 1 over 3 ranks is representable.
+HALF_BIG = {"float16": 2048.0, "bfloat16": 256.0}
+
+
+def half_sum_inputs(dtype: str, rank: int) -> torch.Tensor:
+    """Rank `rank`'s input: HALF_BIG where i % 3 == rank, 1 elsewhere (30 elements), so
+    whatever fixed order a reduction combines 3 ranks in, some element meets HALF_BIG + 1
+    in its first addition, which the dtype rounds back to HALF_BIG."""
+    i = torch.arange(30)
+    return torch.where(i % 3 == rank, HALF_BIG[dtype], 1.0).to(tdtype(dtype))

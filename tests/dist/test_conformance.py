@@ -19,12 +19,14 @@ import pytest
 import torch
 from _ref import (
     DTYPES,
+    HALF_BIG,
     SHAPES,
     as_ref,
     assert_bits,
     check_reduced,
     data,
     elems,
+    half_sum_inputs,
     layout,
     numel,
     ops_for,
@@ -645,6 +647,31 @@ def test_reduce_op_aliases(world, backend):
             mcrdl.all_reduce(backend, t, op=op_value)
             check_reduced(t, dtype, name, exp)
     chk.done(len(todo))
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF_BIG))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_sum_rounds_once(world, backend, dtype):
+    """float16/bfloat16 SUM at 3 ranks of HALF_BIG + 1 + 1, exact in the dtype but not
+    reachable by adding in the dtype: mpi accumulates in float32 and rounds once
+    (README.md), so every element is HALF_BIG + 2. Gloo reduces in the dtype itself
+    (mcrdl passes 16-bit floats to it unconverted): elements whose first addition is
+    HALF_BIG + 1 come out HALF_BIG, the others HALF_BIG + 2, the same on every rank.
+    tests/pccl/check_pccl.py checks pccl's (the same as mpi's) on a 3-rank group."""
+    if world.size != 3:
+        pytest.skip("the sum HALF_BIG + 1 + 1 needs exactly 3 ranks")
+    big = HALF_BIG[dtype]
+    t = half_sum_inputs(dtype, world.rank)
+    mcrdl.all_reduce(backend, t)
+    got = t.to(torch.float64)
+    if backend == "mpi":
+        assert torch.all(got == big + 2), f"{dtype} sum not rounded once: {got.tolist()}"
+    else:
+        assert set(got.tolist()) == {big, big + 2}, (
+            f"gloo {dtype} sum: expected {big} (added in the dtype) and {big + 2}: "
+            f"{got.tolist()}")
+    everyone = mcrdl.all_gather_object(got.tolist())
+    assert all(v == everyone[0] for v in everyone), f"ranks differ: {everyone}"
 
 
 @pytest.mark.parametrize("backend", WITH_AUTO)

@@ -9,8 +9,8 @@ and 1000 (multi-dimensional too, but not with PCCL_TEST_ALGOS=core), tensor and 
 blocking and async, on the world, on a permuted sub-group (mixed_order) and from 4 ranks
 on a third (every rank but the last: uneven), with each
 (inter, intra) algorithm pair (with PCCL_TEST_ALGOS=core: ring/ring and rd/rd):
-  all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, RTOL for
-  floating sums/products as the conformance tests). Then the flat C++ ring/rd
+  all_gather (bit-exact), reduce_scatter and all_reduce (numpy reference, exact but
+  for a floating AVG, as the conformance tests). Then the flat C++ ring/rd
   algorithms and the Python reference on the same inputs agree bit for bit on integer
   and float32 data, at several block sizes.
 """
@@ -108,6 +108,7 @@ def main() -> int:
     # The algorithm pairs that run every dtype and every op on the world (see below).
     one_algo = ALGOS[:3] if world <= 2 else ALGOS[:1]
     checks = 0
+    ran = []  # what rank 0 (a member of every group) ran; the launcher checks the set
     for inter, intra in ALGOS:
         if intra == "gloo" and not hierarchical:
             continue
@@ -115,6 +116,7 @@ def main() -> int:
             for gi, (group, ranks) in enumerate(groups):
                 if rank not in ranks:
                     continue
+                ran.append(f"{inter}/{intra} group {gi}")
                 me, p = ranks.index(rank), len(ranks)
                 # Every dtype and every reduce op at every shape on the world with one
                 # algorithm in both phases: each of auto/mpi, ring/ring and rd/rd at 2
@@ -136,6 +138,11 @@ def main() -> int:
         for intra in ("mpi", "gloo") if hierarchical and not CORE else ("mpi",):
             with use_algorithms("auto", intra):
                 checks += check_wait_order(rank, world, groups[1][0])
+    with timed(took, "half rounding"):
+        for gi, (group, ranks) in enumerate(groups):
+            if len(ranks) == 3 and rank in ranks:
+                ran.append(f"half rounding group {gi}")
+                checks += check_half_rounding(group, ranks.index(rank))
     with timed(took, "NaN and signed zeros"):
         checks += check_nan_agreement(rank, world, hierarchical)
     with timed(took, "C++ vs Python"):
@@ -147,6 +154,7 @@ def main() -> int:
     if rank == 0:
         print(f"pccl OK: world {world}, {lay.nodes} nodes x {lay.per_node} "
               f"({'hierarchical' if lay.hierarchical else 'flat'}), {int(total)} checks")
+        print("pccl ran: " + "; ".join(ran))
         took["total"] = time.monotonic() - began
         print("pccl phases on rank 0: " + ", ".join(f"{k} {v:.1f} s" for k, v in took.items()))
     mcrdl.finalize()
@@ -188,6 +196,22 @@ def check_reductions(dtype, op, shape, group, ranks, me, p, key) -> int:
         w.wait()
     R.check_reduced(t, dtype, op, R.reduce_ref(dtype, op, [R.as_ref(vals[r]) for r in ranks]))
     return 2
+
+
+def check_half_rounding(group, me: int) -> int:
+    """float16/bfloat16 SUM over a 3-rank group of HALF_BIG + 1 + 1 (R.half_sum_inputs):
+    reduced in float32 and rounded once, every element is HALF_BIG + 2 with each
+    algorithm; adding in the dtype would leave HALF_BIG on some."""
+    checks = 0
+    for inter, intra in ALGOS[:3]:
+        with use_algorithms(inter, intra):
+            for dtype, big in R.HALF_BIG.items():
+                t = R.half_sum_inputs(dtype, me)
+                mcrdl.all_reduce("pccl", t, group=group)
+                assert torch.all(t.to(torch.float64) == big + 2), (
+                    f"pccl {inter}/{intra} {dtype} sum not rounded once: {t.tolist()}")
+                checks += 1
+    return checks
 
 
 def check_nan_agreement(rank, world, hierarchical) -> int:
