@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ._launch import FULL, mpiexec_or_skip, pythonpath, run_launcher
+from .training.check_moe import RUNS, n_experts
 from .training.synthetic import write_token_file
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
@@ -45,7 +46,14 @@ def test_moe_layouts(n, token_dir, tmp_path):
                        env=_env(MOE_DATA=str(token_dir), MOE_TMP=str(tmp_path)), timeout=500)
     m = re.search(r"moe parity OK: world (\d+), (\d+) runs x 20 steps, max rel diff (\S+)", out)
     assert m, out
-    assert int(m.group(1)) == n and int(m.group(2)) >= 1 and float(m.group(3)) <= 1e-5, out
+    # every layout of the world size, in order: a dropped run fails
+    want = [(str(gt), str(ge), str(gd), str(k), str(n_experts(ge, opts)))
+            for gt, ge, gd, k, opts in RUNS[n]]
+    ran = re.findall(r"moe parity G_tensor=(\d+) G_expert=(\d+) G_data=(\d+) top-(\d+) "
+                     r"(\d+) experts", out)
+    assert ran == want, f"runs {ran}, expected {want}:\n{out}"
+    assert int(m.group(1)) == n and int(m.group(2)) == len(want), out
+    assert float(m.group(3)) <= 1e-5, out
     if n == 2:
         assert out.count("moe parity G_tensor") == 3 and "moe skip OK" in out, out
         assert "moe G_expert=1 OK" in out, out

@@ -21,6 +21,7 @@ from ._launch import (
     skip_without,
     without_launcher,
 )
+from .training.check_parity import GRIDS
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +51,12 @@ def test_parity_with_serial_pytorch(n, request):
         env=_env(), timeout=300)
     m = re.search(r"parity OK: world (\d+), (\d+) runs x 20 steps, max rel diff (\S+)", out)
     assert m, out
-    assert int(m.group(1)) == n and int(m.group(2)) >= 2 and float(m.group(3)) <= 1e-5
+    # every grid of the world size, with both optimizers: a dropped run fails
+    want = [(str(gi), str(gd), lps or "even", str(offload))
+            for gi, gd, lps in GRIDS[n] for offload in (False, True)]
+    ran = re.findall(r"parity G_inter=(\d+) G_data=(\d+) layers=(\S+) offload=(\w+):", out)
+    assert ran == want, f"runs {ran}, expected {want}:\n{out}"
+    assert int(m.group(1)) == n and int(m.group(2)) == len(want) and float(m.group(3)) <= 1e-5
 
 
 def test_message_driven_pipeline():
