@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from ._launch import mpiexec_or_skip, pythonpath, run_launcher
-from .training.crafted_checkpoint import crafted_bytes, replace_shard, set_format
+from .training.crafted_checkpoint import crafted_bytes, replace_shard
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLOBAL = f"{os.system.__module__}.system"  # the name a crafted pickle stores
 
 
-def _checkpoint(root: Path, shards: list[dict], fmt: str | None = None) -> Path:
+def _checkpoint(root: Path, shards: list[dict]) -> Path:
     """A published checkpoint of step 1 under `root` with these shards (pipeline layout)."""
     from training.core import checkpoint as ckpt
     final = ckpt.step_dir(root, 1)
@@ -36,8 +36,6 @@ def _checkpoint(root: Path, shards: list[dict], fmt: str | None = None) -> Path:
     manifest = {"format": ckpt.FORMAT, "engine": "pipeline", "step": 1,
                 "grid": {"G_inter": len(shards)}, "model": {"n_layer": 0}, "shards": entries}
     ckpt.write_manifest(staging, manifest, publish_as=final)
-    if fmt is not None:
-        set_format(final, fmt)
     return final
 
 
@@ -151,6 +149,9 @@ def test_shard_files_round_trip_and_malformed_ones_are_refused(tmp_path):
     bad = json.dumps(dict(header, **{first: dict(header[first], data_offsets=[0, 10**9])}))
     with pytest.raises(ckpt.CheckpointError, match="does not fit bytes"):
         ckpt.load_file(len(bad).to_bytes(8, "little") + bad.encode() + data[8 + n:], "s.pt")
+    with pytest.raises(ckpt.CheckpointError, match="junk.pt is refused: it is not a file "
+                                                   "of tensors and plain data"):
+        ckpt.load_file(b"\x80\x02 not a pickle", "junk.pt")
     # safetensors' own files: a state_dict of its tensors
     plain = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
     got = ckpt.load_file(len(plain).to_bytes(8, "little") + plain

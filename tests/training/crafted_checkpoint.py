@@ -57,9 +57,22 @@ def replace_shard(directory: str | os.PathLike, index: int, data: bytes) -> Path
 
 
 def set_format(directory: str | os.PathLike, fmt: str) -> None:
-    """Rewrite checkpoint `directory`'s manifest as one of format `fmt` (an earlier
-    version's: its shards are the same torch.save files)."""
+    """Rewrite checkpoint `directory`'s manifest as one of format `fmt`."""
     mpath = Path(directory) / "manifest.json"
     manifest = json.loads(mpath.read_text())
     manifest["format"] = fmt
     mpath.write_text(json.dumps(manifest, indent=1))
+
+
+def to_previous_format(directory: str | os.PathLike) -> None:
+    """Rewrite honest checkpoint `directory` as the previous format wrote it: each shard
+    the ``torch.save`` of its state, the manifest of format 1 with their sizes."""
+    from training.core import checkpoint as ckpt
+
+    manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    for index, entry in enumerate(sorted(manifest["shards"], key=lambda s: s["stage"])):
+        path = Path(directory) / entry["file"]
+        buf = io.BytesIO()
+        torch.save(ckpt.load_file(path, path), buf)
+        replace_shard(directory, index, buf.getvalue())
+    set_format(directory, ckpt.TRUSTED_ONLY[-1])

@@ -10,9 +10,9 @@ crafted_checkpoint.py), its manifest updated to match. Then, on every rank:
    beyond plain data); ``python -m training.checkpoint consolidate`` of it is refused
    the same way; the marker is never created.
 2. (pipeline) ``--init-from`` a crafted consolidated state_dict is refused by name.
-3. (pipeline) An honest checkpoint relabelled as the previous format
-   (mcrdl-training-checkpoint/1) is refused naming ``--trust-checkpoint``, and resumes
-   with it.
+3. (pipeline) An honest checkpoint rewritten as the previous format wrote it
+   (mcrdl-training-checkpoint/1: torch.save shards) is refused naming
+   ``--trust-checkpoint``, and resumes with it.
 
 Rank 0 prints one "crafted ... OK" line per check.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from crafted_checkpoint import crafted_bytes, replace_shard, set_format  # noqa: E402
+from crafted_checkpoint import crafted_bytes, replace_shard, to_previous_format  # noqa: E402
 
 import mcrdl  # noqa: E402
 from training import checkpoint as checkpoint_tool  # noqa: E402
@@ -118,7 +118,7 @@ def main():
     # 3. the previous format: only with --trust-checkpoint
     old = root / "v1" / "step_000001"
     if rank == 0:
-        set_format(old, ckpt.TRUSTED_ONLY[-1])
+        to_previous_format(old)
     mcrdl.barrier("mpi")
     msg = refused(train_gpt.run, gpt(root, G_inter=2, resume=str(old)),
                   ckpt.TRUST_OPTION, "arbitrary code execution", str(old))

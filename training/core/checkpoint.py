@@ -555,15 +555,21 @@ def load_file(source: bytes | bytearray | str | os.PathLike, path: str | os.Path
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         names = _unpickled_globals(bytes(data))
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         if names:
-            found = "Unsupported global: " + ", ".join(names)
-        else:  # no global named: torch's own reason
-            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-            found = next((line for line in lines if "nsupported" in line), type(e).__name__)
-        raise CheckpointError(
-            f"{what} {path} is refused: it holds more than tensors and plain data "
-            f"({found}), which unpickling would import and run; nothing of it was run. "
-            "This training package writes no such file: do not load it") from None
+            raise CheckpointError(
+                f"{what} {path} is refused: it names Python objects beyond tensors and plain "
+                f"data (Unsupported global: {', '.join(names)}), which unpickling would "
+                "import and run; nothing of it was run. This training package writes no "
+                "such file: do not load it") from None
+        if "Weights only load failed" in str(e):  # no global named: torch's own reason
+            reason = next((line for line in lines if "nsupported" in line), lines[-1])
+            raise CheckpointError(
+                f"{what} {path} is refused: it is not a file of tensors and plain data "
+                f"that torch.load(weights_only=True) reads ({reason}); nothing of it was "
+                "run") from None
+        raise CheckpointError(f"{what} {path} is not a checkpoint file (UnpicklingError: "
+                              f"{' '.join(lines)})") from None
 
 
 def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict:
@@ -585,7 +591,12 @@ def load_shard(directory: str | os.PathLike, manifest: dict, stage: int) -> dict
         raise CheckpointError(f"shard {path} is corrupt: its sha256 differs from the "
                               f"manifest's{_alternatives(directory)}")
     if manifest.get("format") in TRUSTED_ONLY:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception as e:  # noqa: BLE001 - whatever its unpickling raised
+            raise CheckpointError(f"shard {path} (format {manifest['format']}, read with "
+                                  f"{TRUST_OPTION}) cannot be read: {type(e).__name__}: "
+                                  f"{e}") from None
     return load_file(data, path, "shard")
 
 
