@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import os
 import shutil
@@ -60,6 +61,15 @@ def skip_without(what: str) -> None:
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(f"{what} (CI=true: the install is expected to provide it)")
     pytest.skip(what)
+
+
+def import_or_skip(module: str):
+    """The imported `module`, or skip_without when it is missing (pyproject's "test" extra
+    installs it): unlike pytest.importorskip, a failure under CI=true."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        skip_without(f"{module} is not installed ({exc}; pip install -e '.[test]')")
 
 
 def mpiexec_or_skip() -> str:
