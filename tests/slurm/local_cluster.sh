@@ -199,6 +199,9 @@ stop_daemons() {
   done
 }
 
+no_jobs() { [ -z "$(squeue -h -o %i 2>/dev/null)" ]; }
+no_steps() { ! ls "$DIR/spool/$NODE"_* >/dev/null 2>&1; }
+
 stop() {
   if alive "$DIR/run/slurmctld.pid" slurmctld && alive "$DIR/run/slurmd.pid" slurmd; then
     # Cancel the jobs first, so that slurmd ends their steps' processes.
@@ -206,10 +209,9 @@ stop() {
     jobs=$(squeue -h -o %i 2>/dev/null)
     # shellcheck disable=SC2086
     [ -z "$jobs" ] || scancel --quiet $jobs 2>/dev/null
-    wait_for test -z "$(squeue -h -o %i 2>/dev/null)" \
-      || say "jobs still listed after ${WAIT_S} s: $(squeue -h 2>&1)"
-    # slurmstepd processes end with their steps; wait for them (bounded)
-    wait_for sh -c "! ls '$DIR/spool/$NODE'_* >/dev/null 2>&1" || true
+    wait_for no_jobs || say "jobs still listed after ${WAIT_S} s: $(squeue -h 2>&1)"
+    # slurmstepd processes end with their steps (their sockets in the spool directory)
+    wait_for no_steps || say "job steps still running after ${WAIT_S} s"
   fi
   stop_daemons
   say "stopped ($DIR)"

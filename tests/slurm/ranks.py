@@ -14,8 +14,9 @@
 - ``module NAME ARGS...``: ``python -m NAME ARGS...`` in this process (tests/_multi.py
   runs script files; the training entry points are modules of a package).
 
-Each prints ``rank R: <mode> OK`` on success (the fault modes print ``waiting`` once
-their rank is blocked) and, first, ``slurm job <SLURM_JOB_ID> step <SLURM_STEP_ID>``.
+Each prints, first, ``slurm job <SLURM_JOB_ID> step <SLURM_STEP_ID>``, then ``rank R:
+<mode> OK`` on success (the fault modes: ``waiting since <time.time()>`` once their rank
+is blocked).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def fault(kind: str, victim: int) -> None:
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"rank {rank}: the fault this test injects")
-    print(f"rank {rank}: waiting", flush=True)
+    print(f"rank {rank}: waiting since {time.time():.3f}", flush=True)
     mcrdl.all_reduce("mpi", torch.ones(4))  # never completes: the victim is gone
     print(f"rank {rank}: the all_reduce completed without rank {victim}", flush=True)
     mcrdl.finalize()
