@@ -64,7 +64,7 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.parametrize(("nprocs", "debug", "mpi_blocking"),
-                         [pytest.param(1, "0", "auto", marks=FULL), (2, "0", "always"),
+                         [(1, "0", "auto"), (2, "0", "always"),
                           (2, "0", "never"),
                           (3, "0", "auto"), (2, "1", "auto"),
                           # the variant's own check: test_blocking.py's allreduce_variant
