@@ -14,9 +14,12 @@ configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a f
 prints each step directory and whether it can be loaded (its manifest, its shards'
 sizes, with ``--verify`` their sha256), and exits 1 when one cannot.
 
-Both read shards with ``torch.load(weights_only=True)`` (nothing in a file runs);
-``--trust-checkpoint`` also admits checkpoints of an earlier format, whose shards are
-read with pickle's full unpickler: give it only for files you trust.
+Both read checkpoints without running anything in their files (``load_file`` in
+training/core/checkpoint.py); ``--trust-checkpoint`` also admits checkpoints of the
+earlier format (mcrdl-training-checkpoint/1), whose shards are read with pickle's full
+unpickler: give it only for files you trust. The consolidated state_dict is a
+``torch.save`` file of tensors alone, which ``torch.load``'s default (weights_only)
+reads.
 
 Each engine consolidates its own layout: training/pipeline/consolidate.py,
 training/parallel4d/consolidate.py, training/ted/consolidate.py.

@@ -100,8 +100,6 @@ def atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-#: What a checkpoint file holds, in dicts (str or int keys), lists and tuples.
-PLAIN = (torch.Tensor, str, int, float, bool, type(None), torch.dtype, torch.Size)
 #: Tensor dtypes of a shard file and their safetensors names.
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
@@ -170,8 +168,9 @@ def _untree(node, tensors: list):
 
 def check_plain(obj) -> None:
     """CheckpointError naming the first entry of `obj` (a shard, a state_dict) that a
-    checkpoint file cannot hold: an object other than PLAIN, dict, list and tuple (a
-    dataclass, an enum, a numpy value or RNG state): save it as such data instead."""
+    checkpoint file cannot hold: anything but tensors, str, numbers, bool, None, dtypes,
+    sizes and dicts (str or int keys), lists and tuples of them (a dataclass, an enum, a
+    numpy value or RNG state): save it as such data instead."""
     _tree(obj, [])
 
 
