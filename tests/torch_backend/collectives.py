@@ -21,7 +21,8 @@ a non-member's call, and, where "mpi" exists, the mixing stress (torch.distribut
 routed to mpi interleaved with direct mcrdl.all_gather("gloo", ...), waited in a
 rank-dependent order).
 
-Prints "rank R: torch backend collectives OK (...)" on success.
+Prints "rank R: torch backend collectives OK (...)" on success, naming the backends
+mcrdl started and the blocks that ran (tests/test_torch_backend.py checks them).
 """
 
 from __future__ import annotations
@@ -489,6 +490,9 @@ if RANK == bad:
         except mcrdl.UnsupportedOperationError as exc:
             assert "pccl" in str(exc) and "mpi" in str(exc) and "gloo" in str(exc), exc
             checked["unsupported op"] = 1
+        else:
+            raise AssertionError(f"rank {RANK}: all_to_all_single routed to pccl (which has "
+                                 "no all_to_all) raised no UnsupportedOperationError")
         mcrdl.set_torch_routes(None)
 # nothing was sent by the bad calls: the next collective matches on every rank
 t = torch.full((2,), float(RANK))
@@ -526,9 +530,12 @@ if {"mpi", "gloo"} <= set(initialized) and SIZE > 1:
             assert posted[k][1].wait()
         for kind, _, got, expect in posted:
             same(f"mixing {kind}", got, expect, torch.float32)
+        checked["mixing"] = checked.get("mixing", 0) + 1
     mcrdl.set_torch_routes(None)
 
 dist.barrier()
 dist.destroy_process_group()
-print(f"rank {RANK}: torch backend collectives OK ({SIZE} ranks, backends {initialized}, "
-      f"{sum(checked.values())} checks: {sorted(checked)})", flush=True)
+# the blocks that ran, for the launcher to check: some run only where a backend exists
+print(f"rank {RANK}: torch backend collectives OK ({SIZE} ranks, backends "
+      f"{','.join(initialized)}, {sum(checked.values())} checks, blocks "
+      f"{','.join(sorted(checked))})", flush=True)
