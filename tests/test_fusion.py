@@ -34,11 +34,12 @@ def test_fusion_randomized_bit_identical(n, rounds):
                   r"checked bit-identical; all ranks: (\d+) calls fused in (\d+) flushes, "
                   r"(\d+) flushes where ranks had buffered different calls", out)
     assert m, out
-    world, _, checked, calls, flushes, short = map(int, m.groups())
+    world, _, checked, calls, flushes, _short = map(int, m.groups())
     assert world == n and checked >= rounds * 20, out
     assert calls > flushes > 0, out  # calls were really combined
-    assert short > 0, out  # the agreement resolved flushes that differed between ranks
-    assert "fusion OK targeted" in out, out
+    # flushes where ranks had buffered different calls (`short`) depend on timing here;
+    # the targeted checks force one
+    assert "fusion OK targeted" in out and "a short flush" in out, out
     print(out[m.start():].strip())
 
 
