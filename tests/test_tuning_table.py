@@ -9,10 +9,8 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
-import time
 import types
 
 import numpy as np
@@ -552,23 +550,25 @@ def test_unmodelled_op_extrapolates_with_point_to_point_model():
     assert rel(t.predict("my_plugin_op", 2, 4096, "x"), 1e-6 + 1e-9 * 4096) < 1e-9
 
 
-def test_lookup_cost_is_microseconds():
+def test_repeated_lookup_is_a_cache_hit():
+    """A repeated lookup is a dict lookup: no prediction runs again (its cost in time is
+    a benchmark's subject, not a test's)."""
     t = model_table({"mpi": (1e-6, 1e-10), "gloo": (1e-4, 5e-11), "pccl": (5e-5, 2e-11)},
                     group_sizes=(2, 4, 8))
     names = ("gloo", "mpi", "pccl")
     calls = [("all_reduce", g, n) for g in (2, 3, 8, 16) for n in (0, 100, 4096, 1 << 24)]
-    for op, g, n in calls:
-        t.lookup(op, g, n, names)  # warm the cache
-    lookup, clock = t.lookup, time.perf_counter_ns
-    samples = []
-    for i in range(10000):
-        op, g, n = calls[i % len(calls)]
-        start = clock()
-        lookup(op, g, n, names)
-        samples.append(clock() - start)
-    median = statistics.median(samples)
-    print(f"\ncached TuningTable.lookup: median {median:.0f} ns over 10000 calls")
-    assert median < 5000, f"median lookup {median} ns (limit 5000 ns)"
+    resolve, resolved = t._resolve, []
+
+    def counted(key):
+        resolved.append(key)
+        return resolve(key)
+
+    t._resolve = counted
+    first = [t.lookup(op, g, n, names) for op, g, n in calls]
+    assert len(resolved) == len(calls)
+    for _ in range(100):
+        assert [t.lookup(op, g, n, names) for op, g, n in calls] == first
+    assert len(resolved) == len(calls), "a cached lookup ran the prediction again"
 
 
 # -- provenance -------------------------------------------------------------------------
