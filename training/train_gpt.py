@@ -27,7 +27,7 @@ from pathlib import Path
 
 from mcrdl.launch import detect as detect_launch
 
-from .core import options, report, runtime
+from .core import options, report
 from .core.report import TrainResult
 from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from .core.runner import run_command, train_loop
@@ -62,14 +62,6 @@ def parse_args(argv: Sequence[str] | None = None, *,
     also checked against a world of that many ranks."""
     return options.parse_args(TrainConfig, argv, prog="python -m training.train_gpt",
                              description=__doc__, world_size=world_size)
-
-
-def connect(cfg: TrainConfig | None) -> None:
-    """Initialize mcrdl as the run's trainer does (its backends, on its device; the
-    defaults' where this rank's options were refused)."""
-    cfg = cfg or TrainConfig()
-    runtime.init_comm(cfg.backends.split(",") if cfg.backends else [],
-                      runtime.pick_device(cfg.device), cfg.timeout)
 
 
 def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
@@ -113,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     A grid that does not fit the run is the same error on every rank."""
     return run_command(lambda args: parse_args(args, world_size=detect_launch().size), run,
                        argv, layout_errors=(GridError,),
-                       layout_errors_agree=True, connect=connect)
+                       layout_errors_agree=True, gather_refusals=True)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,7 @@ from pathlib import Path
 import mcrdl
 from mcrdl.launch import detect as detect_launch
 
-from .core import options, report, runtime
-from .core.backends import Backends
+from .core import options, report
 from .core.report import TrainResult
 from .core.runner import run_command, train_loop
 from .ted.options import MoETrainConfig
@@ -43,14 +42,6 @@ def parse_args(argv: Sequence[str] | None = None, *,
     also checked against a world of that many ranks."""
     return options.parse_args(MoETrainConfig, argv, prog="python -m training.train_moe",
                              description=__doc__, world_size=world_size)
-
-
-def connect(cfg: MoETrainConfig | None) -> None:
-    """Initialize mcrdl as the run's trainer does (its backends, on its device; the
-    defaults' where this rank's options were refused)."""
-    cfg = cfg or MoETrainConfig()
-    runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
-                      cfg.timeout, nccl_with_given=True)
 
 
 def comm_breakdown(steps: int) -> list[dict]:
@@ -135,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout or model the world cannot hold is a ValueError named by the rank's check."""
     return run_command(lambda args: parse_args(args, world_size=detect_launch().size), run,
                        argv, layout_errors=(ValueError,),
-                       layout_errors_agree=False, connect=connect)
+                       layout_errors_agree=False, gather_refusals=True)
 
 
 if __name__ == "__main__":

@@ -168,11 +168,7 @@ class PathOptionError(ValueError):
     """An option names a path or a backend this process cannot use, or a value read
     from a --config file is refused. Unlike the other option errors, which follow from
     the command line alone and so are the same on every rank, this one is of this node:
-    another node may see other files (or another copy of the file). ``config``: the
-    options, where every rule but the paths passed (the ranks of a launch start mcrdl
-    by them to agree on the refusal); else None."""
-
-    config: Any = None
+    another node may see other files (or another copy of the file)."""
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -305,11 +301,7 @@ def parse_args(config_class: type[ConfigT], argv: Sequence[str] | None = None, *
         config.validate()
         if world_size is not None:
             config.check_world(world_size)
-        try:
-            config.validate_node()
-        except PathOptionError as e:
-            e.config = config
-            raise
+        config.validate_node()
     except PathOptionError:
         raise
     except ValueError as e:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mcrdl
+from mcrdl.api import current_runtime
 from mcrdl.launch import detect as detect_launch
 
 from . import report
@@ -59,33 +60,31 @@ LOCAL_ERRORS = (PathOptionError, FileNotFoundError)
 
 def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable[[Any], Any],
                 argv: Sequence[str] | None, *, layout_errors: tuple[type[Exception], ...],
-                layout_errors_agree: bool,
-                connect: Callable[[Any], None] | None = None) -> int:
+                layout_errors_agree: bool, gather_refusals: bool = False) -> int:
     """``run(parse_args(argv))`` with the module's exit codes. ``layout_errors``: the
     exceptions that name a layout the world cannot hold (exit 2); when
     ``layout_errors_agree`` every rank raises the same one and only rank 0 prints it,
     else every rank prints its own, prefixed with its rank. `parse_args` is the
-    validation pass: it checks every rule of the command line and the world before any
-    path, so its errors other than LOCAL_ERRORS are the same on every rank (the launch's
-    rank 0 prints them). With `connect` (``connect(cfg)`` initializes mcrdl as the run
-    would; cfg None where this rank could not read its options: a --config file) and
-    several ranks, the ranks
-    then agree on LOCAL_ERRORS before the run (validate.refuse_together: printed once,
-    with the ranks they concern); without it, each rank prints its own."""
+    validation pass: it checks every rule of the command line and the world before
+    this node's (its paths and backends), so its errors other than LOCAL_ERRORS are the
+    same on every rank (the launch's rank 0 prints them). With `gather_refusals` and
+    several ranks, the ranks then agree on LOCAL_ERRORS before the run
+    (validate.refuse_together: printed once, with the ranks they concern); without it,
+    each rank prints its own."""
     cfg, local = None, None
+    gather = gather_refusals and detect_launch().size > 1
     try:
         cfg = parse_args(argv)
     except LOCAL_ERRORS as e:
-        if connect is None or detect_launch().size == 1:
+        if not gather:
             report_option_error(e)
             return 2
-        local, cfg = e, getattr(e, "config", None)
+        local = e
     except ValueError as e:
         report_option_error(e)
         return 2
     try:
-        if connect is not None and detect_launch().size > 1 and refuse_together(
-                local, lambda: connect(cfg)):
+        if gather and refuse_together(local, getattr(cfg, "timeout", None)):
             return 2
         run(cfg)
     except CheckpointError as e:
@@ -110,7 +109,7 @@ def run_command(parse_args: Callable[[Sequence[str] | None], Any], run: Callable
             os._exit(1)
         raise
     finally:
-        if mcrdl.is_initialized():
+        if current_runtime() is not None:  # also the bootstrap alone
             mcrdl.finalize()
     return 0
 

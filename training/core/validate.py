@@ -2,11 +2,12 @@
 
 The validation pass is the options' own (training/core/options.py ``parse_args`` with
 the world's size): the rules between the options, between them and the model's shape
-and the world's size, then this node's paths. What follows from the command line and the
-world's size is the same on every rank of a launch, so the launch's rank 0 prints it
-and every rank exits (training/core/runner.py). What only some ranks may see (a path
-missing on one node, a ``--config`` file of another content there) is gathered here:
-every rank joins one object collective, and rank 0 prints each distinct message once
+and the world's size, then what this node must provide (paths, backends). What follows
+from the command line and the world's size is the same on every rank of a launch, so
+the launch's rank 0 prints it and every rank exits (training/core/runner.py). What only
+some ranks may see (a path missing on one node, a backend another node has, a
+``--config`` file of another content there) is gathered here: every rank joins one
+object collective on mcrdl's bootstrap, and rank 0 prints each distinct message once
 with the ranks it concerns (``error (ranks 3, 7 of 8): ...``), instead of one copy per
 rank interleaved. ``MCRDL_DEBUG=1`` adds each refusing rank's traceback.
 """
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import sys
 import traceback
-from collections.abc import Callable
 
 import mcrdl
+from mcrdl.api import current_runtime
 from mcrdl.runtime import debug_enabled
 
 
@@ -56,16 +57,20 @@ def refusal_lines(messages: list[str | None]) -> list[str]:
             f"error ({describe_ranks(ranks, size)}): {m}" for m, ranks in by_message.items()]
 
 
-def refuse_together(error: Exception | None, connect: Callable[[], None]) -> bool:
-    """Collective over the world that ``connect()`` initializes (every rank of the
-    launch calls it, after its validation pass): whether any rank refused the run
-    (its `error`). Rank 0 prints the refusals once (``refusal_lines``)."""
-    connect()
+def refuse_together(error: Exception | None, timeout: float | None = None) -> bool:
+    """Collective over the launch's world (every rank calls it after its validation
+    pass): whether any rank refused the run (its `error`). Rank 0 prints the refusals
+    once (``refusal_lines``). The ranks meet on mcrdl's bootstrap alone (``mcrdl.init([])``,
+    `timeout` bounding the wait): a backend the run names may be the refusal, and the
+    run's own init adds its backends afterwards."""
+    if current_runtime() is None:
+        mcrdl.init([], **({"timeout": timeout} if timeout else {}))
     if error is not None:
         print_traceback(error)
-    messages = mcrdl.all_gather_object(None if error is None else str(error))
+    messages = current_runtime().all_gather_object(
+        None if error is None else str(error), None)
     if all(m is None for m in messages):
         return False
-    if mcrdl.get_rank() == 0:
+    if current_runtime().launch.rank == 0:
         print("\n".join(refusal_lines(messages)), file=sys.stderr, flush=True)
     return True
