@@ -111,11 +111,13 @@ def test_package_data_ships_the_tables(tmp_path):
     r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    tuning, source = tmp_path / "mcrdl" / "tuning", ROOT / "mcrdl" / "tuning" / "tables"
+    tuning, source = tmp_path / "mcrdl" / "tuning", ROOT / "tuning_tables"
+    tables = tmp_path / "mcrdl" / "tuning_tables"
     shipped = sorted(p.name for p in source.glob("*.json"))
-    assert shipped, "no shipped tuning table in the source tree"
-    assert sorted(p.name for p in (tuning / "tables").glob("*.json")) == shipped
-    for name in ("tables/README.md", "mpi_blocking.json", "mpich_posix_coll.json"):
+    assert shipped, "no shipped tuning table in tuning_tables/"
+    assert sorted(p.name for p in tables.glob("*.json")) == shipped
+    assert (tables / "README.md").is_file()
+    for name in ("mpi_blocking.json", "mpich_posix_coll.json"):
         assert (tuning / name).is_file(), name
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "from mcrdl.tuning import provenance as p; "

@@ -185,7 +185,7 @@ class PCCLBackend(MPILaneBackend):
         for op in ("all_gather", "reduce_scatter"):
             for phase, size in (("inter", c.nodes), ("intra", c.ranks_per_node)):
                 steps = blocking_steps(op, size, mode, self._blocking_table,
-                                       self._oversubscribed)
+                                       self._oversubscribed, self._shared_memory)
                 c.set_blocking(op, phase, step_codes(steps, allreduce=False))
 
     def add_group(self, group: Group) -> None:

@@ -1,4 +1,4 @@
-// The copies of tensor fusion (mcrdl/extensions/tensor_fusion.py): the callers' tensors into
+// The copies of tensor fusion (mcrdl/fusion/): the callers' tensors into
 // one flat fused buffer, and consecutive slices of it back, one memcpy per tensor of any
 // shape. torch.cat needs 1-D views first and torch.split_with_sizes_copy goes through
 // the dispatcher at ~0.5 us per tensor; these take ~0.03 us.
@@ -83,7 +83,7 @@ void unpack_flat(const at::Tensor& buf, py::handle dsts_obj) {
   }
 }
 
-// Tensor fusion's buffer of calls (mcrdl/extensions/tensor_fusion.py has the design: issue
+// Tensor fusion's buffer of calls (mcrdl/fusion/__init__.py and buffer.py have the design: issue
 // order, agreement rounds, flushes). The Python FusionStream of a (backend, group) owns a
 // FusionQueue; the per-call work (validate, record the call, return its handle) and the
 // per-flush work over every call (cut by fusion key and B bytes, pack, copy back, mark

@@ -1,4 +1,4 @@
-"""The JSON document of a tuning table (``mcrdl/tuning/tables/README.md``): its schema and
+"""The JSON document of a tuning table (``tuning_tables/README.md``): its schema and
 version, validation with errors that name the file, the JSON path and what was
 expected, and reading and writing the file.
 
@@ -231,7 +231,7 @@ def read(path: str | os.PathLike) -> object:
             text = f.read()
     except FileNotFoundError:
         raise TuningTableError(f"{src}: no such tuning table; expected a JSON file written "
-                               "by mcrdl-tune run (see mcrdl/tuning/tables/README.md)") from None
+                               "by mcrdl-tune run (see tuning_tables/README.md)") from None
     except UnicodeDecodeError as e:
         raise TuningTableError(f"{src}: not UTF-8 text (byte offset {e.start}); expected a "
                                "JSON tuning table") from None
