@@ -206,7 +206,7 @@ def test_refused_under_mpiexec(case, workdir):
 
 @pytest.mark.parametrize("ranks,argv,line", [
     (4, ["--init-from", "w.pt"], "error (ranks 2, 3 of 4): --init-from w.pt: no such file"),
-    pytest.param(2, ["--config", "run.json"], "error (rank 1 of 2): --lr is -1.0; expected > 0",
+    pytest.param(2, ["--config", "run.json"], "error (rank 1 of 2): --lr is -1; expected > 0",
                  marks=FULL)])
 def test_refusal_of_some_ranks_is_gathered(ranks, argv, line, workdir):
     """Ranks in two working directories (nodes with their own files): the first half
