@@ -53,7 +53,7 @@ from .extensions import (
     reset_log,
 )
 from .groups import Group
-from .bootstrap import select_mpich_collectives
+from .bootstrap import select_mpich_collectives as _select_mpich_collectives
 from .ops import ALIASES, OPS, ReduceOp
 from . import torch_backend
 from .torch_backend import TorchBackendOptions
@@ -63,7 +63,7 @@ from .work import Work
 
 # Before the program may initialize MPI itself (mpi4py.MPI imported after mcrdl): MPICH
 # reads its collective selection in MPI_Init only (mcrdl.bootstrap).
-select_mpich_collectives()
+_select_mpich_collectives()
 
 # The operations: mcrdl.all_reduce(backend, tensor, ...) and the others, one function per
 # spec of mcrdl.ops.OPS, made in mcrdl.api.

@@ -38,7 +38,6 @@ from .api import synchronize as synchronize
 from .backends import Backend as Backend
 from .backends import Capabilities as Capabilities
 from .backends import register_backend as register_backend
-from .bootstrap import select_mpich_collectives as select_mpich_collectives
 from .errors import BackendUnavailableError as BackendUnavailableError
 from .errors import CommTimeoutError as CommTimeoutError
 from .errors import DesyncError as DesyncError

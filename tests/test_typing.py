@@ -292,15 +292,10 @@ def test_checkers_on_user_programs(where, tmp_path, mypy_cache):
     programs = _programs(tmp_path)
     names = sorted(_planted())
     _verdict("pyright", pyright(programs, python, extra, env), names)
-    if where == "wheel" and not _installed_typed(python, env, "training"):
-        names.remove(TRAINING_PROGRAM)  # test_installed_training_is_typed fails on it
     _verdict("mypy", mypy(programs, python, env, mypy_cache, names), names)
 
 
 @pytest.mark.timeout(TEST_TIMEOUT_S)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "training/ has no py.typed (nor pyproject.toml package data for it): mypy reads no "
-    "installed package without one"))
 def test_installed_training_is_typed():
     python, env = _wheel_python()
     assert _installed_typed(python, env, "training")
