@@ -12,6 +12,7 @@ number, or the process died of SIGSEGV.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -60,8 +61,8 @@ def check_timeout_text(text: str) -> None:
 
 def test_module_keeps_any_cxx_runtime_private():
     """Where the toolchain links libstdc++ as a shared library (CI's), there is nothing to
-    leak and this passes with or without --exclude-libs; the FULL test below is the one
-    that links the runtime statically and so checks the flag."""
+    leak and this passes with or without --exclude-libs; the test below checks the flag
+    on any toolchain with a static libstdc++, the FULL one on the module itself."""
     leaked = exported_runtime_symbols(_C.__file__)
     assert not leaked, (f"{_C.__file__} exports the C++ runtime's own symbols "
                         f"({leaked[:5]}...): it was linked without --exclude-libs,ALL")
@@ -71,16 +72,73 @@ def test_numbers_format_in_the_module():
     check_timeout_text(_C.timeout_message("all_reduce", "mpi", "world", 7, 0.5))
 
 
+# setup.py's own Extension, read without building (setuptools.setup only records it)
+SETUP_LINK_ARGS_PROBE = (
+    "import json, runpy, sys, setuptools\n"
+    "kw = {}\n"
+    "setuptools.setup = lambda **a: kw.update(a)\n"
+    "sys.argv = ['setup.py', '--version']\n"
+    "runpy.run_path('setup.py', run_name='__main__')\n"
+    "print(json.dumps(kw['ext_modules'][0].extra_link_args))\n")
+
+# A module that formats a number (the locale facets the two runtimes disagreed on)
+TINY_MODULE = """#include <sstream>
+#include <string>
+extern "C" __attribute__((visibility("default"))) int format_number(double x, char* buf,
+                                                                    int n) {
+    std::ostringstream out;
+    out << x;
+    return static_cast<int>(out.str().copy(buf, n - 1));
+}
+"""
+
+
+def static_cxx_archive(cxx: str) -> str:
+    """Path of the compiler's static libstdc++ (skip without one)."""
+    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True,
+                             text=True).stdout.strip()
+    if not os.path.isabs(archive) or not os.path.exists(archive):
+        pytest.skip(f"{cxx} has no static libstdc++ (libstdc++.a) to link")
+    return archive
+
+
+def test_setup_link_arguments_keep_a_static_cxx_runtime_private(tmp_path):
+    """setup.py's link arguments keep a statically linked C++ runtime private: a tiny
+    module linked with -static-libstdc++ and them exports none of the runtime, where the
+    same link without them exports it (so the check can fail on this toolchain). Seconds,
+    where building the module so (below, FULL) takes minutes; CI's toolchain links
+    libstdc++ shared, so this is its check of --exclude-libs,ALL."""
+    cxx = os.environ.get("CXX", "g++")
+    static_cxx_archive(cxx)
+    probe = subprocess.run([sys.executable, "-c", SETUP_LINK_ARGS_PROBE], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stdout[-2000:] + probe.stderr[-2000:]
+    link = json.loads(probe.stdout.splitlines()[-1])
+    src = tmp_path / "tiny.cpp"
+    src.write_text(TINY_MODULE)
+    base = [cxx, "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-static-libstdc++",
+            str(src)]
+    exported = {}
+    for name, args in (("bare", []), ("setup", link)):
+        so = tmp_path / f"{name}.so"
+        built = subprocess.run([*base, "-o", str(so), *args], capture_output=True,
+                               text=True, timeout=300)
+        assert built.returncode == 0, built.stderr[-3000:]
+        exported[name] = exported_runtime_symbols(str(so))
+    assert exported["bare"], ("linked bare, the static runtime exported nothing here: "
+                              "this check could not fail on this toolchain")
+    assert not exported["setup"], (
+        f"with setup.py's link arguments {link} the module exports the C++ runtime's own "
+        f"symbols ({exported['setup'][:5]}...): link with -Wl,--exclude-libs,ALL")
+
+
 @FULL
 def test_statically_linked_cxx_runtime_stays_private(tmp_path):
     """Builds the module as the H100 image's compiler did (static libstdc++): it must
     need no libstdc++.so, export none of the runtime, and format numbers. 2 minutes on
     2 cores."""
     cxx = os.environ.get("CXX", "g++")
-    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True,
-                             text=True).stdout.strip()
-    if not os.path.isabs(archive) or not os.path.exists(archive):
-        pytest.skip(f"{cxx} has no static libstdc++ (libstdc++.a) to link")
+    static_cxx_archive(cxx)
     src = tmp_path / "src"
     shutil.copytree(ROOT / "mcrdl", src / "mcrdl",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))
