@@ -81,13 +81,14 @@ def test_object_collectives_out_of_step(merged):
 
 
 def _check_timeouts(out: str, limit: float, backends=BOTH) -> None:
-    """Ranks 1 and 2 timed out on each backend in turn, within timeout + 5 s, and the
-    backend then refused calls; every rank finalized."""
+    """Ranks 1 and 2 timed out on each backend in turn, not before the timeout (a
+    ceiling of 10x it only catches a hang), and the backend then refused calls; every
+    rank finalized."""
     for backend in backends:
         for r in (1, 2):
             m = re.search(rf"rank {r}: {backend}: CommTimeoutError after ([\d.]+) s", out)
             assert m, out
-            assert limit <= float(m.group(1)) < limit + 5
+            assert limit * 0.99 <= float(m.group(1)) < 10 * limit, m.group(0)
             assert f"rank {r}: {backend}: next op refused: BackendUnavailableError" in out
     for r in range(3):
         assert f"rank {r}: finalized" in out
@@ -144,10 +145,11 @@ def test_uncaught_exception_ends_the_job(hooks):
     ends the job with MPI_Abort within seconds, not after the others' 60 s timeout.
     "buffered": a hook chained after mcrdl's (torch.distributed's) prints the traceback
     once mcrdl's returned; the abort had come first, and the job ended without a word."""
-    start = time.monotonic()
+    # ended by the abort, not by the others' 60 s timeout (their CommTimeoutError); the
+    # launch's own timeout, past theirs, only catches a hang
     out = launch(3, "uncaught.py", *(["buffered"] if hooks == "buffered" else []),
-                 timeout=60, expect_rc="nonzero")
-    assert time.monotonic() - start < 30, out  # before: the others' 60 s timeout
+                 timeout=300, expect_rc="nonzero")
+    assert "CommTimeoutError" not in out, out
     prefix = "[rank1]: " if hooks == "buffered" else ""
     assert f"{prefix}RuntimeError: not caught on rank 1" in out, out
     assert "went on without rank 1" not in out, out
