@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ._launch import mpiexec_or_skip, run_launcher
+from ._launch import import_or_skip, mpiexec_or_skip, run_launcher
 
 HERE = os.path.dirname(__file__)
 
@@ -111,7 +111,7 @@ def test_run_resume_and_plot(tmp_path):
     rows = [line.split() for line in model.splitlines() if line.startswith("  ")]
     assert {(r[0], r[1]) for r in rows} >= {("mpi", "all_reduce"), ("gloo", "all_gather")}
     assert all(r[4].endswith("%") for r in rows), model
-    pytest.importorskip("matplotlib")
+    import_or_skip("matplotlib")
     plots = run_launcher([sys.executable, "-m", "mcrdl.tools.tune", "plot", str(out),
                           "--out-dir", str(tmp_path / "png")], timeout=120)
     pngs = [line for line in plots.split() if line.endswith(".png")]
