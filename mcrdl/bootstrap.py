@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import ipaddress
 import os
 import pickle
 import socket
@@ -430,7 +431,8 @@ class Bootstrap:
             host = env.get("MASTER_ADDR") or ("127.0.0.1" if single else _host_address())
             store = None
             if self.rank == 0:
-                store = dist.TCPStore(host, 0, self.size, True, td, wait_for_workers=False)
+                store = _hosted_store(host, 0, self.size, td, many_nodes=not single,
+                                      wait_for_workers=False)
                 addr = (host, store.port)
             else:
                 addr = None
@@ -438,7 +440,7 @@ class Bootstrap:
             if store is None:
                 store = dist.TCPStore(host, port, self.size, False, td)
         elif self.info.launcher == "single":
-            store = dist.TCPStore("127.0.0.1", 0, 1, True, td, wait_for_workers=False)
+            store = _hosted_store("127.0.0.1", 0, 1, td, many_nodes=False, wait_for_workers=False)
         else:
             if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
                 raise BackendUnavailableError(
@@ -450,7 +452,7 @@ class Bootstrap:
             if self.rank == 0 and not agent:
                 store = _hosted.get(addr)
                 if store is None:
-                    store = _hosted[addr] = dist.TCPStore(*addr, self.size, True, td)
+                    store = _hosted[addr] = _hosted_store(*addr, self.size, td, many_nodes=True)
                 else:  # this session's timeout on the server an earlier one made
                     store.set_timeout(td)
             else:
@@ -497,6 +499,40 @@ class Bootstrap:
 # address, kept for the process: the port is fixed, so a later session must reuse the
 # server, and the other ranks may still be reading from it when this session closes.
 _hosted: dict[tuple[str, int], object] = {}
+
+
+def _hosted_store(host: str, port: int, size: int, timeout: datetime.timedelta, *,
+                  many_nodes: bool, **kw):
+    """Rank 0's TCPStore server, listening on `host`'s address alone (the launcher's
+    MASTER_ADDR, or the address rank 0 broadcasts over MPI). torch's own server listens on
+    every interface whatever host_name says, and every rank unpickles what the store
+    carries (object collectives), so nothing outside the job may reach it: a socket bound
+    to that address is handed to torch (master_listen_fd; torch closes it with the store).
+    Only where `host` is a name that resolves to a loopback address in a job that may span
+    nodes (a hosts file mapping the node's name to 127.0.1.1, which the other nodes
+    resolve to its real address) does torch's server keep every interface: bound to
+    loopback, the other nodes could not connect."""
+    import torch.distributed as dist
+
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM)[0]
+    try:
+        ipaddress.ip_address(host)
+        literal = True
+    except ValueError:
+        literal = False
+    if many_nodes and not literal and ipaddress.ip_address(sockaddr[0]).is_loopback:
+        return dist.TCPStore(host, port, size, True, timeout, **kw)
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, size, True, timeout, master_listen_fd=sock.detach(), **kw)
 
 
 def _unpickle(data: bytes, op: str, g: Group) -> object:
