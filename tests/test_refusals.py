@@ -67,7 +67,7 @@ CASES = [
     (GPT, 2, ["--G-inter", "2", "--layers-per-stage", "3,3"], "--layers-per-stage 3,3 "
      "places 6 transformer blocks but the model has 4", True),
     (GPT, 2, ["--G-inter", "2", "--layers-per-stage", "4"], "--layers-per-stage 4 has 1 "
-     "entries for --G-inter 2", True),
+     "entry for --G-inter 2", True),
     (GPT, 4, ["--G-inter", "4", "--n-layer", "3"], "--G-inter 4: the model has 3 transformer "
      "blocks", True),
     (MOE, 2, ["--moe-every", "5"], "--moe-every=5 with --n-layer=2: no block has experts",

@@ -93,7 +93,8 @@ class PipelineOptions(Options):
             return
         given = f"--layers-per-stage {self.layers_per_stage}"
         if len(split) != stages:
-            raise ValueError(f"{given} has {len(split)} entries for --G-inter {stages}; "
+            entries = f"{len(split)} entr{'y' if len(split) == 1 else 'ies'}"
+            raise ValueError(f"{given} has {entries} for --G-inter {stages}; "
                              f"expected one block count per stage ({stages})")
         if sum(split) != n_layer:
             raise ValueError(f"{given} places {sum(split)} transformer blocks but the model "
