@@ -5,7 +5,8 @@
   TYPE_CHECKING:``; importing a module imports its parent packages too).
 - training/ is layered: core/ (shared by every engine), then models/ (the serial
   models), then the libraries of parallel parts (tensor_parallel/, samo/), then the
-  engines (pipeline/, parallel4d/, ted/), then the commands (train_gpt, train_moe,
+  engines (pipeline/, parallel4d/, ted/), then the planner over the engines' models
+  (plan/), then the commands (train_gpt, train_moe,
   checkpoint, ...). A module imports only from the layers below its own and from its
   own package: no engine imports another, nothing shared imports an engine.
 - The front (``mcrdl`` and ``mcrdl.api``) is imported only by ``mcrdl/__init__.py`` and
@@ -202,6 +203,7 @@ TRAINING_LAYERS = (
     ("training.models",),
     ("training.tensor_parallel", "training.samo"),
     ("training.pipeline", "training.parallel4d", "training.ted"),
+    ("training.plan",),
 )
 
 

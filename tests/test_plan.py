@@ -1,0 +1,175 @@
+"""The layout planner (training/plan): deterministic ranking, the memory filter, the
+memory model against real modules, the paper's validation shapes, and its errors.
+Single process, no communication: seconds."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+
+import pytest
+import torch
+
+from training.core.optim import storage_bytes
+from training.models.gpt import CONFIGS, GPTConfig, GPTStage, lm_loss
+from training.pipeline.engine import partition
+from training.plan import (
+    PlanError,
+    Problem,
+    explain_infeasible,
+    load_machine,
+    parse_bytes,
+    pipeline_memory,
+    plan,
+    shipped,
+    stage_params,
+)
+from training.plan.__main__ import main
+
+PERLMUTTER = load_machine("perlmutter")
+
+
+def _problem(model="gpt-20b", world=32, **kw) -> Problem:
+    kw.setdefault("memory_per_gpu", PERLMUTTER.memory_per_gpu)
+    return Problem(CONFIGS[model], world, 4, machine=PERLMUTTER,
+                   peak_flops=PERLMUTTER.peak_flops, **kw)
+
+
+def _cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def _rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line and not line.startswith(("#", "rank"))]
+
+
+def test_ranking_is_deterministic_and_sorted():
+    first, again = plan(_problem()), plan(_problem())
+    assert [c.label for c in first.ranked] == [c.label for c in again.ranked]
+    keys = [c.sort_key() for c in first.ranked]
+    assert keys == sorted(keys) and len(set(keys)) == len(keys)  # the key breaks every tie
+    times = [c.step_seconds for c in first.ranked]
+    assert times == sorted(times)
+    assert _cli("--model", "gpt-20b", "--world-size", "32", "--network", "perlmutter") \
+        == _cli("--model", "gpt-20b", "--world-size", "32", "--network", "perlmutter")
+
+
+def test_layout_over_the_memory_is_excluded_with_its_reason():
+    best = plan(_problem()).ranked[0]
+    tight = plan(_problem(memory_per_gpu=best.memory["total"] - 1))
+    assert best.label not in [c.label for c in tight.ranked]
+    reason = next(r for r in tight.rejected if r.label == best.label)
+    assert reason.constraint == "memory" and reason.memory == best.memory["total"]
+    assert "GiB per GPU" in reason.message
+    assert all(c.memory["total"] <= best.memory["total"] - 1 for c in tight.ranked)
+
+
+@pytest.mark.parametrize("stages,dtype", [(1, torch.float32), (3, torch.bfloat16)])
+def test_pipeline_memory_matches_the_stage_modules(stages, dtype):
+    """Parameter and gradient bytes of every stage as the engine builds it (GPTStage over
+    partition's units), measured as storage after a backward pass."""
+    cfg = dataclasses.replace(CONFIGS["tiny"], n_layer=5)
+    w = 2 if dtype == torch.bfloat16 else 4
+    predicted = stage_params(cfg, stages)
+    for (first, last), params in zip(partition(cfg.n_layer, stages), predicted, strict=True):
+        stage = GPTStage(cfg, first, last).to(dtype)
+        x = torch.randint(cfg.vocab_size, (2, cfg.block_size)) if first == 0 \
+            else torch.randn(2, cfg.block_size, cfg.n_embd, dtype=dtype)
+        y = stage(x)
+        (lm_loss(y, torch.zeros(2, cfg.block_size, dtype=torch.long))
+         if last == cfg.n_units - 1 else y.float().square().mean()).backward()
+        assert storage_bytes(stage.parameters()) == w * params
+        assert storage_bytes(p.grad for p in stage.parameters()) == w * params
+    assert sum(predicted) == sum(p.numel() for p in GPTStage(cfg, 0, cfg.n_units - 1)
+                                 .parameters())
+    fullest = pipeline_memory(cfg, stages, 1, 4, w)
+    assert fullest["params"] == fullest["grads"] == w * max(predicted)
+
+
+def test_pipeline_memory_without_biases():
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=8, bias=False)
+    whole = GPTStage(cfg, 0, cfg.n_units - 1)
+    assert stage_params(cfg, 1) == [sum(p.numel() for p in whole.parameters())]
+
+
+@pytest.mark.parametrize("model,world", [("gpt-20b", 32), ("gpt-40b", 64)])
+def test_paper_validation_shapes_print_a_top_10(model, world):
+    result = plan(_problem(model, world))
+    assert len(result.ranked) >= 10
+    assert all(c.memory["total"] <= PERLMUTTER.memory_per_gpu for c in result.ranked)
+    assert result.reasons()["memory"] > 0  # the filter has work to do at this size
+    rc, out, err = _cli("--model", model, "--world-size", str(world), "--network",
+                        "perlmutter", "--top", "10")
+    assert rc == 0, err
+    rows = _rows(out)
+    assert len(rows) == 10
+    assert [r.split()[0] for r in rows] == [str(i) for i in range(1, 11)]
+    assert [" ".join(r.split()[1:6]) for r in rows] == [c.label for c in result.ranked[:10]]
+
+
+def test_no_feasible_layout_names_memory_and_the_fix():
+    result = plan(_problem(memory_per_gpu=2**30))
+    assert not result.ranked
+    text = explain_infeasible(result)
+    assert "tightest constraint is memory" in text and "at least" in text
+    least = min(r.memory for r in result.rejected if r.constraint == "memory")
+    assert f"{least / 2**30:.1f} GiB" in text
+    rc, out, err = _cli("--model", "gpt-20b", "--world-size", "32", "--network", "perlmutter",
+                        "--memory-per-gpu", "1GiB")
+    assert rc == 2 and "tightest constraint is memory" in err and not _rows(out)
+
+
+def test_no_feasible_layout_names_a_divisibility_constraint(tmp_path):
+    """One block, one head, width 7: no G_x or G_y > 1, no pipeline, and a batch of 2
+    that 4 data shards cannot split: every layout of 4 GPUs breaks a rule."""
+    model = tmp_path / "odd.json"
+    model.write_text(json.dumps({"n_layer": 1, "n_head": 1, "n_embd": 7, "block_size": 8,
+                                 "vocab_size": 7}))
+    rc, out, err = _cli("--model", str(model), "--world-size", "4", "--network", "perlmutter",
+                        "--batch", "2")
+    assert rc == 2 and not _rows(out)
+    assert "tightest constraint is batch (4 of 13 layouts; all: batch 4, heads 4, width 3, " \
+           "layers 2)" in err
+    assert "multiple of the world size" in err
+
+
+def test_moe_models_plan_ted_layouts():
+    rc, out, err = _cli("--model", "moe-1.3b", "--experts", "16", "--world-size", "32",
+                        "--network", "perlmutter", "--memory-per-gpu", "40GB")
+    assert rc == 0, err
+    rows = _rows(out)
+    assert rows and all(" TED " in f" {r} " for r in rows)
+    rc, _, err = _cli("--model", "moe-1.3b", "--world-size", "8", "--network", "perlmutter")
+    assert rc == 2 and "--experts" in err
+
+
+def test_networks_are_shipped_with_sources():
+    assert {"perlmutter", "frontier", "alps"} <= set(shipped())
+    for name in ("perlmutter", "frontier", "alps"):
+        m = load_machine(name)
+        assert m.sources and m.gpus_per_node and m.memory_per_gpu and m.peak_flops
+        assert m.bandwidth["inter_node"] == 100e9  # 4 x 25 GB/s Slingshot NICs
+    assert load_machine("frontier").gpus_per_node == 8  # GCDs
+    pairs = load_machine("5,100:10,25")
+    assert pairs.latency == {"intra_node": 5e-6, "inter_node": 1e-5}
+    assert pairs.bandwidth == {"intra_node": 100e9, "inter_node": 25e9}
+    for bad in ("5,100", "x,1:2,3", "5,0:1,1", "nope.json"):
+        with pytest.raises(PlanError, match="--network"):
+            load_machine(bad)
+    rc, _, err = _cli("--model", "gpt-20b", "--world-size", "32", "--network", "frontier",
+                      "--gpus-per-node", "4")
+    assert rc == 2 and "8 GPUs per node" in err
+
+
+def test_parse_bytes():
+    assert parse_bytes("64GiB") == 64 * 2**30
+    assert parse_bytes("40GB") == 40e9
+    assert parse_bytes("512") == 512
+    for bad in ("", "GiB", "-1GiB", "lots"):
+        with pytest.raises(ValueError, match="memory"):
+            parse_bytes(bad)
