@@ -7,18 +7,23 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 import torch
 
 from training.core.optim import storage_bytes
+from training.core.sharding import split_of
 from training.models.gpt import CONFIGS, GPTConfig, GPTStage, lm_loss
+from training.parallel4d.model import GPT4D
+from training.parallel4d.perf_model import Grid4D, TrainingStep, constraint_violations, grids
 from training.pipeline.engine import partition
 from training.plan import (
     PlanError,
     Problem,
     explain_infeasible,
+    grid_params,
     load_machine,
     parse_bytes,
     pipeline_memory,
@@ -27,6 +32,7 @@ from training.plan import (
     stage_params,
 )
 from training.plan.__main__ import main
+from training.tensor_parallel.comm import TensorComms
 
 PERLMUTTER = load_machine("perlmutter")
 
@@ -89,6 +95,26 @@ def test_pipeline_memory_matches_the_stage_modules(stages, dtype):
                                  .parameters())
     fullest = pipeline_memory(cfg, stages, 1, 4, w)
     assert fullest["params"] == fullest["grads"] == w * max(predicted)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grid_params_match_the_4d_engines_splits(bias):
+    """Per-rank parameter elements of the 4D engine on every grid of 8 that the tiny
+    model fits: the engine's GPT4D declares each parameter's Split; its block on a grid
+    (``Split.block_shape``, over Z when split) is what a rank stores. At 1x1x1x1 the
+    model is built for real and its storage measured."""
+    cfg = dataclasses.replace(CONFIGS["tiny"], bias=bias)
+    model = GPT4D(cfg, TensorComms.single())
+    splits = [split_of(p) for p in model.parameters()]
+    assert all(splits)
+    assert storage_bytes(model.parameters()) == 4 * grid_params(cfg, Grid4D(1, 1, 1, 1))
+    step = TrainingStep(cfg, 8)
+    fitted = [g for g in grids(8) if not constraint_violations(step, g)]
+    assert len(fitted) > 5
+    for grid in fitted:
+        sizes = grid.sizes()
+        local = sum(math.prod(s.block_shape(sizes)) // (grid.z if s.z else 1) for s in splits)
+        assert grid_params(cfg, grid) == local, grid
 
 
 def test_pipeline_memory_without_biases():

@@ -11,10 +11,10 @@ have, from the engines' memory models and the communication models.
   step time), ``explain_infeasible``.
 """
 
-from .memory import grid_memory, parse_bytes, pipeline_memory, stage_params, ted_memory
+from .memory import grid_memory, grid_params, parse_bytes, pipeline_memory, stage_params, ted_memory
 from .network import Machine, PlanError, load_machine, shipped
 from .planner import Candidate, Plan, Problem, Rejected, explain_infeasible, model_flops, plan
 
 __all__ = ["Candidate", "Machine", "Plan", "PlanError", "Problem", "Rejected",
-           "explain_infeasible", "grid_memory", "load_machine", "model_flops",
+           "explain_infeasible", "grid_memory", "grid_params", "load_machine", "model_flops",
            "parse_bytes", "pipeline_memory", "plan", "shipped", "stage_params", "ted_memory"]

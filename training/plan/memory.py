@@ -15,8 +15,8 @@ block ``2 LN + 12 C^2 + 13 C b``; head ``LN + C V``, with ``LN = 2C`` with biase
     M_s = (w + w) P_s + optimizer(P_s) + A_s
 
 **4D** (G_x, G_y, G_z, G_data). A rank holds each weight's [rows/G_x, cols/G_y] block
-sharded over Z (``perf_model.step.weight_blocks`` / G_z), the biases and LayerNorms
-whole (an upper bound, < 0.1% of a billion-parameter model), and, with the weights kept
+sharded over Z (``perf_model.step.weight_blocks`` / G_z), the LayerNorms and biases
+split over X or Y (``grid_params``, exact), and, with the weights kept
 from forward to backward, every Linear layer's Z-gathered block (``k n / (G_x G_y)``
 elements per layer, when G_z > 1)::
 
@@ -112,17 +112,19 @@ def pipeline_memory(cfg: GPTConfig, g_inter: int, micro_batch: int, n_micro: int
 
 
 def grid_params(cfg: GPTConfig, grid: Grid4D) -> int:
-    """Parameter elements of one 4D rank (weights exact, biases and LayerNorms whole)."""
-    c = cfg.n_embd
+    """Parameter elements of one 4D rank, exactly as the engine splits them: weights'
+    [rows/G_x, cols/G_y] blocks (embeddings: columns over Y) sharded over Z; LayerNorms
+    and the biases of the T-layers (attn.c_proj, mlp.c_proj) over Y; the biases of the
+    N-layers (c_attn, c_fc) over X."""
+    c, x, y = cfg.n_embd, grid.x, grid.y
     b = 1 if cfg.bias else 0
     ln = 2 * c if cfg.bias else c
-    weights = sum(weight_blocks(cfg, grid).values())
-    blocks_extra = cfg.n_layer * (2 * ln + b * (3 * c + c + 4 * c + c))
-    # weight_blocks names the per-block layers once; n_layer of each
-    per_block = sum(layer.k * layer.n // (grid.x * grid.y)
-                    for layer in linear_layers(cfg) if layer.per_block)
-    weights += (cfg.n_layer - 1) * per_block
-    return weights // grid.z + blocks_extra + ln
+    blocks = weight_blocks(cfg, grid)
+    per_block = sum(blocks[f"{layer.name}.weight"] for layer in linear_layers(cfg)
+                    if layer.per_block)
+    weights = sum(blocks.values()) + (cfg.n_layer - 1) * per_block
+    small = cfg.n_layer * (2 * ln // y + b * (3 * c // x + c // y + 4 * c // x + c // y))
+    return weights // grid.z + small + ln // y
 
 
 def grid_memory(cfg: GPTConfig, grid: Grid4D, micro_batch: int, w: int,
