@@ -13,6 +13,7 @@ import os
 import pytest
 import torch
 
+from training.models import hf, llama
 from training.models.gpt import GPTStage, lm_loss
 from training.models.hf import HFCheckpoint, HFConfigError, export_hf, load_hf
 from training.models.llama import LlamaStage
@@ -164,3 +165,46 @@ def test_unrepresentable_config_names_the_field(tmp_path, model, field):
     model().save_pretrained(tmp_path)
     with pytest.raises(HFConfigError, match=f"{field}=.* cannot be represented"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tiny", "mini", "tinyllama-1.1b", "llama3-8b"])
+def test_presets_count_what_transformers_builds(name):
+    """n_params() of each preset equals the parameter count of the LlamaForCausalLM its
+    exported config builds (on the meta device: no memory), so the config conversion
+    keeps every shape."""
+    cfg = llama.get_config(name)
+    hf_cfg = transformers.LlamaConfig(**hf._llama_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.n_params()
+    assert hf._llama_from_hf(hf_cfg.to_dict()) == cfg
+
+
+def test_stages_compose_to_the_whole_model():
+    """Units built alone carry the whole model's weights; stages run one after another
+    give its logits; activation checkpointing changes neither logits nor gradients."""
+    cfg = llama.get_config("tiny", vocab_size=VOCAB)
+    whole = llama.Llama(cfg, seed=3)
+    cut = 2
+    stages = [llama.LlamaStage(cfg, 0, cut, seed=3),
+              llama.LlamaStage(cfg, cut + 1, cfg.n_units - 1, seed=3)]
+    x = windows()[:, :T]
+    y = whole(x)
+    assert torch.equal(stages[1](stages[0](x)), y)
+    ckpt = llama.Llama(cfg, seed=3, activation_checkpointing=True)
+    y2 = ckpt(x)
+    assert torch.equal(y2, y)
+    y.square().mean().backward()
+    y2.square().mean().backward()
+    for (name, p), q in zip(whole.named_parameters(), ckpt.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_tied_embeddings_keep_embedding_and_head_together():
+    cfg = llama.get_config("tiny", tie_embeddings=True)
+    whole = llama.Llama(cfg)
+    head = whole.units[str(cfg.n_units - 1)]
+    assert head.lm_head.weight is whole.units["0"].embed_tokens.weight
+    assert cfg.n_params() == sum(p.numel() for p in whole.parameters())
+    with pytest.raises(ValueError, match="keep them on one stage or untie them"):
+        llama.LlamaStage(cfg, 0, 2)

@@ -24,7 +24,7 @@ logits (training/models/hf.py converts the names):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .gpt import _run_segment, checkpoint_interval, lm_loss
 
-__all__ = ["Llama", "LlamaConfig", "LlamaStage", "Llama3RopeScaling", "lm_loss",
-           "make_unit", "rope_frequencies"]
+__all__ = ["CONFIGS", "Llama", "LlamaConfig", "LlamaStage", "Llama3RopeScaling",
+           "get_config", "lm_loss", "make_unit", "rope_frequencies"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,37 @@ class LlamaConfig:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# Sizes from tiny (tests, CPU) to the published Llama-family shapes: TinyLlama 1.1B
+# (Zhang et al. 2024) and Llama 3.1 (Grattafiori et al. 2024, table 3; 128K context by
+# the llama3 rotary scaling of an 8K original).
+_LLAMA31 = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position=8192)
+CONFIGS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=32, block_size=32,
+                        vocab_size=256, intermediate_size=96),
+    "mini": LlamaConfig(n_layer=6, n_head=8, n_kv_head=2, n_embd=128, block_size=64,
+                        vocab_size=256, intermediate_size=352),
+    "tinyllama-1.1b": LlamaConfig(n_layer=22, n_head=32, n_kv_head=4, n_embd=2048,
+                                  block_size=2048, vocab_size=32000, intermediate_size=5632,
+                                  rope_theta=10000.0),
+    "llama3-8b": LlamaConfig(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096,
+                             block_size=131072, vocab_size=128256, intermediate_size=14336,
+                             rope_scaling=_LLAMA31),
+    "llama3-70b": LlamaConfig(n_layer=80, n_head=64, n_kv_head=8, n_embd=8192,
+                              block_size=131072, vocab_size=128256, intermediate_size=28672,
+                              rope_scaling=_LLAMA31),
+    "llama3-405b": LlamaConfig(n_layer=126, n_head=128, n_kv_head=8, n_embd=16384,
+                               block_size=131072, vocab_size=128256, intermediate_size=53248,
+                               rope_scaling=_LLAMA31),
+}
+
+
+def get_config(name: str, **overrides) -> LlamaConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown Llama model {name!r}; expected one of {', '.join(CONFIGS)}")
+    return replace(CONFIGS[name], **{k: v for k, v in overrides.items() if v is not None})
 
 
 class RMSNorm(nn.Module):
