@@ -208,3 +208,19 @@ def test_tied_embeddings_keep_embedding_and_head_together():
     assert cfg.n_params() == sum(p.numel() for p in whole.parameters())
     with pytest.raises(ValueError, match="keep them on one stage or untie them"):
         llama.LlamaStage(cfg, 0, 2)
+
+
+def test_bfloat16_checkpoint_round_trip(tmp_path):
+    """Published checkpoints are bfloat16: they load as a bfloat16 model and export back
+    bit for bit, with the dtype in config.json."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(llama_config()).to(torch.bfloat16).save_pretrained(
+        tmp_path / "in")
+    model = load_hf(tmp_path / "in")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    export_hf(model, tmp_path / "out", source=tmp_path / "in")
+    before = safetensors_torch.load_file(tmp_path / "in" / "model.safetensors")
+    after = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[n], t) and after[n].dtype == t.dtype for n, t in before.items())
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
