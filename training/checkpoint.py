@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 
 from .core import checkpoint as ckpt
+from .core.options import PathOptionError, check_file
+from .core.validate import print_traceback
 from .parallel4d import consolidate as parallel4d
 from .pipeline import consolidate as pipeline
 from .ted import consolidate as ted
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
         if out.suffix == ".json":  # the config goes to OUT with the suffix .json
             raise ckpt.CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "
                                   "the same file; name the state_dict .pt")
+        check_file("-o", out)  # before the shards are read: a refusal costs no work
         state, cfg = consolidate(path, masters=args.masters, trust=args.trust_checkpoint)
         ckpt.atomic_torch_save(state, out)
         ckpt.atomic_write(out.with_suffix(".json"), json.dumps(cfg, indent=1).encode())
@@ -95,7 +98,8 @@ def main(argv=None) -> int:
         print(f"consolidated {path} -> {out}: {len(state)} tensors, {n} parameters; "
               f"config in {out.with_suffix('.json')}")
         return 0
-    except ckpt.CheckpointError as e:
+    except (ckpt.CheckpointError, PathOptionError) as e:
+        print_traceback(e)
         print(f"error: {e}", file=sys.stderr)
         return 2
 
