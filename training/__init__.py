@@ -7,6 +7,7 @@ the layers below it; tests/test_architecture.py checks it):
 - ``tensor_parallel/`` (AxoNN's X/Y/Z layers) and ``samo/`` (pruning, SAMO).
 - the engines: ``pipeline/`` (AxoNN's message-driven pipeline x data), ``parallel4d/``
   (AxoNN's 4D, with its performance model) and ``ted/`` (DeepSpeed-TED's MoE).
+- ``plan/``, over the engines' models: the layout planner (``python -m training.plan``).
 - the commands: ``train_gpt``, ``train_moe``, ``checkpoint``, and ``perf_model`` and
   ``ted_model`` (the engines' models under their documented names).
 
