@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from training.models import hf, llama
+from training.models import gpt, hf, llama
 from training.models.gpt import GPTStage, lm_loss
 from training.models.hf import HFCheckpoint, HFConfigError, export_hf, load_hf
 from training.models.llama import LlamaStage
@@ -224,3 +224,22 @@ def test_bfloat16_checkpoint_round_trip(tmp_path):
     assert sorted(before) == sorted(after)
     assert all(torch.equal(after[n], t) and after[n].dtype == t.dtype for n, t in before.items())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_our_models_export_to_transformers(arch, tmp_path):
+    """A model of ours (untied GPT head, GQA Llama) written from its state_dict, as a
+    consolidated checkpoint would be, loads in transformers with our logits."""
+    if arch == "gpt":
+        cfg = gpt.get_config("tiny", vocab_size=VOCAB)
+        model = gpt.GPT(cfg, seed=5)
+    else:
+        cfg = llama.get_config("tiny", vocab_size=VOCAB)
+        model = llama.Llama(cfg, seed=5)
+    hf.export_state_dict(cfg, model.state_dict(), tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    x = windows()[:, :T]
+    with torch.no_grad():
+        assert rel(back(input_ids=x).logits, model(x)) <= TOL
+    with pytest.raises(KeyError, match="lacks units.0"):
+        hf.export_state_dict(cfg, {}, tmp_path)

@@ -37,7 +37,8 @@ import torch.nn as nn
 from .gpt import GPTConfig, GPTStage
 from .llama import Llama3RopeScaling, LlamaConfig, LlamaStage
 
-__all__ = ["HFCheckpoint", "HFConfigError", "SUPPORTED", "export_hf", "load_hf"]
+__all__ = ["HFCheckpoint", "HFConfigError", "SUPPORTED", "export_hf", "export_state_dict",
+           "load_hf"]
 
 Select = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
 
@@ -191,6 +192,7 @@ def _gpt2_tensors(cfg: GPTConfig) -> list[TensorMap]:
 @dataclass(frozen=True)
 class Architecture:
     name: str                 # config.json's architectures[0]
+    config_type: type
     stage: type[nn.Module]
     from_hf: Callable[[dict], object]
     to_hf: Callable[[object], dict]
@@ -198,8 +200,10 @@ class Architecture:
 
 
 SUPPORTED: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("LlamaForCausalLM", LlamaStage, _llama_from_hf, _llama_to_hf, _llama_tensors),
-    Architecture("GPT2LMHeadModel", GPTStage, _gpt2_from_hf, _gpt2_to_hf, _gpt2_tensors),
+    Architecture("LlamaForCausalLM", LlamaConfig, LlamaStage, _llama_from_hf, _llama_to_hf,
+                 _llama_tensors),
+    Architecture("GPT2LMHeadModel", GPTConfig, GPTStage, _gpt2_from_hf, _gpt2_to_hf,
+                 _gpt2_tensors),
 )}
 
 
@@ -338,16 +342,33 @@ def export_hf(model: nn.Module, path: str | os.PathLike, *,
     """Write ``model`` (a whole LlamaStage or GPTStage) as a Hugging Face directory.
     ``source``: the directory it was imported from, whose other config fields, generation
     config and tokenizer files are carried over."""
+    _architecture_of(model)
+    export_state_dict(model.cfg, model.state_dict(), path, source=source)
+
+
+def export_state_dict(cfg: GPTConfig | LlamaConfig, state: dict[str, torch.Tensor],
+                      path: str | os.PathLike, *,
+                      source: str | os.PathLike | None = None) -> None:
+    """:func:`export_hf` for the whole model's state_dict (a consolidated checkpoint's)
+    and its config, without building the model."""
     from safetensors.torch import save_file
 
-    arch = _architecture_of(model)
-    state = model.state_dict()
+    arch = next((a for a in SUPPORTED.values() if a.config_type is type(cfg)), None)
+    if arch is None:
+        names = ", ".join(a.config_type.__name__ for a in SUPPORTED.values())
+        raise TypeError(f"export_hf: a {type(cfg).__name__} has no Hugging Face equivalent; "
+                        f"supported: {names}")
+    maps = arch.tensors(cfg)
+    missing = sorted(m.name for m in maps if m.name not in state)
+    if missing:
+        raise KeyError(f"export_hf: the state_dict lacks {', '.join(missing[:5])}"
+                       f"{' ...' if len(missing) > 5 else ''} of the whole model")
     tensors = {}
-    for m in arch.tensors(model.cfg):
+    for m in maps:
         if m.export:
             t = state[m.name].detach().cpu()
             tensors[m.hf_name] = (t.t() if m.transposed else t).contiguous()
-    hf = arch.to_hf(model.cfg)
+    hf = arch.to_hf(cfg)
     if arch.name == "GPT2LMHeadModel":  # tie when the head is the embedding, bit for bit
         tied = torch.equal(tensors["lm_head.weight"], tensors["transformer.wte.weight"])
         if tied:
