@@ -178,6 +178,7 @@ def test_presets_count_what_transformers_builds(name):
         model = transformers.LlamaForCausalLM(hf_cfg)
     assert sum(p.numel() for p in model.parameters()) == cfg.n_params()
     assert hf._llama_from_hf(hf_cfg.to_dict()) == cfg
+    assert llama.LlamaConfig.from_dict(json.loads(json.dumps(cfg.as_dict()))) == cfg
 
 
 def test_stages_compose_to_the_whole_model():

@@ -109,6 +109,13 @@ class LlamaConfig:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> LlamaConfig:
+        """The config whose :meth:`as_dict` is ``d`` (a checkpoint manifest's)."""
+        scaling = d.get("rope_scaling")
+        return cls(**{**d, "rope_scaling": None if scaling is None
+                      else Llama3RopeScaling(**scaling)})
+
 
 # Sizes from tiny (tests, CPU) to the published Llama-family shapes: TinyLlama 1.1B
 # (Zhang et al. 2024) and Llama 3.1 (Grattafiori et al. 2024, table 3; 128K context by
