@@ -244,3 +244,18 @@ def test_our_models_export_to_transformers(arch, tmp_path):
         assert rel(back(input_ids=x).logits, model(x)) <= TOL
     with pytest.raises(KeyError, match="lacks units.0"):
         hf.export_state_dict(cfg, {}, tmp_path)
+
+
+def test_config_checks_name_the_field(tmp_path):
+    """A missing field and a shape our Llama refuses (kv heads not dividing the heads)."""
+    cfg = {**llama_config().to_dict(), "architectures": ["LlamaForCausalLM"]}
+    del cfg["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFConfigError, match="field 'intermediate_size' of a LlamaForCausalLM "
+                       "config is missing"):
+        load_hf(tmp_path)
+    cfg = {**llama_config(num_key_value_heads=3).to_dict(),
+           "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(HFConfigError, match="n_head=4 is not a multiple of n_kv_head=3"):
+        load_hf(tmp_path)

@@ -72,7 +72,7 @@ class TensorMap:
 
 def _need(hf: dict, field: str, ok: bool, expected: str) -> None:
     if not ok:
-        raise HFConfigError(f"config.json: {field}={hf.get(field)!r} cannot be represented; "
+        raise HFConfigError(f"{field}={hf.get(field)!r} cannot be represented; "
                             f"our model supports {expected}")
 
 
@@ -86,10 +86,10 @@ def _llama_from_hf(hf: dict) -> LlamaConfig:
         rope["rope_theta"] = hf.get("rope_theta", 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in ("default", "llama3"):
-        raise HFConfigError(f"config.json: rope type {kind!r} cannot be represented; our "
+        raise HFConfigError(f"rope type {kind!r} cannot be represented; our "
                             f"model supports 'default' and 'llama3'")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFConfigError(f"config.json: partial_rotary_factor="
+        raise HFConfigError(f"partial_rotary_factor="
                             f"{rope['partial_rotary_factor']!r} cannot be represented; our "
                             f"model rotates every feature (1.0)")
     scaling = None
@@ -230,11 +230,11 @@ class HFCheckpoint:
         self.architecture = SUPPORTED[names[0]]
         try:
             self.config = self.architecture.from_hf(self.hf_config)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, HFConfigError):
-                raise HFConfigError(f"{cfg_path}: {e}") from None
-            raise HFConfigError(f"{cfg_path}: cannot read a {names[0]} config ({e!r}); "
-                                f"is a required field missing?") from e
+        except KeyError as e:
+            raise HFConfigError(f"{cfg_path}: field {e.args[0]!r} of a {names[0]} config is "
+                                f"missing") from None
+        except (TypeError, ValueError) as e:  # ours (HFConfigError) and LlamaConfig's checks
+            raise HFConfigError(f"{cfg_path}: {e}") from None
         self._files = self._weight_files()
         self._stack = ExitStack()
         self._open = {f: self._stack.enter_context(safe_open(os.path.join(self.path, f), "pt"))
