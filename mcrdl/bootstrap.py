@@ -439,6 +439,10 @@ class Bootstrap:
             host, port = self.broadcast_object(addr, purpose="the store's address")
             if store is None:
                 store = dist.TCPStore(host, port, self.size, False, td)
+        elif self.info.store is not None:
+            # torch's, made for one process group (torch prefixes it per group and per
+            # init_process_group): nothing else uses these keys
+            store = self.info.store
         elif self.info.launcher == "single":
             store = _hosted_store("127.0.0.1", 0, 1, td, many_nodes=False, wait_for_workers=False)
         else:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import re
 import socket
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 # Environment variables that mean "an MPI process manager started this process".
 _MPI_MARKERS = (
@@ -263,9 +265,11 @@ def slurm_step() -> SlurmStep | None:
 class LaunchInfo:
     """How this process was started.
 
-    ``launcher`` is one of ``"mpi"``, ``"torchrun"``, ``"slurm"`` or ``"single"``;
-    ``mpi_world`` tells whether an MPI world exists (MPI ops can be used);
-    ``why_no_mpi`` says why not when it does not.
+    ``launcher`` is one of ``"mpi"``, ``"torchrun"``, ``"slurm"``, ``"single"`` or
+    ``"torch"`` (no launcher: torch.distributed gave rank, size and a store, see
+    :func:`torch_given`); ``mpi_world`` tells whether an MPI world exists (MPI ops can be
+    used); ``why_no_mpi`` says why not when it does not. ``store``: the torch.distributed
+    store the ranks rendezvous on, where the launch came with one (``"torch"``).
     """
 
     launcher: str
@@ -275,6 +279,7 @@ class LaunchInfo:
     local_size: int
     mpi_world: bool
     why_no_mpi: str = ""
+    store: object = field(default=None, compare=False, repr=False)
 
     @property
     def ranks_per_node(self) -> int:
@@ -293,8 +298,41 @@ def _without_mpi(launcher: str, names: tuple[str, str, str], local_size: int | N
                       local_size or n, False, why)
 
 
+#: The world torch.distributed described, while mcrdl initializes from it (given()).
+_given: LaunchInfo | None = None
+
+
+def torch_given(rank: int, size: int, store: object) -> LaunchInfo:
+    """The launch of a process that no launcher started (``torch.multiprocessing.spawn``,
+    a ``python`` per rank) but that torch.distributed gave its rank, the world's size and
+    a store (``init_process_group(backend, rank=, world_size=)`` with env://, file://
+    or ``store=``). No MPI world: MPI joins only processes an MPI launcher started.
+    LOCAL_RANK and LOCAL_WORLD_SIZE are used where set; else the ranks are taken to share
+    one node (what spawn makes)."""
+    return LaunchInfo(
+        "torch", rank, size, _env_int("LOCAL_RANK") or rank,
+        _env_int("LOCAL_WORLD_SIZE") or size, False,
+        "no MPI launcher started the processes (torch.distributed gave rank and world size); "
+        "launch with 'mpiexec -n N' (or srun with PMI) to use MPI", store)
+
+
+@contextmanager
+def given(info: LaunchInfo) -> Iterator[LaunchInfo]:
+    """Within the block, :func:`detect` answers `info` (a world torch described,
+    :func:`torch_given`): mcrdl's init builds its runtime from it."""
+    global _given
+    previous, _given = _given, info
+    try:
+        yield info
+    finally:
+        _given = previous
+
+
 def detect() -> LaunchInfo:
-    """Inspect the environment; never initializes MPI or opens sockets."""
+    """Inspect the environment (or the world :func:`given` holds); never initializes MPI
+    or opens sockets."""
+    if _given is not None:
+        return _given
     env = os.environ
     has_mpi = any(m in env for m in _MPI_MARKERS)
     if has_mpi:

@@ -4,11 +4,13 @@ when needed and makes the :class:`~mcrdl.torch_backend.process_group.ProcessGrou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 
+from .. import launch
 from ..errors import BackendUnavailableError, InvalidArgumentError
 from .convert import explicit_timeout
 from .process_group import ProcessGroupMCRDL, group_routes, group_timeout
@@ -28,6 +30,21 @@ def _default_group_is_mcrdl() -> bool:
     return isinstance(dist.distributed_c10d._world.default_pg, ProcessGroupMCRDL)
 
 
+def _launch_of(options, ranks: list[int]):
+    """The launch mcrdl initializes from for torch's world (`ranks` empty): where no
+    launcher started the processes (the launch discovery finds a plain ``python``) and
+    torch describes a world of several ranks (spawned processes given rank and world
+    size), the world torch describes, rendezvousing on the store torch hands the
+    backend; otherwise the launcher's, which must agree with torch's (checked after
+    init, naming both). A runtime made before (``mcrdl.init``) keeps its own launch."""
+    found = launch.detect()
+    if ranks or found.launcher != "single" \
+            or (options.group_rank, options.group_size) == (found.rank, found.size):
+        return contextlib.nullcontext(found)
+    return launch.given(launch.torch_given(options.group_rank, options.group_size,
+                                           options.store))
+
+
 def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
            pg_options: object) -> ProcessGroupMCRDL:
     """The creator torch calls for ``init_process_group("mcrdl")`` (the world) and for
@@ -40,21 +57,24 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
     owns = not front.is_initialized()
     where = f"new_group({ranks})" if ranks else "init_process_group('mcrdl')"
     if owns:
-        # the routes checked against what init() initializes, before it: refused routes
-        # leave mcrdl uninitialized (a retry starts clean) with no collective cleanup,
-        # which a failure on some ranks only would hold for the whole timeout
-        group_routes(pg_options, front, where, front.available_backends())
-        front.init(timeout=world_timeout)
+        with _launch_of(options, ranks):
+            # the routes checked against what init() initializes, before it: refused
+            # routes leave mcrdl uninitialized (a retry starts clean) with no collective
+            # cleanup, which a failure on some ranks only would hold for the whole timeout
+            group_routes(pg_options, front, where, front.available_backends())
+            front.init(timeout=world_timeout)
     elif world_timeout is not None:
         front.init(front.get_backends(), timeout=world_timeout)
     world_rank, world_size = front.get_rank(), front.get_size()
     if not ranks:
         if (options.group_rank, options.group_size) != (world_rank, world_size):
+            launcher = front.current_runtime().launch.launcher
             raise BackendUnavailableError(
                 f"init_process_group('mcrdl'): torch's rank {options.group_rank} of "
                 f"{options.group_size} differs from mcrdl's launch discovery (rank "
-                f"{world_rank} of {world_size}); launch with mpiexec, torchrun or srun and "
-                "leave rank and world_size to them")
+                f"{world_rank} of {world_size}, launcher {launcher!r}); under mpiexec, "
+                "torchrun or srun leave rank and world_size to the launcher; without a "
+                "launcher let init_process_group initialize mcrdl (no mcrdl.init before it)")
     elif sorted(ranks) != list(range(world_size)):
         # torch called the creator on the members only: a sub-group cannot be made
         if _default_group_is_mcrdl():
