@@ -309,9 +309,10 @@ def torch_given(rank: int, size: int, store: object) -> LaunchInfo:
     or ``store=``). No MPI world: MPI joins only processes an MPI launcher started.
     LOCAL_RANK and LOCAL_WORLD_SIZE are used where set; else the ranks are taken to share
     one node (what spawn makes)."""
+    local_rank, local_size = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
     return LaunchInfo(
-        "torch", rank, size, _env_int("LOCAL_RANK") or rank,
-        _env_int("LOCAL_WORLD_SIZE") or size, False,
+        "torch", rank, size, rank if local_rank is None else local_rank,
+        local_size or size, False,
         "no MPI launcher started the processes (torch.distributed gave rank and world size); "
         "launch with 'mpiexec -n N' (or srun with PMI) to use MPI", store)
 

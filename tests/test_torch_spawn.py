@@ -86,3 +86,21 @@ def test_a_launcher_that_disagrees_with_torch_is_named(monkeypatch):
         mcrdl.finalize()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_torch_given_world_and_its_local_rank(monkeypatch):
+    """detect() answers the world torch described within given() only; the local rank
+    is LOCAL_RANK where set (0 included), else the rank."""
+    from mcrdl import launch
+
+    without_launcher(monkeypatch)
+    info = launch.torch_given(1, 2, store=None)
+    assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size,
+            info.mpi_world) == ("torch", 1, 2, 1, 2, False)
+    with launch.given(info):
+        assert launch.detect() is info
+    assert launch.detect().launcher == "single"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    info = launch.torch_given(1, 2, store=None)
+    assert (info.local_rank, info.local_size) == (0, 1)
