@@ -1,7 +1,6 @@
 """benchmarks/engines.py: a reduced run (2 ranks, 2 steps, one round) passes the parity
 step and prints its table, chart and per-engine lines (no speed assertion: the figures
-depend on the machine). It launches six mpiexec jobs, so it runs with MCRDL_TEST_FULL=1;
-the bucket plan of the data-parallel overlap it measures is checked in the default run."""
+depend on the machine). It launches six mpiexec jobs, so it runs with MCRDL_TEST_FULL=1."""
 
 import os
 import pathlib
@@ -9,26 +8,9 @@ import re
 import subprocess
 import sys
 
-from training.core.optim import overlap_buckets
-
 from ._launch import FULL, mpiexec_or_skip
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def test_overlap_buckets_whole_tensors_small_first_bucket():
-    sizes = [100, 50, 300, 20, 400, 80, 10]
-    buckets = overlap_buckets(sizes, bucket_elems=400)
-    assert [i for b in buckets for i in b] == list(range(len(sizes)))  # each once, in order
-    assert buckets[0] == [0]  # the first closes at a quarter of the size: 100 >= 100
-    assert buckets[1:] == [[1, 2, 3, 4], [5, 6]]  # closed once 400 or more
-
-
-def test_overlap_buckets_from_model_size():
-    mini = [128 * 128] * 80  # ~1.3 Mi elements: a quarter is above the 64 Ki floor
-    buckets = overlap_buckets(mini)
-    assert 4 <= len(buckets) <= 6
-    assert len(overlap_buckets([10] * 8)) == 1  # tiny models: one bucket (latency bound)
 
 
 @FULL

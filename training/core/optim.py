@@ -163,32 +163,13 @@ class DataParallelAdamW(_GradientComm):
                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
         self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")
-        self._overlap: _OverlappedReduce | None = None
-
-    def overlap_with_backward(self, backwards_per_step: int,
-                              bucket_elems: int | None = None) -> None:
-        """All-reduce the gradient in buckets while the backward pass still runs (as
-        DDP does): each bucket starts once its parameters have received the last of the
-        step's `backwards_per_step` gradient contributions (one per microbatch).
-        Register it after any other gradient hook (DenseMasking's): the bucket copies
-        the gradient as those hooks leave it. Without it, the whole gradient is
-        all-reduced at ``step()``. The result is the same element for element: each
-        gradient element is averaged over the same ranks either way."""
-        if self.data_group is not None and self.params:
-            self._overlap = _OverlappedReduce(self.params, backwards_per_step,
-                                              bucket_elems, self)
 
     def step(self, sumsq: float | None = None) -> bool:
         """One AdamW step. `sumsq`: the squared global gradient norm, when the caller
         has reduced the gradients and computed it (module docstring)."""
         lr = self.cfg.lr_at(self.step_count)
-        if self._overlap is not None:
-            with self.timers("collective"):
-                grads = self._overlap.finish()
-        else:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p)
-                     for p in self.params]
-        if self.data_group is not None and self._overlap is None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self.data_group is not None:
             with self.timers("collective"):
                 flat = torch._utils._flatten_dense_tensors(grads)
                 self._all_reduce(flat, mcrdl.ReduceOp.AVG, self.data_group)
@@ -226,105 +207,6 @@ class DataParallelAdamW(_GradientComm):
         _check_kind(sd, "adamw")
         self.step_count = sd["step_count"]
         self.opt.load_state_dict(sd["torch"])
-
-
-def overlap_buckets(sizes: Sequence[int], bucket_elems: int | None = None) -> list[list[int]]:
-    """Indices into `sizes` (parameter element counts, in the order the backward
-    produces their gradients) cut into all-reduce buckets of whole tensors. The first
-    bucket is a quarter of the others, so that communication starts early in the
-    backward. `bucket_elems` (None: chosen from the model's size) is the others' size:
-    a quarter of the model, between 64 Ki elements (below it, per-call latency
-    dominates) and 6.25 Mi elements (DDP's 25 MiB of fp32), so that a small model still
-    gets a few buckets to overlap and a large one buckets as large as DDP's."""
-    if bucket_elems is None:
-        bucket_elems = min(max(sum(sizes) // 4, 1 << 16), 25 << 18)
-    buckets, current, filled = [], [], 0
-    for i, n in enumerate(sizes):
-        current.append(i)
-        filled += n
-        if filled >= (bucket_elems // 4 if not buckets else bucket_elems):
-            buckets.append(current)
-            current, filled = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
-
-class _OverlappedReduce:
-    """The bucketed all-reduce of DataParallelAdamW.overlap_with_backward: buckets in
-    the reverse order of the parameters (the order the backward produces their
-    gradients), each a flat buffer; a parameter's post-accumulate-grad hook counts its
-    contributions and, at the last, copies its gradient into its bucket; full buckets
-    start their all-reduce in bucket order (the same order on every rank, as collectives
-    need); ``finish`` starts any bucket still waiting (parameters without a gradient
-    contribute zeros), waits for all and sets each gradient to its averaged values."""
-
-    def __init__(self, params: list[torch.Tensor], backwards_per_step: int,
-                 bucket_elems: int | None, opt: DataParallelAdamW):
-        if backwards_per_step < 1:
-            raise ValueError(f"overlap_with_backward: backwards_per_step is "
-                             f"{backwards_per_step}; expected 1 or more (microbatches)")
-        self.params, self.backwards, self.opt = params, backwards_per_step, opt
-        order = list(range(len(params)))[::-1]
-        self.buckets = [[order[j] for j in b]
-                        for b in overlap_buckets([params[i].numel() for i in order],
-                                                 bucket_elems)]
-        self.flat = [torch.empty(sum(params[i].numel() for i in b), dtype=params[0].dtype,
-                                 device=params[0].device) for b in self.buckets]
-        self.where: dict[int, tuple[int, int]] = {}  # param index -> (bucket, offset)
-        for bi, b in enumerate(self.buckets):
-            off = 0
-            for i in b:
-                self.where[i] = (bi, off)
-                off += params[i].numel()
-        self._reset()
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda p, i=i: self._on_grad(i, p))
-
-    def _reset(self) -> None:
-        self.seen = [0] * len(self.params)
-        self.missing = [len(b) for b in self.buckets]
-        self.works: list = []
-
-    def _copy(self, i: int, grad: torch.Tensor | None) -> None:
-        bi, off = self.where[i]
-        dst = self.flat[bi][off:off + self.params[i].numel()]
-        if grad is None:
-            dst.zero_()
-        else:
-            dst.copy_(grad.reshape(-1))
-        self.missing[bi] -= 1
-
-    def _launch_ready(self) -> None:
-        while len(self.works) < len(self.buckets) and self.missing[len(self.works)] == 0:
-            self.works.append(self.opt._all_reduce(
-                self.flat[len(self.works)], mcrdl.ReduceOp.AVG, self.opt.data_group,
-                async_op=True))
-
-    def _on_grad(self, i: int, p: torch.Tensor) -> None:
-        self.seen[i] += 1
-        if self.seen[i] > self.backwards:
-            raise RuntimeError(f"DataParallelAdamW: a parameter received {self.seen[i]} "
-                               f"gradients in one step, more than the {self.backwards} "
-                               "backward passes given to overlap_with_backward; its "
-                               "bucket was already all-reduced")
-        if self.seen[i] == self.backwards:
-            self._copy(i, p.grad)
-            self._launch_ready()
-
-    def finish(self) -> list[torch.Tensor]:
-        for i, p in enumerate(self.params):
-            if self.seen[i] < self.backwards:  # no (or not every) contribution hooked
-                self._copy(i, p.grad)
-        self._launch_ready()
-        for w in self.works:
-            w.wait()
-        grads = []
-        for i, p in enumerate(self.params):
-            bi, off = self.where[i]
-            grads.append(self.flat[bi][off:off + p.numel()].view_as(p))
-        self._reset()
-        return grads
 
 
 def _check_kind(sd: dict, kind: str) -> None:

@@ -108,8 +108,6 @@ class Trainer:
         if self.pruning is not None:
             self.pruning.attach(self.optimizer if cfg.samo else DenseMasking(
                 self.model_stage.named_parameters(), self.optimizer))
-        if isinstance(self.optimizer, DataParallelAdamW):  # after the masking's hooks
-            self.optimizer.overlap_with_backward(self.batches.n_micro)
         stage_delay = (compute_delay or {}).get(self.stage_index, 0.0)
         self.engine = PipelineEngine(self.model_stage, stage_index=self.stage_index,
                                      n_stages=self.n_stages, group=self.pipe_group,
