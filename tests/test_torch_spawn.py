@@ -5,6 +5,7 @@ the losses it gives on gloo, bit for bit."""
 
 import json
 import os
+import re
 import socket
 import sys
 
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import mcrdl
 from mcrdl import bootstrap
 
-from ._launch import clean_env, run_launcher, without_launcher
+from ._launch import FULL, clean_env, run_launcher, without_launcher
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "torch_backend", "spawn_ddp.py")
 WORLD = 2
@@ -104,3 +105,50 @@ def test_torch_given_world_and_its_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     info = launch.torch_given(1, 2, store=None)
     assert (info.local_rank, info.local_size) == (0, 1)
+
+
+#: The CPU selection of torch's distributed test suite run against mcrdl and gloo
+#: (MCRDL_TEST_FULL=1): collectives, barrier and point-to-point at world size 2 (not
+#: test_batch_isend_irecv_gloo: the suite runs it on gloo alone).
+SUITE_TESTS = (
+    "test_all_gather", "test_all_reduce_max", "test_all_reduce_min",
+    "test_all_reduce_product", "test_all_reduce_sum", "test_all_reduce_sum_async",
+    "test_barrier", "test_broadcast", "test_irecv", "test_isend", "test_reduce_sum",
+    "test_reduce_max", "test_send_recv", "test_send_recv_any_source",
+    "test_send_recv_with_tag",
+)
+#: The tests of SUITE_TESTS gloo passes and mcrdl fails by design, with a clear error
+#: (docs/torch_backend.md lists them with the reason).
+SUITE_EXCEPTIONS = {
+    # mcrdl's receives name their sender: UnsupportedOperationError (recv_anysource)
+    "test_send_recv_any_source": "ERROR",
+}
+SUITE = os.path.join(os.path.dirname(__file__), "torch_backend", "spawn_dist_suite.py")
+_STATUS = re.compile(r"(?m)(?:^|\.\.\. )(ok|FAIL|ERROR|skipped\b.*|expected failure)$")
+
+
+def suite_outcomes(backend: str, tmp_path, tests=SUITE_TESTS) -> dict[str, str]:
+    """Each test's outcome (ok, FAIL, ERROR, skipped ...) in torch's suite on `backend`."""
+    temp = tmp_path / backend
+    temp.mkdir()
+    env = dict(clean_env(), BACKEND=backend, WORLD_SIZE=str(WORLD), TEMP_DIR=str(temp))
+    out = run_launcher([sys.executable, SUITE, "-v",
+                        *(f"TestDistBackendWithSpawn.{t}" for t in tests)],
+                       env=env, timeout=60 * len(tests), expect_rc=None)
+    starts = list(re.finditer(r"(?m)^(test_\w+) \(__main__\.TestDistBackendWithSpawn", out))
+    outcomes = {}
+    for i, start in enumerate(starts):
+        chunk = out[start.start():starts[i + 1].start() if i + 1 < len(starts) else len(out)]
+        found = _STATUS.findall(chunk)
+        outcomes[start.group(1)] = found[-1] if found else "no outcome:\n" + chunk[-2000:]
+    return outcomes
+
+
+@FULL
+def test_torch_distributed_suite_passes_what_gloo_passes(tmp_path):
+    """torch's distributed test suite, the CPU selection SUITE_TESTS: every test gloo
+    passes, mcrdl passes, but for SUITE_EXCEPTIONS (which fail as listed)."""
+    gloo, ours = suite_outcomes("gloo", tmp_path), suite_outcomes("mcrdl", tmp_path)
+    assert set(gloo) == set(ours) == set(SUITE_TESTS), (gloo, ours)
+    failed = {t: ours[t] for t, outcome in gloo.items() if outcome == "ok" and ours[t] != "ok"}
+    assert failed == SUITE_EXCEPTIONS, (failed, ours)
