@@ -13,12 +13,12 @@ import torch
 import mcrdl
 from mcrdl.extensions.compression import _RAW, _ZFP, decode, encode
 
-from ._launch import mpiexec_or_skip, pythonpath, run_launcher
+from ._launch import import_or_skip, mpiexec_or_skip, pythonpath, run_launcher
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fusion"))
 import zfp_checks  # noqa: E402
 
-pytest.importorskip("zfpy")
+import_or_skip("zfpy")
 
 # (1, 256) and (32, 1, 24): size-1 dims are dropped (as given, zfp did not shrink them)
 SHAPES = [(1000,), (37,), (64, 48), (9, 10, 11), (2, 3, 4, 5, 6), (1, 256), (32, 1, 24)]
