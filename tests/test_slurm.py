@@ -211,8 +211,9 @@ def test_conformance_suite(cluster):
     out = cluster.srun(4, ["-m", "pytest", TESTS / "dist", "-p", "no:cacheprovider", "-q",
                            "-k", "not auto"], "conformance", timeout=400,
                        env={"MCRDL_DIST_TEST": "1"})
-    # srun exited 0: every rank's pytest passed; rank 0 reports the count
-    assert re.search(r"^\d+ passed, \d+ deselected in ", out, re.M), out
+    # srun exited 0: every rank's pytest passed; rank 0 reports the count (a test made
+    # for another world size skips)
+    assert re.search(r"^\d+ passed(, \d+ skipped)?, \d+ deselected in ", out, re.M), out
     assert len(set(re.findall(r"\[mcrdl dist tests: rank (\d)", out))) == 4, out
 
 
