@@ -505,6 +505,11 @@ def test_dtype_has_one_spelling_parser_in_every_command(tmp_path, capsys):
     for spelling in ("bf16", "bfloat16"):
         args = parser().parse_args(["--model", "tiny", "--ranks", "4", "--dtype", spelling])
         assert args.dtype == "bf16"
+    from training.plan.__main__ import parser as plan_parser
+    for spelling, short in (("bfloat16", "bf16"), ("float32", "fp32"), ("fp32", "fp32")):
+        args = plan_parser().parse_args(["--model", "gpt-20b", "--world-size", "32",
+                                         "--network", "perlmutter", "--dtype", spelling])
+        assert args.dtype == short
     assert ted_cost_model(["--model", "moe-tiny", "--experts", "4", "--ranks", "8",
                            "--router-group-tokens", "16", "--dtype", "float32"]) == 0
     assert ", fp32, " in capsys.readouterr().out

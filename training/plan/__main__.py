@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..core.arguments import positive_float, positive_int
+from ..core.arguments import dtype, positive_float, positive_int
 from ..models.gpt import GPTConfig
 from ..models.moe import MOE_BASES, MoEConfig, base_config
 from .memory import gib, parse_bytes
@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
                    help="sequences per step (default: one per GPU)")
     p.add_argument("--micro-batch-size", type=positive_int, default=1,
                    help="sequences per micro-batch (default 1)")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--dtype", type=dtype, choices=("bf16", "fp32"), default="bf16",
+                   help="bf16 or fp32 (or bfloat16, float32; default bf16)")
     p.add_argument("--top", type=positive_int, default=10, help="layouts shown (default 10)")
     p.add_argument("--show-rejected", action="store_true",
                    help="list every dropped layout with its reason")
