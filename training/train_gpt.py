@@ -32,7 +32,9 @@ from .core.report import TrainResult
 from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from .core.runner import run_command, train_loop
 from .core.topology import GridError
-from .models.gpt import GPTConfig, get_config
+from .models.families import model_shape
+from .models.gpt import GPTConfig
+from .models.llama import LlamaConfig
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
 from .pipeline.trainer import Trainer
@@ -45,15 +47,10 @@ class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, Pipe
     """The options of ``python -m training.train_gpt`` (the last base's fields come
     first: model, data, parallel, tensor, optimizer, run, samo)."""
 
-    def model_config(self) -> GPTConfig:
-        """The model's shape (training/models/gpt.py get_config), ValueError naming
-        --model."""
-        try:
-            return get_config(self.model, vocab_size=self.data_vocab_size(),
-                              n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                              block_size=self.block_size)
-        except ValueError as e:
-            raise ValueError(self.model_error(e)) from None
+    def model_config(self) -> GPTConfig | LlamaConfig:
+        """The model's shape (training/models/families.py), ValueError naming --arch,
+        --model and the overriding options."""
+        return model_shape(self, self.data_vocab_size())
 
 
 def parse_args(argv: Sequence[str] | None = None, *,

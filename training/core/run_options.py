@@ -19,20 +19,27 @@ from .options import Options, PathOptionError, check_directory, check_file, flag
 @dataclass
 class ModelOptions(Options):
     section = "model"
-    model: str = option("tiny", "model size (training/models/gpt.py CONFIGS)")
+    arch: str = option("gpt", "model family: gpt (GPT-2 style) or llama (RMSNorm, rotary, "
+                       "SwiGLU, grouped-query attention)", choices=("gpt", "llama"))
+    model: str = option("tiny", "model size (the --arch family's CONFIGS: "
+                        "training/models/gpt.py, llama.py)")
     n_layer: int | None = option(None, "transformer blocks (overrides --model)", minimum=1)
     n_head: int | None = option(None, "attention heads (overrides --model)", minimum=1)
     n_embd: int | None = option(None, "embedding width (overrides --model)", minimum=1)
     block_size: int | None = option(None, "context length in tokens (overrides --model)",
                                     minimum=1)
+    n_kv_head: int | None = option(None, "key/value heads of grouped-query attention "
+                                   "(--arch llama; overrides --model)", minimum=1)
     activation_checkpointing: bool = option(False, "store activations every ~sqrt(N) blocks")
 
     def model_error(self, error: ValueError) -> str:
         """`error` of resolving the model's shape, as a refusal naming the model options."""
         given = " ".join(f"{flag(n)} {getattr(self, n)}" for n in
-                         ("n_layer", "n_head", "n_embd", "block_size") if getattr(self, n))
-        text = str(error).removeprefix("GPTConfig: ")
-        return f"--model {self.model}{' ' + given if given else ''}: {text}"
+                         ("n_layer", "n_head", "n_kv_head", "n_embd", "block_size")
+                         if getattr(self, n))
+        text = str(error).removeprefix("GPTConfig: ").removeprefix("LlamaConfig: ")
+        arch = f"--arch {self.arch} " if self.arch != "gpt" else ""
+        return f"{arch}--model {self.model}{' ' + given if given else ''}: {text}"
 
 
 # load_dataset's (training/core/data.py): the names of the byte corpus, and the
