@@ -42,6 +42,9 @@ class ModelOptions(Options):
         return f"{arch}--model {self.model}{' ' + given if given else ''}: {text}"
 
 
+# --init-from's prefix of a Hugging Face model directory
+HF_PREFIX = "hf:"
+
 # load_dataset's (training/core/data.py): the names of the byte corpus, and the
 # vocabulary of a token directory without --vocab-size
 _TOKEN_VOCAB = 50304
@@ -193,7 +196,8 @@ class RunOptions(Options):
     resume: str | None = option(None, "resume from --checkpoint-dir's latest checkpoint, or "
                                 "from a path", const="latest")
     init_from: str | None = option(None, "start from a serial state_dict (.pt: 'python -m "
-                                   "training.checkpoint consolidate' writes one) instead of "
+                                   "training.checkpoint consolidate' writes one) or a Hugging "
+                                   "Face model directory (hf:DIR) instead of "
                                    "--seed's weights; any grid or layout (with --resume, the "
                                    "checkpoint's weights)")
     trust_checkpoint: bool = option(False, TRUST_HELP)
@@ -234,8 +238,15 @@ class RunOptions(Options):
         if self.backends:
             check_backends_usable("--backends", self.backends,
                                   Backends.parse(self.backends).init)
-        if self.init_from is not None and not Path(self.init_from).is_file():
-            raise PathOptionError(f"--init-from {self.init_from}: no such file")
+        if self.init_from is not None and self.init_from.startswith(HF_PREFIX):
+            hf_dir = Path(self.init_from.removeprefix(HF_PREFIX))
+            if not (hf_dir / "config.json").is_file():
+                raise PathOptionError(f"--init-from {self.init_from}: {hf_dir} has no "
+                                      "config.json; expected a Hugging Face model directory "
+                                      "(config.json and safetensors weights)")
+        elif self.init_from is not None and not Path(self.init_from).is_file():
+            raise PathOptionError(f"--init-from {self.init_from}: no such file; expected a "
+                                  "serial state_dict (.pt) or hf:DIR")
         if self.resume == "latest" and latest_checkpoint(self.checkpoint_dir) is None:
             raise PathOptionError(f"--resume: no complete checkpoint in --checkpoint-dir "
                                   f"{self.checkpoint_dir}; expected one an earlier run saved "
