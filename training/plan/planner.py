@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from mcrdl.tuning.model import coefficients
 
+from ..core.flops import model_flops_per_token
 from ..models.gpt import GPTConfig
 from ..models.moe import MoEConfig
 from ..parallel4d.perf_model import Grid4D, TrainingStep, constraint_violations, grids, predict
@@ -113,9 +114,9 @@ class Plan:
 
 
 def model_flops(cfg: GPTConfig, sequences: int) -> float:
-    """Narayanan et al.'s FLOPs of one step without recomputation (module docstring)."""
-    s, h, L, v = cfg.block_size, cfg.n_embd, cfg.n_layer, cfg.vocab_size
-    return 72 * sequences * s * L * h * h * (1 + s / (6 * h) + v / (12 * L * h))
+    """Narayanan et al.'s FLOPs of one step without recomputation (module docstring;
+    training/core/flops.py)."""
+    return model_flops_per_token(cfg) * sequences * cfg.block_size
 
 
 def _seconds(p: Problem, op: str, group: int, calls: float, nbytes: float,
