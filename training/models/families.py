@@ -10,16 +10,19 @@ Checkpoint manifests record the family's name beside the config's fields
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.nn as nn
 
+from ..core.run_options import HF_PREFIX
 from . import gpt, llama
 
 __all__ = ["FAMILIES", "Family", "config_from_dict", "describe", "family", "family_of",
-           "model_shape"]
+           "hf_shape", "model_shape", "read_hf_config"]
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,12 @@ def config_from_dict(d: dict) -> Any:
 def model_shape(options: Any, vocab_size: int) -> Any:
     """The shape a command's model options give (training/core/run_options.py
     ModelOptions: ``--arch``'s family, ``--model`` and the overriding options) with
-    `vocab_size`; ValueError naming the options (``options.model_error``)."""
+    `vocab_size`; ValueError naming the options (``options.model_error``).
+    With ``--init-from hf:DIR`` the shape is the Hugging Face config.json's
+    (:func:`hf_shape`)."""
+    init_from = getattr(options, "init_from", None)
+    if init_from and init_from.startswith(HF_PREFIX):
+        return hf_shape(options, init_from, vocab_size)
     try:
         return family(options.arch).config(
             options.model, vocab_size=vocab_size, n_layer=options.n_layer,
@@ -100,3 +108,87 @@ def model_shape(options: Any, vocab_size: int) -> Any:
             n_kv_head=options.n_kv_head)
     except ValueError as e:
         raise ValueError(options.model_error(e)) from None
+
+
+# ModelOptions' defaults: an option at its default is not "given" and gives way to the
+# Hugging Face config.json
+_DEFAULT_ARCH, _DEFAULT_MODEL = "gpt", "tiny"
+
+
+def read_hf_config(directory: str | os.PathLike) -> Any:
+    """Our config of the Hugging Face directory's config.json (training/models/hf.py
+    converts it; no weight file is opened); ValueError naming the file and, for an
+    architecture we lack, the supported ones."""
+    from .hf import CONFIG, SUPPORTED
+
+    path = os.path.join(directory, CONFIG)
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; a Hugging Face model directory holds "
+                         "config.json and safetensors weights") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} cannot be read: {e}") from None
+    names = (hf.get("architectures") or []) if isinstance(hf, dict) else []
+    if not names or names[0] not in SUPPORTED:
+        raise ValueError(f"{path}: architecture {names[0] if names else None!r} is not "
+                         f"supported; supported: {', '.join(SUPPORTED)}")
+    try:
+        return SUPPORTED[names[0]].from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{path}: field {e.args[0]!r} of a {names[0]} config is "
+                         "missing") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def hf_shape(options: Any, spec: str, vocab_size: int) -> Any:
+    """The model of ``--init-from hf:DIR`` (`spec`): config.json's shape. Options given
+    beside it (``--arch`` and ``--model`` away from their defaults, a shape option set)
+    must agree with it: ValueError naming both. ``--block-size`` may be shorter than
+    config.json's context when the weights do not depend on it (rotary positions, not
+    a position table). `vocab_size`, the data's vocabulary when the options give it
+    (the byte corpus, or ``--vocab-size``), must not exceed the model's."""
+    cfg = read_hf_config(spec.removeprefix(HF_PREFIX))
+    fam = family_of(cfg)
+    where = f"--init-from {spec}"
+
+    def disagree(option: str, theirs: str, fix: str = "") -> ValueError:
+        return ValueError(f"{option} disagrees with {where}, whose config.json "
+                          f"gives {theirs}; drop {option.split()[0]} (the Hugging Face "
+                          f"config sets the model){fix}")
+
+    arch = getattr(options, "arch", _DEFAULT_ARCH)
+    if arch != _DEFAULT_ARCH and arch != fam.name:
+        raise disagree(f"--arch {arch}", f"--arch {fam.name}")
+    model = getattr(options, "model", _DEFAULT_MODEL)
+    if model != _DEFAULT_MODEL:
+        named = fam.configs.get(model)
+        if named is None or replace(named, vocab_size=cfg.vocab_size,
+                                    block_size=cfg.block_size) != cfg:
+            raise disagree(f"--model {model}", f"a {fam.name} model of its own shape")
+    for name in fam.shape_options:
+        given = getattr(options, name, None)
+        theirs = getattr(cfg, name)
+        if given is None or given == theirs:
+            continue
+        if name == "block_size" and given < theirs:
+            shorter = replace(cfg, block_size=given)
+            if shorter.n_params() == cfg.n_params():
+                cfg = shorter
+                continue
+            raise disagree(f"--block-size {given}", f"block_size {theirs}",
+                           f"; a {fam.name} model's position table has {theirs} rows")
+        raise disagree(f"--{name.replace('_', '-')} {given}", f"{name} {theirs}")
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head"):
+        if name not in fam.shape_options and getattr(options, name, None) is not None:
+            raise ValueError(f"--{name.replace('_', '-')} does not apply to {where} "
+                             f"(a {fam.name} model)")
+    data = getattr(options, "data", None)
+    data_given = data in (None, "", "stdlib") or getattr(options, "vocab_size", None)
+    if data_given and vocab_size > cfg.vocab_size:
+        raise ValueError(f"the data's vocabulary ({vocab_size} tokens) exceeds {where}'s "
+                         f"vocab_size {cfg.vocab_size}; its token ids would have no "
+                         "embedding: prepare the data with the model's tokenizer")
+    return cfg
