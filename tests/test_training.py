@@ -21,7 +21,7 @@ from ._launch import (
     skip_without,
     without_launcher,
 )
-from .training.check_parity import GRIDS
+from .training.check_parity import plan
 
 HERE = os.path.join(os.path.dirname(__file__), "training")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,16 +45,17 @@ def four_ranks() -> str:
 def test_parity_with_serial_pytorch(n, request):
     """Every step's loss of (G_inter, G_data) in {(2,2) even and uneven, (4,1)}, and in the
     wider sweep (1,1), (2,1), (1,2) and (3,1) even and uneven, both optimizers, equals the
-    serial run to 1e-5."""
+    serial run to 1e-5; the same grids with --arch llama (check_parity.plan)."""
     out = request.getfixturevalue("four_ranks") if n == 4 else run_launcher(
         [mpiexec_or_skip(), "-n", str(n), sys.executable, os.path.join(HERE, "check_parity.py")],
         env=_env(), timeout=300)
     m = re.search(r"parity OK: world (\d+), (\d+) runs x 20 steps, max rel diff (\S+)", out)
     assert m, out
     # every grid of the world size, with both optimizers: a dropped run fails
-    want = [(str(gi), str(gd), lps or "even", str(offload))
-            for gi, gd, lps in GRIDS[n] for offload in (False, True)]
-    ran = re.findall(r"parity G_inter=(\d+) G_data=(\d+) layers=(\S+) offload=(\w+):", out)
+    want = [(arch, str(gi), str(gd), lps or "even", str(offload))
+            for arch, gi, gd, lps, offload in plan(n)]
+    ran = re.findall(r"parity arch=(\w+) G_inter=(\d+) G_data=(\d+) layers=(\S+) "
+                     r"offload=(\w+):", out)
     assert ran == want, f"runs {ran}, expected {want}:\n{out}"
     assert int(m.group(1)) == n and int(m.group(2)) == len(want) and float(m.group(3)) <= 1e-5
 

@@ -1,5 +1,6 @@
-"""The serial reference of the parity tests: the whole GPT in one process, plain
-PyTorch (torch.optim.AdamW, clip_grad_norm_), the whole global batch in one forward.
+"""The serial reference of the parity tests: the whole model (the GPT, or the family
+``--arch`` names) in one process, plain PyTorch (torch.optim.AdamW, clip_grad_norm_),
+the whole global batch in one forward.
 With ``cfg.prune_sparsity`` set it is dense masked training: each pruning round of
 ``cfg.prune_schedule`` selects the kept entries (training.samo.pruning.select, over the whole
 model), zeroes the pruned weights and Adam moments, and every step zeroes the pruned
@@ -13,7 +14,8 @@ import torch
 
 from training.core.data import Batches, load_dataset
 from training.core.optim import OptimConfig, param_groups
-from training.models.gpt import GPT, get_config, lm_loss
+from training.models.families import family_of, model_shape
+from training.models.gpt import lm_loss
 from training.samo.pruning import full_index, kept_count, parse_schedule, pruned_mask, select
 from training.train_gpt import TrainConfig
 
@@ -61,6 +63,11 @@ def assert_steps_like_torch(a: torch.nn.Module, b: torch.nn.Module, ours, oc: Op
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+def whole_model(mcfg, seed: int) -> torch.nn.Module:
+    """The whole serial model of config `mcfg`, of its family (--arch)."""
+    return family_of(mcfg).stage(mcfg, 0, mcfg.n_units - 1, seed)
+
+
 def serial_losses(cfg: TrainConfig, dataset=None) -> list[float]:
     return serial_run(cfg, dataset)[0]
 
@@ -73,11 +80,10 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
     the magnitudes the round chose from. Where it is a few ulps, a parallel run's other
     rounding may keep another entry, and its losses part from this run's there."""
     dataset = dataset or load_dataset("stdlib")
-    mcfg = get_config(cfg.model, vocab_size=dataset.vocab_size, n_layer=cfg.n_layer,
-                      n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
+    mcfg = model_shape(cfg, dataset.vocab_size)
     oc = cfg.optim()
     torch.manual_seed(cfg.seed)
-    model = GPT(mcfg, seed=cfg.seed)
+    model = whole_model(mcfg, cfg.seed)
     opt = torch_adamw(model, oc)
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
                    seed=cfg.seed)
@@ -114,9 +120,8 @@ def serial_run(cfg: TrainConfig, dataset=None, steps: int | None = None,
 
 def serial_index(cfg: TrainConfig, vocab_size: int = 256) -> dict[str, torch.Tensor]:
     """The mask of the first pruning round of `cfg` on the whole model, by parameter name."""
-    mcfg = get_config(cfg.model, vocab_size=vocab_size, n_layer=cfg.n_layer,
-                      n_head=cfg.n_head, n_embd=cfg.n_embd, block_size=cfg.block_size)
-    named = list(GPT(mcfg, seed=cfg.seed).named_parameters())
+    mcfg = model_shape(cfg, vocab_size)
+    named = list(whole_model(mcfg, cfg.seed).named_parameters())
     first = parse_schedule(cfg.prune_schedule, cfg.prune_sparsity)[0]
     params = [p for _, p in named]
     index = select([p.detach().view(-1) for p in params], full_index(params),

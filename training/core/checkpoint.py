@@ -344,15 +344,21 @@ def check_matches(directory: Path, have: dict, want: dict, advice: str) -> None:
                 "consolidate) and start from its weights with --init-from")
 
 
+def model_fields(model: dict) -> dict:
+    """A manifest's model config with its family (``"arch"``): manifests written before
+    the field hold a GPT's (training/models/families.py ``describe``)."""
+    return {"arch": "gpt", **model}
+
+
 def check_resumable(manifest: dict, directory: Path, *, n_stages: int,
                     partition: list[tuple[int, int]], model: dict, optimizer: str) -> None:
     """CheckpointError unless `manifest` was written by a run with the same pipeline
     (stages, partition), model and optimizer as this one; the data-parallel degree may
     differ."""
-    want = {"G_inter": n_stages, "partition": [list(r) for r in partition], "model": model,
-            "optimizer": optimizer}
+    want = {"G_inter": n_stages, "partition": [list(r) for r in partition],
+            "model": model_fields(model), "optimizer": optimizer}
     have = {"G_inter": manifest["grid"]["G_inter"], "partition": manifest["partition"],
-            "model": manifest["model"], "optimizer": manifest["optimizer"]}
+            "model": model_fields(manifest["model"]), "optimizer": manifest["optimizer"]}
     check_matches(directory, have, want, "resume with the same model, --G-inter, "
                   "--layers-per-stage, --offload-optimizer and --samo (--G-data may change)")
 

@@ -35,7 +35,7 @@ import torch
 import mcrdl
 
 from ..core.timers import NullTimers, PhaseTimers
-from ..models.gpt import GPTStage, lm_loss
+from ..models.gpt import lm_loss
 
 FWD, BWD = 0, 1
 MAX_MICROBATCHES = 16383  # tags 2*mb+dir stay below the MPI minimum tag bound 32767
@@ -95,7 +95,7 @@ class PipelineEngine:
     communicator in issue order on one stream, so a receive posted ahead for the next
     activation would hold up a gradient sent back (a deadlock at two stages)."""
 
-    def __init__(self, model_stage: GPTStage, *, stage_index: int, n_stages: int, group,
+    def __init__(self, model_stage: torch.nn.Module, *, stage_index: int, n_stages: int, group,
                  p2p_backend: str, micro_batch: int, pipeline_limit: int | None = None,
                  timers: PhaseTimers | None = None, timeout: float | None = None,
                  compute_delay: float = 0.0, record: bool = False, backward_group=None):

@@ -83,6 +83,13 @@ class PipelineOptions(Options):
         if self.uses_4d():
             return
         stages, n_layer = self.G_inter, model.n_layer
+        if getattr(model, "tie_embeddings", False) and stages > 1:
+            raise ValueError(f"--G-inter {stages}: the model ties its LM head to its "
+                             "embedding (tie_embeddings, Hugging Face's tie_word_embeddings), "
+                             "so the two must sit on one stage, but a pipeline puts the "
+                             "embedding on its first stage and the head on its last; use "
+                             "--G-inter 1 (scale with --G-data) or the 4D engine "
+                             "(--G-x/--G-y/--G-z)")
         split = self.blocks_per_stage()
         if split is None:
             if n_layer < stages:

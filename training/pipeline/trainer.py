@@ -1,6 +1,7 @@
-"""One rank's share of a pipeline x data parallel GPT run: the process grid, this
-stage's part of the model, its batches, optimizer and pipeline engine, one training
-step, and sharded checkpoints saved and loaded collectively."""
+"""One rank's share of a pipeline x data parallel run of any model family
+(training/models/families.py: ``--arch``): the process grid, this stage's part of the
+model, its batches, optimizer and pipeline engine, one training step, a forward-only
+evaluation, and sharded checkpoints saved and loaded collectively."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from ..core import checkpoint as ckpt
 from ..core import runtime
 from ..core.data import Batches, load_dataset
 from ..core.dtypes import torch_dtype
+from ..core.run_options import HF_PREFIX
 from ..core.optim import DataParallelAdamW, OffloadedAdamW, applied_lr
 from ..core.options import Options
 from ..core.timers import PhaseTimers
 from ..core.topology import Axis, ProcessGrid
-from ..models.gpt import GPTStage, get_config
+from ..models.families import describe, family_of, model_shape
+from ..models.init_source import read_init
 from ..samo.optimizer import SamoAdamW
 from ..samo.pruning import DenseMasking, Pruning, check_shard
 from .engine import PipelineEngine, partition
@@ -35,6 +38,19 @@ def p2p_backend(cfg: Options, device: torch.device) -> str:
     if device.type == "cuda" and "nccl" in have:
         return "nccl"
     return "mpi" if "mpi" in have else "gloo"
+
+
+def check_tied(model_cfg, stages: list[tuple[int, int]]) -> None:
+    """ValueError unless the embedding (unit 0) and the LM head (the last unit) of a
+    model that ties them (``tie_embeddings``) are on one stage: they are one matrix."""
+    head = model_cfg.n_units - 1
+    if getattr(model_cfg, "tie_embeddings", False) and not any(
+            first == 0 and last == head for first, last in stages):
+        raise ValueError(f"--G-inter {len(stages)}: the model ties its LM head to its "
+                         "embedding (tie_embeddings, Hugging Face's tie_word_embeddings), so "
+                         "the two must sit on one stage, but a pipeline puts the embedding on "
+                         "its first stage and the head on its last; use --G-inter 1 (scale "
+                         "with --G-data) or the 4D engine (--G-x/--G-y/--G-z)")
 
 
 class Trainer:
@@ -66,19 +82,20 @@ class Trainer:
         self.data_rank, self.n_replicas = self.grid.coord(Axis.DATA), self.grid.size(Axis.DATA)
         torch.manual_seed(cfg.seed)
         self.dataset = load_dataset(cfg.data, cfg.vocab_size)
-        self.model_cfg = get_config(cfg.model, vocab_size=self.dataset.vocab_size,
-                                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                    block_size=cfg.block_size)
+        self.model_cfg = model_shape(cfg, self.dataset.vocab_size)
+        self.family = family_of(self.model_cfg)
         self.partition = partition(self.model_cfg.n_layer, self.n_stages, cfg.blocks_per_stage())
+        check_tied(self.model_cfg, self.partition)
         first_unit, last_unit = self.partition[self.stage_index]
         dtype = torch_dtype(cfg.dtype)
         fp32 = None  # --init-from's weights, before the cast to dtype
-        self.model_stage = GPTStage(self.model_cfg, first_unit, last_unit, seed=cfg.seed,
-                                    activation_checkpointing=cfg.activation_checkpointing)
-        if cfg.init_from and not cfg.resume:  # a serial state_dict: each stage its units
-            state = runtime.read_init_from(cfg.init_from, lambda: GPTStage(
-                self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group)
-            ckpt.load_serial_part(self.model_stage, state)
+        self.model_stage = self.family.stage(
+            self.model_cfg, first_unit, last_unit, seed=cfg.seed,
+            activation_checkpointing=cfg.activation_checkpointing)
+        if cfg.init_from and not cfg.resume:  # each stage reads its units' tensors only
+            with read_init(cfg.init_from, lambda: self.family.stage(
+                    self.model_cfg, 0, self.model_cfg.n_units - 1), self.world_group) as source:
+                source.load_into(self.model_stage)
             # the fp32 masters start from them, unrounded (a pruned run's are masked)
             if dtype != torch.float32 and cfg.prune_sparsity is None:
                 fp32 = [p.detach().clone() for p in self.model_stage.parameters()]
@@ -122,7 +139,10 @@ class Trainer:
     def describe(self) -> str:
         """The run's start line: model, grid, partition, batches, backend, data."""
         cfg = self.cfg
-        return (f"training {cfg.model} ({self.model_cfg.n_params() / 1e6:.2f} M params, "
+        name = (cfg.init_from if cfg.init_from and cfg.init_from.startswith(HF_PREFIX)
+                else cfg.model if self.family.name == "gpt"
+                else f"{self.family.name} {cfg.model}")
+        return (f"training {name} ({self.model_cfg.n_params() / 1e6:.2f} M params, "
                 f"{cfg.dtype}) on {self.world_size} ranks: {cfg.describe_grid()}, stages "
                 f"{self.partition}, {self.batches.n_micro} microbatches of "
                 f"{cfg.micro_batch_size} per step, p2p '{self.p2p_backend}', data: "
@@ -160,6 +180,66 @@ class Trainer:
             record.update(loss_scale=self.optimizer.scaler.scale, applied=applied)
         return record
 
+    # --- evaluation -----------------------------------------------------------------------
+    def evaluate(self, windows: torch.Tensor) -> float:
+        """Collective over the run's world: the mean cross-entropy of the model on
+        `windows` ([W, T+1] token ids, the same on every rank; inputs ``[:, :T]``,
+        targets ``[:, 1:]``, targets of -100 left out), forward only: no gradient, no
+        change of state. The data-parallel replicas take every n-th microbatch of
+        ``--micro-batch-size`` windows (the last padded with ignored targets); each
+        microbatch runs through the stages in order, the last stage summing the loss
+        and counting the targets; the sums are all-reduced in float64."""
+        windows = torch.as_tensor(windows)
+        if windows.dim() != 2 or windows.size(1) < 2:
+            raise ValueError(f"evaluate: windows of shape {tuple(windows.shape)}; expected "
+                             "[W, T+1] token ids with T >= 1")
+        T = windows.size(1) - 1
+        if T > self.model_cfg.block_size:
+            raise ValueError(f"evaluate: windows of {T} targets exceed the model's context "
+                             f"(block_size {self.model_cfg.block_size})")
+        inputs, targets = windows[:, :T].long(), windows[:, 1:].long()
+        mb, shards = self.cfg.micro_batch_size, self.n_replicas
+        n_micro = -(-windows.size(0) // (mb * shards)) * shards  # whole rounds of replicas
+        pad = n_micro * mb - windows.size(0)
+        if pad:
+            inputs = torch.cat([inputs, inputs.new_zeros(pad, T)])
+            targets = torch.cat([targets, targets.new_full((pad, T), -100)])
+        first, last = self.stage_index == 0, self.stage_index == self.n_stages - 1
+        dtype = next(self.model_stage.parameters()).dtype
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        count = torch.zeros((), dtype=torch.float64)
+        was_training = self.model_stage.training
+        self.model_stage.eval()
+        try:
+            with torch.no_grad():
+                for m in range(self.data_rank, n_micro, shards):
+                    rows = slice(m * mb, (m + 1) * mb)
+                    if first:
+                        x = inputs[rows].to(self.device)
+                    else:
+                        x = torch.empty((mb, T, self.model_cfg.n_embd), dtype=dtype,
+                                        device=self.device)
+                        mcrdl.recv(self.p2p_backend, x, src=self.stage_index - 1, tag=0,
+                                   group=self.pipe_group)
+                    out = self.model_stage(x)
+                    if not last:
+                        mcrdl.send(self.p2p_backend, out.contiguous(),
+                                   dst=self.stage_index + 1, tag=0, group=self.pipe_group)
+                        continue
+                    t = targets[rows].to(self.device)
+                    loss_sum += torch.nn.functional.cross_entropy(
+                        out.float().reshape(-1, out.size(-1)), t.reshape(-1),
+                        ignore_index=-100, reduction="sum").double().cpu()
+                    count += (t != -100).sum().double().cpu()
+        finally:
+            self.model_stage.train(was_training)
+        totals = torch.stack([loss_sum, count])
+        if self.world_size > 1:
+            mcrdl.all_reduce("auto", totals, op=mcrdl.ReduceOp.SUM, group=self.world_group)
+        if totals[1] == 0:
+            raise ValueError("evaluate: every target of the windows is ignored (-100)")
+        return float(totals[0] / totals[1])
+
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Collective: the first data-parallel replica of each stage writes its shard,
@@ -180,7 +260,7 @@ class Trainer:
             self.cfg.checkpoint_dir, self.step, write_shard=write_shard,
             manifest=lambda shards: ckpt.build_manifest(
                 step=self.step, grid=self.cfg.degree_options(), partition=self.partition,
-                model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
+                model=describe(self.model_cfg), optimizer=type(self.optimizer).__name__,
                 train_config=dataclasses.asdict(self.cfg), shards=shards),
             group=self.world_group)
 
@@ -193,7 +273,7 @@ class Trainer:
             shard=self.stage_index, group=self.world_group, trust=self.cfg.trust_checkpoint,
             check=lambda manifest, path: ckpt.check_resumable(
                 manifest, path, n_stages=self.n_stages, partition=self.partition,
-                model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__),
+                model=describe(self.model_cfg), optimizer=type(self.optimizer).__name__),
             check_shard=lambda shard, manifest, path: check_shard(
                 shard, self.pruning, path, manifest["step"]))
         self.model_stage.load_state_dict(ckpt.shard_model(shard))
