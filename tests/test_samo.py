@@ -45,6 +45,9 @@ def test_samo_parity_and_checkpoints(tmp_path):
                          out), (grid, out)
     assert "serial cut margin 9.7e-05 at step 3" in out, out  # the margin DATA names
     assert out.count("communication OK") == 2, out
+    llama = re.search(r"samo fp32 llama G_inter=2 G_data=2: .* max rel diff vs serial dense "
+                      r"masked ([\d.e+-]+)", out)
+    assert llama and float(llama.group(1)) <= 1e-5, out
     for line in ("resume OK", "consolidate OK", "checkpoint errors OK", "replica masks OK"):
         assert line in out, out
     assert "pruned to sparsity 0.9 (global, rounds before steps 0), SAMO" in out, out
@@ -52,9 +55,10 @@ def test_samo_parity_and_checkpoints(tmp_path):
                         "-o", str(tmp_path / "gpt.pt")], capture_output=True, text=True,
                        env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr
-    from training.models.gpt import GPT, GPTConfig
+    from training.models.families import config_from_dict
+    from training.models.gpt import GPT
     from training.samo.pruning import kept_count
-    cfg = GPTConfig(**json.loads((tmp_path / "gpt.json").read_text()))
+    cfg = config_from_dict(json.loads((tmp_path / "gpt.json").read_text()))
     state = torch.load(tmp_path / "gpt.pt")
     GPT(cfg).load_state_dict(state, strict=True)
     nonzero = sum(int(t.count_nonzero()) for t in state.values())

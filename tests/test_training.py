@@ -98,8 +98,9 @@ def test_entry_point_mpiexec(tmp_path):
                         str(tmp_path / "ck"), "-o", str(sd_path)], capture_output=True,
                        text=True, env=_env(), timeout=120)
     assert r.returncode == 0, r.stderr
-    from training.models.gpt import GPT, GPTConfig
-    model = GPT(GPTConfig(**json.loads(sd_path.with_suffix(".json").read_text())))
+    from training.models.families import config_from_dict, family_of
+    mcfg = config_from_dict(json.loads(sd_path.with_suffix(".json").read_text()))
+    model = family_of(mcfg).stage(mcfg, 0, mcfg.n_units - 1)
     model.load_state_dict(torch.load(sd_path), strict=True)
 
 
