@@ -9,6 +9,16 @@ for train_moe's checkpoints, the serial ``MoEGPT``'s state_dict and its model an
 configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a file
 (``read_serial_state_dict`` checks its names and shapes against the run's model).
 
+    python -m training.checkpoint export-hf runs/ckpt/step_000020 -o my-model
+
+writes a Hugging Face model directory (config.json, model.safetensors,
+generation_config.json) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+as is, from a checkpoint of any engine (pipeline, 4D, TED) of a model with a Hugging
+Face equivalent (``--arch gpt`` as GPT2LMHeadModel, ``llama`` as LlamaForCausalLM,
+train_moe's ``mixtral`` as MixtralForCausalLM). When the run started from
+``--init-from hf:DIR`` (its manifest's train_config), DIR's other config fields, its
+generation config and its tokenizer files are carried over.
+
     python -m training.checkpoint list runs/ckpt [--verify]
 
 prints each step directory and whether it can be loaded (its manifest, its shards'
@@ -30,12 +40,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from .core import checkpoint as ckpt
 from .core.options import PathOptionError, check_file
+from .core.run_options import HF_PREFIX
 from .core.validate import print_traceback
+from .models.families import config_from_dict
 from .parallel4d import consolidate as parallel4d
 from .pipeline import consolidate as pipeline
 from .ted import consolidate as ted
@@ -60,6 +73,62 @@ def consolidate(directory: str | os.PathLike, *, masters: bool = False,
     return CONSOLIDATE[engine](directory, manifest, masters=masters)
 
 
+def export_hf(directory: str | os.PathLike, out: str | os.PathLike, *,
+              masters: bool = False, trust: bool = False) -> Path:
+    """Write the checkpoint `directory` as the Hugging Face model directory `out` (made;
+    it must not hold files); returns `out`. CheckpointError when `directory` is no
+    checkpoint, or its model has no Hugging Face equivalent."""
+    from .models import hf
+
+    directory, out = Path(directory), Path(out)
+    manifest = ckpt.read_manifest(directory, trust=trust)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PathOptionError(f"-o {out}: {'is a file' if not out.is_dir() else 'is not empty'}"
+                              "; expected a new or empty directory for the Hugging Face model")
+    state, config = consolidate(directory, masters=masters, trust=trust)
+    moe = None
+    if "moe" in config:  # train_moe's: {"model": ..., "moe": ...}
+        from .models.moe import MoEConfig
+
+        arch = config["model"].get("arch", "gpt")
+        if arch != "mixtral":
+            raise ckpt.CheckpointError(
+                f"{directory}: train_moe's --arch {arch} model (GShard/Switch experts "
+                "beside dense blocks) has no Hugging Face equivalent; export-hf writes "
+                f"{', '.join(hf.SUPPORTED)} (train_moe --arch mixtral for a MoE)")
+        model_cfg, moe = _model_config(config["model"], directory), MoEConfig(**config["moe"])
+    else:
+        model_cfg = _model_config(config, directory)
+    init_from = (manifest.get("train_config") or {}).get("init_from") or ""
+    source = init_from.removeprefix(HF_PREFIX) if init_from.startswith(HF_PREFIX) else None
+    if source is not None and not os.path.isfile(os.path.join(source, hf.CONFIG)):
+        print(f"note: the run started from --init-from {init_from}, which is gone: its "
+              "tokenizer and other config fields are not carried over", file=sys.stderr)
+        source = None
+    staging = out.with_name(f".{out.name}.export-{os.getpid()}")
+    try:
+        kw = {"moe": moe} if moe is not None else {}
+        hf.export_state_dict(model_cfg, state, staging, source=source, **kw)
+    except (TypeError, hf.HFConfigError) as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ckpt.CheckpointError(f"{directory}: {e}") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    os.rename(staging, out)
+    return out
+
+
+def _model_config(fields: dict, directory: Path):
+    try:
+        return config_from_dict(fields)
+    except (TypeError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{directory}: its manifest's model config cannot be "
+                                   f"read ({e})") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m training.checkpoint",
                                  description="Inspect and consolidate training checkpoints.")
@@ -71,12 +140,20 @@ def main(argv=None) -> int:
                    help="the fp32 master weights of a bf16/fp16 or --offload-optimizer run "
                         "instead of the model in its training dtype (to go on from with "
                         "--init-from: a bf16/fp16 run keeps them whole as its masters)")
+    x = sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face model "
+                       "directory (transformers' from_pretrained loads it)")
+    x.add_argument("checkpoint", help="a step directory, or a checkpoint dir (its latest)")
+    x.add_argument("-o", "--out", required=True, help="the Hugging Face model directory "
+                   "to write (new or empty)")
+    x.add_argument("--masters", action="store_true",
+                   help="the fp32 master weights of a bf16/fp16 or --offload-optimizer run "
+                        "instead of the model in its training dtype")
     ls = sub.add_parser("list", help="list the checkpoints of a directory and whether "
                         "each can be loaded (exit 1 when one cannot)")
     ls.add_argument("directory")
     ls.add_argument("--verify", action="store_true",
                     help="also check every shard's sha256 (reads every byte)")
-    for p in (c, ls):
+    for p in (c, x, ls):
         p.add_argument(ckpt.TRUST_OPTION, action="store_true", help=ckpt.TRUST_HELP)
     args = ap.parse_args(argv)
     try:
@@ -86,6 +163,12 @@ def main(argv=None) -> int:
         path = Path(args.checkpoint)
         if not (path / "manifest.json").exists() and ckpt.latest_checkpoint(path):
             path = ckpt.latest_checkpoint(path)
+        if args.cmd == "export-hf":
+            out = export_hf(path, args.out, masters=args.masters, trust=args.trust_checkpoint)
+            arch = json.loads((out / "config.json").read_text())["architectures"][0]
+            print(f"exported {path} -> {out}: {arch} (config.json, model.safetensors, "
+                  "generation_config.json)")
+            return 0
         out = Path(args.out)
         if out.suffix == ".json":  # the config goes to OUT with the suffix .json
             raise ckpt.CheckpointError(f"-o {out}: the state_dict and its config (.json) would be "

@@ -1,0 +1,141 @@
+"""Hugging Face checkpoints through the pipeline engine, under ``mpiexec -n 4``.
+
+``$HF_MODELS`` names (as JSON, name -> directory) tiny random models that
+tests/test_hf_engines.py made with transformers and saved (LlamaForCausalLM with 4 heads
+and 2 key/value heads; GPT2LMHeadModel with the exact GELU), each of vocabulary 256 (the
+byte corpus) and context T. For each, on the pipeline 2 x 2 grid (G_inter 2, G_data 2):
+
+1. ``--init-from hf:DIR``: Trainer.evaluate on W windows (W not a multiple of the
+   replicas: the last microbatch padded with ignored targets) equals transformers' own
+   loss on them within 1e-5 relative (float32: both sum T*W float32 log-probabilities of
+   the same weights in another order; 1e-5 is ~100 ulps of the loss).
+2. A checkpoint at step 0, exported (python -m training.checkpoint export-hf), holds the
+   tensors of DIR bit for bit (import -> export with no step).
+3. 3 training steps, a checkpoint; a trainer resumed from it evaluates to the same
+   loss exactly; the exported directory loads in ``AutoModelForCausalLM.from_pretrained``
+   and its loss on the windows equals that evaluation within 1e-5 relative.
+4. The same windows on the checkpoint resumed at G_data 1 (G_inter 2 on 2 of the ranks
+   beside an idle pair): the loss within 1e-5 relative (another data split).
+
+Rank 0 prints one line per model and a final "hf pipeline OK".
+"""
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import mcrdl  # noqa: E402
+from training import checkpoint as checkpoint_tool  # noqa: E402
+from training.pipeline.trainer import Trainer  # noqa: E402
+from training.train_gpt import TrainConfig  # noqa: E402
+
+W, STEPS = 5, 3
+TOL = 1e-5
+
+
+def hf_loss(directory: str, windows: torch.Tensor) -> float:
+    """transformers' own model of `directory`: mean cross-entropy of windows[:, 1:]
+    given windows[:, :-1] (float32)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                              torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=windows[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)),
+                           windows[:, 1:].reshape(-1)).item()
+
+
+def bitwise_same(a: str, b: str) -> int:
+    """The number of tensors of safetensors directories `a` and `b`, asserting they hold
+    the same names with the same bits."""
+    from safetensors.torch import load_file
+
+    ta = {}
+    for d, out in ((a, ta), (b, tb := {})):
+        for f in sorted(Path(d).glob("*.safetensors")):
+            out.update(load_file(f))
+    assert sorted(ta) == sorted(tb), (sorted(set(ta) ^ set(tb)))
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
+    return len(ta)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def main():
+    mcrdl.init(["mpi"])
+    rank = mcrdl.get_rank()
+    assert mcrdl.get_size() == 4, "run under mpiexec -n 4"
+    models = json.loads(os.environ["HF_MODELS"])
+    T = int(os.environ["HF_T"])
+    root = Path(mcrdl.broadcast_object(
+        tempfile.mkdtemp(prefix="mcrdl-hf-") if rank == 0 else None))
+    g = torch.Generator().manual_seed(3)
+    windows = torch.randint(0, 256, (W, T + 1), generator=g)
+    for name, directory in sorted(models.items()):
+        base = dict(init_from=f"hf:{directory}", block_size=T, micro_batch_size=1,
+                    global_batch_size=4, steps=STEPS, seed=5, lr=1e-3, warmup_steps=1,
+                    plot=False, progress=False, quiet=True, out_dir=str(root / name),
+                    log_interval=10**6, G_inter=2, G_data=2)
+        ck = root / name / "ck"
+        cfg = TrainConfig(**base, checkpoint_dir=str(ck))
+        cfg.validate()
+        trainer = Trainer(cfg)
+        imported = trainer.evaluate(windows)
+        step0 = trainer.save_checkpoint()
+        for _ in range(STEPS):
+            trainer.train_step()
+        trained = trainer.evaluate(windows)
+        step3 = trainer.save_checkpoint()
+        resumed = Trainer(TrainConfig(**base, checkpoint_dir=str(ck), resume=str(step3)))
+        resumed.load_checkpoint(str(step3))
+        again = resumed.evaluate(windows)
+        assert again == trained, (again, trained)
+        # G_data 1 on ranks 0-1 (the other two build their own (2,1) pipeline)
+        from training.core.topology import ProcessGrid
+        one = dict(base, G_data=1)
+        c1 = TrainConfig(**one, checkpoint_dir=str(ck), resume=str(step3))
+        grids = [ProcessGrid(c1.degrees(), order=c1.axis_order(),
+                             world=mcrdl.new_group(list(r))) for r in ((0, 1), (2, 3))]
+        for grid in grids:
+            grid.make_groups()
+        mine = next(gr for gr in grids if gr.is_member)
+        narrow = Trainer(c1, grid=mine)
+        narrow.load_checkpoint(str(step3))
+        other = narrow.evaluate(windows)
+        assert rel(other, trained) <= TOL, (other, trained)
+        if rank == 0:
+            ref = hf_loss(directory, windows)
+            assert rel(imported, ref) <= TOL, (name, imported, ref)
+            out0 = root / name / "hf0"
+            checkpoint_tool.export_hf(step0, out0)
+            n = bitwise_same(directory, out0)
+            out3 = root / name / "hf3"
+            checkpoint_tool.export_hf(step3, out3)
+            exported = hf_loss(str(out3), windows)
+            assert rel(exported, trained) <= TOL, (name, exported, trained)
+            assert rel(trained, imported) > 1e-4, (trained, imported)  # it trained
+            print(f"hf pipeline {name}: import {imported:.6f} vs transformers {ref:.6f} "
+                  f"(rel {rel(imported, ref):.1e}); export at step 0 bitwise ({n} tensors); "
+                  f"after {STEPS} steps {trained:.6f}, resumed {again:.6f}, G_data 1 "
+                  f"{other:.6f}, exported in transformers {exported:.6f} (rel "
+                  f"{rel(exported, trained):.1e})", flush=True)
+        mcrdl.barrier("auto")
+    if rank == 0:
+        print(f"hf pipeline OK: {', '.join(sorted(models))}", flush=True)
+    mcrdl.finalize()
+
+
+if __name__ == "__main__":
+    main()
