@@ -98,11 +98,14 @@ def options(init_from, **kw):
 def test_pipeline_import_evaluate_train_export(hf_dirs):
     """check_hf_pipeline.py on 4 ranks: import on pipeline 2x2 evaluates to transformers'
     loss within 1e-5; export at step 0 is bitwise; after 3 steps, resumed (also at
-    G_data 1) and exported, transformers' loss equals our evaluation within 1e-5."""
+    G_data 1) and exported, transformers' loss equals our evaluation within 1e-5; a
+    4-stage import's peak RSS growth per rank stays within 1.5 x its share."""
     out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
                         os.path.join(HERE, "check_hf_pipeline.py")],
                        env=_env(HF_MODELS=json.dumps(hf_dirs), HF_T=str(T)), timeout=400)
     assert "hf pipeline OK: gpt2, llama" in out, out
+    # each rank's peak RSS grows by one tensor in flight, not by its share or the model
+    assert re.search(r"hf import memory OK: peak growth <= (\S+) x", out), out
     for name in ("gpt2", "llama"):
         m = re.search(rf"hf pipeline {name}: import \S+ vs transformers \S+ \(rel (\S+)\); "
                       r"export at step 0 bitwise \((\d+) tensors\).*exported in "
@@ -177,6 +180,31 @@ def test_source_reads_slices_and_checks_the_template(hf_dirs, world_of_one):
         read_init(f"hf:{hf_dirs['llama']}",
                   lambda: LlamaStage(replace(cfg, n_layer=3), 0, 4)).close()
     assert "--init-from" in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-bf16"])
+def test_source_reads_what_safetensors_reads(hf_dirs, tmp_path, name):
+    """The source's own reader (os.pread of the rows, no memory map) gives, for whole
+    tensors and for row, column and strided slices, what safetensors' slices give
+    through hf.HFCheckpoint (GPT-2's Conv1D weights transposed; bfloat16 as stored)."""
+    from training.models.hf import HFCheckpoint
+    from training.models.init_source import open_source
+
+    d = hf_dirs["gpt2"] if name == "gpt2" else str(save(llama().to(torch.bfloat16),
+                                                         tmp_path / name))
+    cuts = [None, lambda n: (slice(1, n - 1),), lambda n: (slice(None), slice(2, 7)),
+            lambda n: (slice(0, n, 3), slice(1, None, 2))]
+    with open_source(f"hf:{d}") as source, HFCheckpoint(d) as ref:
+        for cut in cuts:
+            def index(shape, cut=cut):
+                return None if cut is None else cut(shape[0])[:len(shape)]
+            want = ref.state_dict(lambda n, shape: index(shape) or
+                                  tuple(slice(None) for _ in shape))
+            got = source.parts({n: index(source.shape(n)) for n in source.names()})
+            assert sorted(got) == sorted(want)
+            for n, t in want.items():
+                assert got[n].dtype == t.dtype and torch.equal(got[n], t), (n, cut)
+                assert got[n].is_contiguous()
 
 
 def test_missing_shard_is_named(tmp_path, world_of_one):

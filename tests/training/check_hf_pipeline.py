@@ -17,6 +17,12 @@ byte corpus) and context T. For each, on the pipeline 2 x 2 grid (G_inter 2, G_d
 4. The same windows on the checkpoint resumed at G_data 1 (G_inter 2 on 2 of the ranks
    beside an idle pair): the loss within 1e-5 relative (another data split).
 
+5. Memory of an import: a LlamaForCausalLM of ~50 MB (fp32) on 4 pipeline stages. Each
+   rank's peak resident set (VmHWM, reset before through /proc/self/clear_refs) grows
+   during read_init + load_into by at most 1.5 x its stage's share of the weights
+   beyond the stage itself (built before, as the trainer does): the reader holds one
+   tensor in flight, never the whole model.
+
 Rank 0 prints one line per model and a final "hf pipeline OK".
 """
 
@@ -46,7 +52,7 @@ def hf_loss(directory: str, windows: torch.Tensor) -> float:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory,
-                                                              torch_dtype=torch.float32)
+                                                              dtype=torch.float32)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=windows[:, :-1]).logits
@@ -67,6 +73,55 @@ def bitwise_same(a: str, b: str) -> int:
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
     return len(ta)
+
+
+def memory_kib(field: str) -> int:
+    """/proc/self/status's `field` (VmRSS, VmHWM) in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def import_memory(root: Path) -> None:
+    """Check 5: each rank's peak RSS growth while its stage of a 4-stage pipeline reads
+    its units from an hf: directory, against the stage's share."""
+    from training.models.families import family_of, model_shape
+    from training.models.init_source import read_init
+    from training.pipeline.engine import partition
+
+    rank = mcrdl.get_rank()
+    directory = root / "memory"
+    if rank == 0:
+        import transformers
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+            tie_word_embeddings=False)).save_pretrained(directory)
+    mcrdl.barrier("auto")
+    cfg = TrainConfig(init_from=f"hf:{directory}", G_inter=4, block_size=64)
+    mcfg = model_shape(cfg, 256)
+    fam = family_of(mcfg)
+    first, last = partition(mcfg.n_layer, 4)[rank]
+    stage = fam.stage(mcfg, first, last)
+    share = sum(t.numel() * t.element_size() for t in stage.state_dict().values())
+    whole = mcfg.n_params() * 4
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = memory_kib("VmRSS")
+    with read_init(cfg.init_from, lambda: fam.stage(mcfg, 0, mcfg.n_units - 1)) as source:
+        source.load_into(stage)
+    grew = (memory_kib("VmHWM") - before) * 1024
+    rows = mcrdl.all_gather_object((rank, first, last, share, grew))
+    if rank == 0:
+        for r, a, b, sh, g in rows:
+            print(f"hf import memory rank {r} (units {a}..{b}): share {sh / 2**20:.1f} MiB, "
+                  f"peak RSS growth {g / 2**20:.1f} MiB = {g / sh:.2f} x share "
+                  f"(whole model {whole / 2**20:.1f} MiB)", flush=True)
+        worst = max(g / sh for _, _, _, sh, g in rows)
+        assert worst <= 1.5, rows
+        print(f"hf import memory OK: peak growth <= {worst:.2f} x each stage's share",
+              flush=True)
 
 
 def rel(a: float, b: float) -> float:
@@ -132,6 +187,7 @@ def main():
                   f"{other:.6f}, exported in transformers {exported:.6f} (rel "
                   f"{rel(exported, trained):.1e})", flush=True)
         mcrdl.barrier("auto")
+    import_memory(root)
     if rank == 0:
         print(f"hf pipeline OK: {', '.join(sorted(models))}", flush=True)
     mcrdl.finalize()

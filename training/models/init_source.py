@@ -14,8 +14,12 @@ every rank (torch.load has no partial read).
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from collections.abc import Callable, Iterable
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -123,23 +127,73 @@ class _StateDictSource(SerialSource):
         self._state = {}
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where a tensor lies in a safetensors file: its dtype, shape and first byte."""
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+def _safetensors_header(path: str) -> dict[str, _Stored]:
+    """The tensors of safetensors file `path` (its header: a little-endian u64 length,
+    then JSON name -> {dtype, shape, data_offsets}; the data follows it)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ckpt.CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, "
+                                       f"which this reader does not take")
+        out[name] = _Stored(path, dtype, tuple(info["shape"]),
+                            8 + length + info["data_offsets"][0])
+    return out
+
+
 class _HFSource(SerialSource):
-    """A Hugging Face directory, read tensor by tensor through safetensors slices."""
+    """A Hugging Face directory. Each read takes the rows of the slice it needs from
+    the safetensors file with os.pread (no memory map: pages a slice touched would stay
+    in this process's resident set until the file is closed), then cuts the other
+    dimensions, so that a rank holds its share plus one tensor's rows in flight."""
 
     def __init__(self, spec: str, directory: str):
-        from .hf import HFCheckpoint
+        from .hf import INDEX, WEIGHTS, HFCheckpoint
 
         self.spec = spec
-        self._ckpt = HFCheckpoint(directory)
-        self.config = self._ckpt.config
-        shapes: dict[str, tuple[int, ...]] = {}
-
-        def record(name: str, shape: tuple[int, ...]) -> None:
-            shapes[name] = tuple(shape)
-            return None
-
-        self._ckpt.state_dict(record)  # every name and shape; reads no tensor
-        self._shapes = shapes
+        with HFCheckpoint(directory) as hf:  # config, name map and shard checks
+            self.config, self.moe = hf.config, getattr(hf, "moe", None)
+            maps = hf.tensor_maps()
+        index = os.path.join(directory, INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = [WEIGHTS]
+        stored: dict[str, _Stored] = {}
+        for name in files:
+            stored.update(_safetensors_header(os.path.join(directory, name)))
+        self._maps: dict[str, tuple[_Stored, bool]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for m in maps:
+            hf_name = m.hf_name if m.hf_name in stored else m.fallback
+            if hf_name not in stored:
+                raise ckpt.CheckpointError(f"{OPTION} {spec}: tensor {m.hf_name} is missing "
+                                           f"from the weights (needed for our {m.name})")
+            s = stored[hf_name]
+            self._maps[m.name] = (s, m.transposed)
+            self._shapes[m.name] = s.shape[::-1] if m.transposed else s.shape
+        self._fds: dict[str, int] = {}
 
     def names(self) -> list[str]:
         return list(self._shapes)
@@ -150,20 +204,66 @@ class _HFSource(SerialSource):
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[_known(self, name)]
 
+    def _read(self, s: _Stored, index: tuple[slice, ...]) -> torch.Tensor:
+        """`index` (of the stored layout) of the tensor `s`: the rows its first slice
+        spans, read with os.pread, then the rest of the index."""
+        if not s.shape:  # a scalar: its bytes
+            return self._pread(s, 0, s.dtype.itemsize).view(s.dtype).reshape(())
+        index = tuple(index) + (slice(None),) * (len(s.shape) - len(index))
+        first, last, step = index[0].indices(s.shape[0])
+        if step < 1:
+            raise ValueError(f"{OPTION} {self.spec}: slices step forward; got {index[0]}")
+        last = max(first, last)
+        row = math.prod(s.shape[1:]) * s.dtype.itemsize
+        raw = self._pread(s, first * row, (last - first) * row)
+        t = raw.view(s.dtype).reshape((last - first, *s.shape[1:]))
+        t = t[(slice(None, None, step), *index[1:])]
+        if t.numel() < raw.numel() // s.dtype.itemsize:  # a part of the rows: its own copy
+            t = t.clone(memory_format=torch.contiguous_format)
+        return t
+
+    def _pread(self, s: _Stored, start: int, size: int) -> torch.Tensor:
+        """`size` bytes at `start` of the tensor data of `s`, as a uint8 tensor."""
+        if s.file not in self._fds:
+            self._fds[s.file] = os.open(s.file, os.O_RDONLY)
+        out = torch.empty(size, dtype=torch.uint8)
+        view, done = memoryview(out.numpy()), 0
+        while done < size:
+            n = os.preadv(self._fds[s.file], [view[done:]], s.offset + start + done)
+            if n <= 0:
+                raise ckpt.CheckpointError(f"{OPTION} {self.spec}: {s.file} ends early (a "
+                                           "truncated safetensors file)")
+            done += n
+        return out
+
     def parts(self, wanted: dict[str, tuple[slice, ...] | None]) -> dict[str, torch.Tensor]:
-        for name in wanted:
-            _known(self, name)
+        out = {}
+        for name, index in wanted.items():
+            s, transposed = self._maps[_known(self, name)]
+            full = tuple(slice(None) for _ in s.shape)
+            if index is None:
+                index = full
+            t = self._read(s, tuple(index)[::-1] if transposed else tuple(index))
+            out[name] = t.t().contiguous() if transposed else t
+        return out
 
-        def select(name: str, shape: tuple[int, ...]):
-            if name not in wanted:
-                return None
-            index = wanted[name]
-            return tuple(slice(None) for _ in shape) if index is None else tuple(index)
-
-        return self._ckpt.state_dict(select)
+    def load_into(self, module: nn.Module, prefix: str = "") -> None:
+        """As SerialSource's, one tensor at a time (a rank holds its own parameters and
+        one tensor in flight)."""
+        own = module.state_dict()
+        with torch.no_grad():
+            for k, target in own.items():
+                t = self.part(prefix + k)
+                if t.shape != target.shape:
+                    raise ckpt.CheckpointError(
+                        f"{OPTION} {self.spec}: {prefix + k} is {tuple(t.shape)}, this "
+                        f"model's {tuple(target.shape)}")
+                target.copy_(t)
 
     def close(self) -> None:
-        self._ckpt.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def _known(source: SerialSource, name: str) -> str:
