@@ -93,10 +93,10 @@ def test_train_moe_entry_point(token_dir, tmp_path):
     from training.checkpoint import main as checkpoint_tool  # in process: torch is loaded
     assert checkpoint_tool(["consolidate", str(tmp_path / "ck"), "-o",
                             str(tmp_path / "moe.pt")]) == 0
-    from training.models.gpt import GPTConfig
+    from training.models.families import config_from_dict
     from training.models.moe import MoEConfig, MoEGPT
     cfgs = json.loads((tmp_path / "moe.json").read_text())
-    model = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
+    model = MoEGPT(config_from_dict(cfgs["model"]), MoEConfig(**cfgs["moe"]))
     model.load_state_dict(torch.load(tmp_path / "moe.pt"), strict=True)
     # a damaged checkpoint: the ranks refuse it together, and one of them reports it
     (tmp_path / "ck" / "step_000004" / "manifest.json").write_text("{")

@@ -6,6 +6,13 @@ duplicate token dropping, communication-aware checkpointing, tiled optimizer) on
     mpiexec -n 4 python -m training.train_moe --G-expert 4 --backends a2a=gloo,allreduce=mpi
     torchrun --nproc-per-node 2 -m training.train_moe --G-tensor 2 --backends gloo
 
+``--arch mixtral`` (training/models/mixtral.py): Llama blocks (RMSNorm, rotary,
+grouped-query attention) with SwiGLU experts and Mixtral's top-k gating (defaults: 8
+experts, top-2, every block); ``--init-from hf:DIR`` starts it from a Hugging Face
+MixtralForCausalLM (its shape, experts and top-k; each rank reads the experts it holds).
+``--capacity-factor 0`` is dropless: no token dropped, the capacity agreed over the
+expert group per MoE call.
+
 The layout (training/ted/model.py): ``G_tensor x G_data_nonexp`` ranks, ``G_data_nonexp =
 G_expert x G_data_exp``. ``--G-data`` (G_data_nonexp) defaults to world / G_tensor.
 Options as train_gpt's (``--help``; ``--config FILE`` with [model], [moe], [data],
@@ -13,11 +20,13 @@ Options as train_gpt's (``--help``; ``--config FILE`` with [model], [moe], [data
 and pins collective kinds: ``a2a=gloo,allreduce=mpi,allgather=auto`` (default "auto" for
 every kind). Rank 0 shows a progress bar (on a terminal) and one line per
 ``--log-interval`` steps, writes ``--metrics`` (JSON lines: step, loss, aux_loss,
-dropped_fraction, lr, grad_norm, time_s, tokens_per_s), and at the end prints the time
+dropped_fraction, lr, grad_norm, time_s, tokens_per_s, and moe_load: per MoE layer its
+unit, the token-expert assignments routed to each expert, those dropped, and the
+largest expert load over the mean), and at the end prints the time
 per phase, the communication per collective kind (calls and bytes per step, from
 mcrdl's logger) and saves the loss curve as a PNG. ``--checkpoint-dir`` writes sharded
 atomic checkpoints (exact resume with ``--resume``); ``python -m training.checkpoint
-consolidate DIR -o moe.pt`` writes the serial MoEGPT ``state_dict``, and ``--init-from
+consolidate DIR -o moe.pt`` writes the serial MoEGPT (or Mixtral) ``state_dict``, and ``--init-from
 moe.pt`` starts a run of any layout from it.
 """
 
@@ -117,7 +126,7 @@ def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
             print(f"throughput: {result.tokens_per_s:,.0f} tokens/s", flush=True)
     if is_rank0 and cfg.plot:
         report.plot_loss(cfg.metrics_path, Path(cfg.out_dir) / "loss.png",
-                         f"MoE GPT, {result.grid}")
+                         f"{'Mixtral' if cfg.arch == 'mixtral' else 'MoE GPT'}, {result.grid}")
     return result
 
 

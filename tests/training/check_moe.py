@@ -228,11 +228,12 @@ def resume_check(data, rank):
         assert "written with --dtype fp32, this run has --dtype bf16" in str(e), e
     if rank == 0:
         from training.checkpoint import consolidate
-        from training.models.gpt import GPTConfig
+        from training.models.families import config_from_dict
         from training.models.moe import MoEConfig, MoEGPT
 
         state, cfgs = consolidate(os.path.join(ck, "step_000006"))
-        serial = MoEGPT(GPTConfig(**cfgs["model"]), MoEConfig(**cfgs["moe"]))
+        assert cfgs["model"]["arch"] == "gpt", cfgs  # the manifest names the family
+        serial = MoEGPT(config_from_dict(cfgs["model"]), MoEConfig(**cfgs["moe"]))
         serial.load_state_dict(state, strict=True)
         x, y = second.trainer.batches.global_batch_at(6)
         with torch.no_grad():

@@ -7,6 +7,12 @@ architectures (``config.json``'s ``architectures[0]``):
 - ``LlamaForCausalLM`` <-> :class:`training.models.llama.LlamaStage`
 - ``GPT2LMHeadModel``  <-> :class:`training.models.gpt.GPTStage` (whose MLP uses the
   exact GELU: an HF GPT-2 must say ``"activation_function": "gelu"``)
+- ``MixtralForCausalLM`` <-> :class:`training.models.mixtral.Mixtral` (train_moe's
+  ``--arch mixtral``): the shape is a MixtralConfig (``config``), the experts and their
+  routing a MoEConfig (``moe``: every block sparse, Mixtral's gating, dropless as HF
+  routes, HF's router_aux_loss_coef). Each expert is its own tensors in the files
+  (``block_sparse_moe.experts.E.w1/w2/w3``: gate, down, up), so a rank reads only the
+  experts it holds.
 
 Reading goes tensor by tensor through safetensors slices, so a parallel engine's rank
 reads only its shard: :meth:`HFCheckpoint.state_dict` takes ``select(name, shape)``,
@@ -36,6 +42,8 @@ import torch.nn as nn
 
 from .gpt import GPTConfig, GPTStage
 from .llama import Llama3RopeScaling, LlamaConfig, LlamaStage
+from .mixtral import Mixtral, MixtralConfig
+from .moe import MoEConfig
 
 __all__ = ["HFCheckpoint", "HFConfigError", "SUPPORTED", "export_hf", "export_state_dict",
            "load_hf"]
@@ -124,7 +132,7 @@ def _llama_to_hf(cfg: LlamaConfig) -> dict:
             "tie_word_embeddings": cfg.tie_embeddings}
 
 
-def _llama_tensors(cfg: LlamaConfig) -> list[TensorMap]:
+def _llama_tensors(cfg: LlamaConfig, moe: MoEConfig | None = None) -> list[TensorMap]:
     head = cfg.n_units - 1
     out = [TensorMap("units.0.embed_tokens.weight", "model.embed_tokens.weight")]
     for layer in range(cfg.n_layer):
@@ -171,7 +179,7 @@ def _gpt2_to_hf(cfg: GPTConfig) -> dict:
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
 
 
-def _gpt2_tensors(cfg: GPTConfig) -> list[TensorMap]:
+def _gpt2_tensors(cfg: GPTConfig, moe: MoEConfig | None = None) -> list[TensorMap]:
     head = cfg.n_units - 1
     out = [TensorMap("units.0.wte.weight", "transformer.wte.weight"),
            TensorMap("units.0.wpe.weight", "transformer.wpe.weight")]
@@ -189,14 +197,77 @@ def _gpt2_tensors(cfg: GPTConfig) -> list[TensorMap]:
     return out
 
 
+# ---------------------------------------------------------------------------- Mixtral
+
+def _mixtral_from_hf(hf: dict) -> MixtralConfig:
+    _need(hf, "sliding_window", hf.get("sliding_window") is None, "full attention (null)")
+    _need(hf, "router_jitter_noise", not hf.get("router_jitter_noise", 0.0),
+          "no router noise (0.0): routing must not depend on the rank")
+    cfg = _llama_from_hf({**hf, "rms_norm_eps": hf.get("rms_norm_eps", 1e-5)})
+    return MixtralConfig(**cfg.as_dict() | {"rope_scaling": cfg.rope_scaling})
+
+
+def _mixtral_moe_from_hf(hf: dict, cfg: MixtralConfig) -> MoEConfig:
+    """HF's routing: every block sparse, Mixtral's gating, no capacity (dropless); one
+    router group per sequence (the aux loss is per group; the routing is not)."""
+    return MoEConfig(experts=hf.get("num_local_experts", 8),
+                     top_k=hf.get("num_experts_per_tok", 2), capacity_factor=0,
+                     moe_every=1, router_group_tokens=cfg.block_size,
+                     aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+                     gating="mixtral")
+
+
+def _mixtral_to_hf(cfg: MixtralConfig, moe: MoEConfig | None = None) -> dict:
+    if moe is None:
+        raise TypeError("export_hf: a Mixtral needs its MoEConfig (moe=) for its experts")
+    if moe.moe_every != 1 or moe.gating != "mixtral":
+        raise HFConfigError(f"moe_every={moe.moe_every}, gating={moe.gating!r}: "
+                            "MixtralForCausalLM has experts in every block and Mixtral's "
+                            "gating (moe_every=1, gating='mixtral')")
+    out = _llama_to_hf(cfg)
+    if out.pop("rope_scaling") is not None:
+        raise HFConfigError("rope_scaling: MixtralForCausalLM has no rotary scaling")
+    for k in ("attention_bias", "mlp_bias"):
+        out.pop(k)
+    return {**out, "model_type": "mixtral", "num_local_experts": moe.experts,
+            "num_experts_per_tok": moe.top_k, "router_aux_loss_coef": moe.aux_loss_coef,
+            "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
+
+
+def _mixtral_tensors(cfg: MixtralConfig, moe: MoEConfig | None = None) -> list[TensorMap]:
+    if moe is None:
+        raise TypeError("a Mixtral's tensors need its MoEConfig (moe=)")
+    head = cfg.n_units - 1
+    out = [TensorMap("units.0.embed_tokens.weight", "model.embed_tokens.weight")]
+    for layer in range(cfg.n_layer):
+        ours, theirs = f"units.{layer + 1}", f"model.layers.{layer}"
+        out += [TensorMap(f"{ours}.{n}.weight", f"{theirs}.{n}.weight") for n in (
+            "input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+            "self_attn.o_proj", "post_attention_layernorm")]
+        if not moe.is_moe(layer):
+            out += [TensorMap(f"{ours}.mlp.{n}.weight", f"{theirs}.mlp.{n}.weight")
+                    for n in ("gate_proj", "up_proj", "down_proj")]
+            continue
+        out.append(TensorMap(f"{ours}.moe.router.weight",
+                             f"{theirs}.block_sparse_moe.gate.weight"))
+        for e in range(moe.experts):
+            out += [TensorMap(f"{ours}.moe.experts.{e}.{n}.weight",
+                              f"{theirs}.block_sparse_moe.experts.{e}.{w}.weight")
+                    for n, w in (("gate_proj", "w1"), ("down_proj", "w2"), ("up_proj", "w3"))]
+    out.append(TensorMap(f"units.{head}.norm.weight", "model.norm.weight"))
+    out.append(TensorMap(f"units.{head}.lm_head.weight", "lm_head.weight"))
+    return out
+
+
 @dataclass(frozen=True)
 class Architecture:
     name: str                 # config.json's architectures[0]
     config_type: type
     stage: type[nn.Module]
     from_hf: Callable[[dict], object]
-    to_hf: Callable[[object], dict]
-    tensors: Callable[[object], list[TensorMap]]
+    to_hf: Callable[..., dict]                   # (config, moe=None)
+    tensors: Callable[..., list[TensorMap]]      # (config, moe=None)
+    moe_from_hf: Callable[[dict, object], MoEConfig] | None = None
 
 
 SUPPORTED: dict[str, Architecture] = {a.name: a for a in (
@@ -204,14 +275,17 @@ SUPPORTED: dict[str, Architecture] = {a.name: a for a in (
                  _llama_tensors),
     Architecture("GPT2LMHeadModel", GPTConfig, GPTStage, _gpt2_from_hf, _gpt2_to_hf,
                  _gpt2_tensors),
+    Architecture("MixtralForCausalLM", MixtralConfig, Mixtral, _mixtral_from_hf,
+                 _mixtral_to_hf, _mixtral_tensors, _mixtral_moe_from_hf),
 )}
 
 
 # ---------------------------------------------------------------------------- reading
 
 class HFCheckpoint:
-    """An open Hugging Face directory: ``config`` (ours), ``architecture`` and the
-    tensors, read lazily. Use as a context manager (it holds the safetensors files open)."""
+    """An open Hugging Face directory: ``config`` (ours), ``moe`` (a MixtralForCausalLM's
+    MoEConfig, else None), ``architecture`` and the tensors, read lazily. Use as a
+    context manager (it holds the safetensors files open)."""
 
     def __init__(self, path: str | os.PathLike):
         from safetensors import safe_open
@@ -230,6 +304,8 @@ class HFCheckpoint:
         self.architecture = SUPPORTED[names[0]]
         try:
             self.config = self.architecture.from_hf(self.hf_config)
+            self.moe = (None if self.architecture.moe_from_hf is None
+                        else self.architecture.moe_from_hf(self.hf_config, self.config))
         except KeyError as e:
             raise HFConfigError(f"{cfg_path}: field {e.args[0]!r} of a {names[0]} config is "
                                 f"missing") from None
@@ -276,7 +352,7 @@ class HFCheckpoint:
 
     def tensor_maps(self) -> list[TensorMap]:
         """Our names and their HF sources; checks that every HF tensor has a use."""
-        maps = self.architecture.tensors(self.config)
+        maps = self.architecture.tensors(self.config, self.moe)
         used = {m.hf_name for m in maps} | {m.fallback for m in maps if m.fallback}
         unused = sorted(n for n in self._files if n not in used
                         and not n.endswith(_IGNORED_SUFFIXES))
@@ -309,10 +385,13 @@ class HFCheckpoint:
 
 
 def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.Module:
-    """The whole serial model (LlamaStage or GPTStage) holding the weights of the Hugging
-    Face directory ``path``; ``dtype`` converts them (default: as stored)."""
+    """The whole serial model (LlamaStage, GPTStage or Mixtral) holding the weights of the
+    Hugging Face directory ``path``; ``dtype`` converts them (default: as stored)."""
     with HFCheckpoint(path) as ckpt:
-        model = ckpt.architecture.stage(ckpt.config, 0, ckpt.config.n_units - 1)
+        if ckpt.moe is not None:
+            model = ckpt.architecture.stage(ckpt.config, ckpt.moe)
+        else:
+            model = ckpt.architecture.stage(ckpt.config, 0, ckpt.config.n_units - 1)
         state = ckpt.state_dict()
     own = model.state_dict()
     for name, t in state.items():
@@ -328,6 +407,8 @@ def load_hf(path: str | os.PathLike, *, dtype: torch.dtype | None = None) -> nn.
 def _architecture_of(model: nn.Module) -> Architecture:
     for arch in SUPPORTED.values():
         if type(model) is arch.stage:
+            if arch.moe_from_hf is not None:  # a whole model by construction
+                return arch
             if (model.first, model.last) != (0, model.cfg.n_units - 1):
                 raise ValueError(f"export_hf: the model holds units {model.first}..{model.last} "
                                  f"of 0..{model.cfg.n_units - 1}; export the whole model "
@@ -339,18 +420,21 @@ def _architecture_of(model: nn.Module) -> Architecture:
 
 def export_hf(model: nn.Module, path: str | os.PathLike, *,
               source: str | os.PathLike | None = None) -> None:
-    """Write ``model`` (a whole LlamaStage or GPTStage) as a Hugging Face directory.
-    ``source``: the directory it was imported from, whose other config fields, generation
-    config and tokenizer files are carried over."""
+    """Write ``model`` (a whole LlamaStage, GPTStage or Mixtral) as a Hugging Face
+    directory. ``source``: the directory it was imported from, whose other config fields,
+    generation config and tokenizer files are carried over."""
     _architecture_of(model)
-    export_state_dict(model.cfg, model.state_dict(), path, source=source)
+    export_state_dict(model.cfg, model.state_dict(), path, source=source,
+                      moe=getattr(model, "moe_cfg", None))
 
 
-def export_state_dict(cfg: GPTConfig | LlamaConfig, state: dict[str, torch.Tensor],
-                      path: str | os.PathLike, *,
-                      source: str | os.PathLike | None = None) -> None:
+def export_state_dict(cfg: GPTConfig | LlamaConfig | MixtralConfig,
+                      state: dict[str, torch.Tensor], path: str | os.PathLike, *,
+                      source: str | os.PathLike | None = None,
+                      moe: MoEConfig | None = None) -> None:
     """:func:`export_hf` for the whole model's state_dict (a consolidated checkpoint's)
-    and its config, without building the model."""
+    and its config, without building the model; a MixtralConfig needs its MoEConfig
+    (``moe``, a TED manifest's "moe")."""
     from safetensors.torch import save_file
 
     arch = next((a for a in SUPPORTED.values() if a.config_type is type(cfg)), None)
@@ -358,7 +442,7 @@ def export_state_dict(cfg: GPTConfig | LlamaConfig, state: dict[str, torch.Tenso
         names = ", ".join(a.config_type.__name__ for a in SUPPORTED.values())
         raise TypeError(f"export_hf: a {type(cfg).__name__} has no Hugging Face equivalent; "
                         f"supported: {names}")
-    maps = arch.tensors(cfg)
+    maps = arch.tensors(cfg, moe)
     missing = sorted(m.name for m in maps if m.name not in state)
     if missing:
         raise KeyError(f"export_hf: the state_dict lacks {', '.join(missing[:5])}"
@@ -368,7 +452,7 @@ def export_state_dict(cfg: GPTConfig | LlamaConfig, state: dict[str, torch.Tenso
         if m.export:
             t = state[m.name].detach().cpu()
             tensors[m.hf_name] = (t.t() if m.transposed else t).contiguous()
-    hf = arch.to_hf(cfg)
+    hf = arch.to_hf(cfg, moe) if arch.moe_from_hf is not None else arch.to_hf(cfg)
     if arch.name == "GPT2LMHeadModel":  # tie when the head is the embedding, bit for bit
         tied = torch.equal(tensors["lm_head.weight"], tensors["transformer.wte.weight"])
         if tied:

@@ -17,6 +17,17 @@ The router is a function of the data and the seed only, never of the parallel la
   choice = e)`` (Switch eq. 4; first choices before dropping, as GShard/DeepSpeed). The
   model's aux loss is the mean over groups, summed over MoE layers; training minimizes
   ``lm_loss + aux_loss_coef x aux``.
+- Mixtral gating (``gating="mixtral"``, Jiang et al. 2024; Hugging Face's
+  MixtralSparseMoeBlock): the top_k experts by router probability, their gates the
+  softmax over the selected logits (the top_k probabilities renormalized to sum to one,
+  before any dropping); choice j queues behind every earlier choice of the group. Its
+  auxiliary loss is HF's ``load_balancing_loss_func``: per group, ``E x sum_e f_e x
+  P_e`` where f_e is the fraction of top_k selections and P_e the mean probability of
+  expert e, both pooled over the MoE layers (not a sum of per-layer terms).
+- Dropless (``capacity_factor=0``): the capacity of a layer call is the largest count of
+  assignments to one expert in one group, so nothing is dropped; a parallel engine
+  agrees on it over the ranks that exchange slots (``route``'s ``agree``). Routing,
+  gates and outputs are then the same whatever the capacity.
 - No noise: the router has no randomness at all, so every tensor-parallel rank computes
   the same routing from the same input (DeepSpeed-TED's requirement for DTD).
 
@@ -54,6 +65,8 @@ from .gpt import (
     checkpoint_interval,
 )
 
+GATINGS = ("gshard", "mixtral")
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -65,26 +78,40 @@ class MoEConfig:
     moe_every: int = 2          # block j (0-based) is MoE when (j + 1) % moe_every == 0
     router_group_tokens: int = 32
     aux_loss_coef: float = 0.01
+    gating: str = "gshard"      # "gshard" (top-1 Switch, top-2 GShard) or "mixtral"
 
     def __post_init__(self):
         for name in ("experts", "moe_every", "router_group_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"MoEConfig: '{name}' is {v!r}; expected a positive integer")
-        if self.top_k not in (1, 2):
+        if self.gating not in GATINGS:
+            raise ValueError(f"MoEConfig: gating={self.gating!r}; expected one of "
+                             f"{', '.join(GATINGS)}")
+        if self.gating == "gshard" and self.top_k not in (1, 2):
             raise ValueError(f"MoEConfig: top_k={self.top_k}; expected 1 (Switch) or 2 (GShard)")
+        if not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"MoEConfig: top_k={self.top_k!r}; expected a positive integer")
         if self.top_k > self.experts:
             raise ValueError(f"MoEConfig: top_k={self.top_k} needs at least {self.top_k} experts")
-        if not self.capacity_factor > 0:
-            raise ValueError(f"MoEConfig: capacity_factor={self.capacity_factor}; expected > 0")
+        if not self.capacity_factor >= 0:
+            raise ValueError(f"MoEConfig: capacity_factor={self.capacity_factor}; expected > 0 "
+                             "(or 0: dropless)")
         self.capacity()  # capacity < 1 token is an error
 
     def is_moe(self, block: int) -> bool:
         """Whether block `block` (0-based) has an MoE FFN."""
         return (block + 1) % self.moe_every == 0
 
-    def capacity(self) -> int:
-        """Slots per expert per router group (the drop rule's capacity)."""
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor == 0
+
+    def capacity(self) -> int | None:
+        """Slots per expert per router group (the drop rule's capacity); None when
+        dropless (each layer call sizes it to its largest expert load)."""
+        if self.dropless:
+            return None
         return expert_capacity(self.router_group_tokens, self.experts, self.top_k,
                                self.capacity_factor)
 
@@ -111,39 +138,67 @@ class Routing:
 
     slot_token: torch.Tensor   # (G, E, C) long: token index in its group, -1 when empty
     slot_weight: torch.Tensor  # (G, E, C): the gate of that token for that expert, 0 empty
-    aux_loss: torch.Tensor     # scalar: mean over groups of the load-balancing loss
+    # gshard: scalar, the mean over groups of the load-balancing loss; mixtral: (G, 2, E),
+    # per group the top_k selections and the summed probabilities of each expert, which
+    # the model pools over its MoE layers (finish_aux)
+    aux_loss: torch.Tensor
     kept: int                  # token-expert assignments kept (<= top_k x G x S)
     assigned: int              # top_k x G x S
+    tokens: torch.Tensor       # (E,) long: assignments routed to each expert (all groups)
+    kept_per_expert: torch.Tensor  # (E,) long: of those, kept (not dropped)
+
+    @property
+    def capacity(self) -> int:
+        return self.slot_token.shape[-1]
 
 
-def route(logits: torch.Tensor, top_k: int, capacity: int) -> Routing:
-    """Route the (G, S, E) router logits of G groups of S tokens (module docstring)."""
+def route(logits: torch.Tensor, top_k: int, capacity: int | None, gating: str = "gshard",
+          agree: Callable[[int], int] | None = None) -> Routing:
+    """Route the (G, S, E) router logits of G groups of S tokens (module docstring).
+    `capacity` None: dropless, the largest count of assignments to one expert in one
+    group, agreed by ``agree(count) -> count`` (a maximum over the ranks whose slots are
+    exchanged) when given."""
     G, S, E = logits.shape
     probs = torch.softmax(logits.float(), dim=-1)
-    idx1 = probs.argmax(dim=-1)                                  # (G, S)
-    mask1 = F.one_hot(idx1, E)                                   # (G, S, E)
-    # load balancing on first choices before dropping (Switch eq. 4, GShard, DeepSpeed)
-    aux = (probs.mean(dim=1) * mask1.float().mean(dim=1)).sum(dim=-1).mean() * E
-    loc1 = mask1.cumsum(dim=1) - 1                               # queue position per expert
-    keep1 = mask1.bool() & (loc1 < capacity)
-    choices = [(idx1, keep1, loc1)]
-    if top_k == 2:
-        idx2 = probs.masked_fill(mask1.bool(), float("-inf")).argmax(dim=-1)
-        mask2 = F.one_hot(idx2, E)
-        # second choices queue behind every first choice of the group (GShard)
-        loc2 = mask2.cumsum(dim=1) - 1 + mask1.sum(dim=1, keepdim=True)
-        keep2 = mask2.bool() & (loc2 < capacity)
-        choices.append((idx2, keep2, loc2))
-    gates = [probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * keep.any(-1)
-             for idx, keep, _ in choices]                        # (G, S) each, 0 if dropped
-    if top_k == 2:
-        denom = (gates[0] + gates[1]).clamp(min=torch.finfo(probs.dtype).eps)
-        gates = [g / denom for g in gates]
+    if gating == "mixtral":
+        top_p, top_i = torch.topk(probs, top_k, dim=-1)           # (G, S, k)
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)           # before any dropping
+        idxs = list(top_i.unbind(-1))
+    else:
+        idxs = [probs.argmax(dim=-1)]                              # (G, S)
+        if top_k == 2:
+            idxs.append(probs.masked_fill(F.one_hot(idxs[0], E).bool(), float("-inf"))
+                        .argmax(dim=-1))
+    masks = [F.one_hot(idx, E) for idx in idxs]                    # (G, S, E) each
+    counts = sum(m.sum(dim=1) for m in masks)                      # (G, E) before dropping
+    if capacity is None:
+        need = int(counts.max())
+        capacity = max(1, agree(need) if agree is not None else need)
+    if gating == "mixtral":
+        aux = torch.stack((counts.to(probs.dtype), probs.sum(dim=1)), dim=1)  # (G, 2, E)
+    else:
+        # load balancing on first choices before dropping (Switch eq. 4, GShard, DeepSpeed)
+        aux = (probs.mean(dim=1) * masks[0].float().mean(dim=1)).sum(dim=-1).mean() * E
+    choices, before = [], 0
+    for idx, mask in zip(idxs, masks, strict=True):
+        # choice j queues behind every earlier choice of the group (GShard's second choices)
+        loc = mask.cumsum(dim=1) - 1 + before
+        choices.append((idx, mask.bool() & (loc < capacity), loc))
+        before = before + mask.sum(dim=1, keepdim=True)
+    if gating == "mixtral":
+        gates = [top_p[..., j] * keep.any(-1) for j, (_, keep, _) in enumerate(choices)]
+    else:
+        gates = [probs.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * keep.any(-1)
+                 for idx, keep, _ in choices]                      # (G, S) each, 0 if dropped
+        if top_k == 2:
+            denom = (gates[0] + gates[1]).clamp(min=torch.finfo(probs.dtype).eps)
+            gates = [g / denom for g in gates]
     slot_token = torch.full((G, E, capacity + 1), -1, dtype=torch.long, device=logits.device)
     slot_weight = torch.zeros((G, E, capacity + 1), dtype=probs.dtype, device=logits.device)
     tokens = torch.arange(S, device=logits.device).expand(G, S)
     groups = torch.arange(G, device=logits.device).unsqueeze(1).expand(G, S)
     kept = 0
+    kept_per_expert = torch.zeros(E, dtype=torch.long, device=logits.device)
     for (idx, keep, loc), gate in zip(choices, gates, strict=True):
         kept_here = keep.any(-1)                                 # (G, S)
         pos = loc.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
@@ -152,9 +207,21 @@ def route(logits: torch.Tensor, top_k: int, capacity: int) -> Routing:
         slot_token[groups, idx, pos] = torch.where(kept_here, tokens, -1)
         slot_weight = slot_weight.index_put((groups, idx, pos), gate)
         kept += int(kept_here.sum())
+        kept_per_expert += keep.sum(dim=(0, 1))
     # the spare slot may have received several writes; it is dropped here
     return Routing(slot_token[..., :capacity].contiguous(), slot_weight[..., :capacity],
-                   aux, kept, top_k * G * S)
+                   aux, kept, top_k * G * S, counts.sum(dim=0), kept_per_expert)
+
+
+def finish_aux(aux: torch.Tensor, moe: MoEConfig, moe_layers: int) -> torch.Tensor:
+    """The model's aux loss from the sum over its MoE layers of their ``aux_loss``: the
+    sum itself (gshard), or HF Mixtral's load_balancing_loss_func from the pooled counts
+    and probabilities, per group, averaged over the groups (mixtral)."""
+    if aux.dim() != 3:
+        return aux
+    rows = moe_layers * moe.router_group_tokens
+    frac, prob = aux[:, 0] / rows, aux[:, 1] / rows                 # (G, E) each
+    return (frac * prob).sum(dim=-1).mean() * moe.experts
 
 
 def to_groups(x: torch.Tensor, group_tokens: int) -> torch.Tensor:
@@ -199,19 +266,21 @@ class Router(nn.Module):
 
 class SerialMoE(nn.Module):
     """The reference MoE FFN: route, then run each expert on its kept tokens (a loop).
-    `with_experts=False` leaves the experts out (the parallel engine builds its own)."""
+    `with_experts=False` leaves the experts out (the parallel engine builds its own);
+    `expert` builds one expert FFN from the config (GPT's MLP by default)."""
 
-    def __init__(self, cfg: GPTConfig, moe: MoEConfig, with_experts: bool = True):
+    def __init__(self, cfg, moe: MoEConfig, with_experts: bool = True,
+                 expert: Callable[[object], nn.Module] = MLP):
         super().__init__()
         self.moe = moe
         self.capacity = moe.capacity()
         self.router = Router(cfg, moe)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(moe.experts if with_experts
-                                                             else 0))
+        self.experts = nn.ModuleList(expert(cfg) for _ in range(moe.experts if with_experts
+                                                                else 0))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
         xg = to_groups(x, self.moe.router_group_tokens)           # (G, S, C)
-        r = route(self.router(xg), self.moe.top_k, self.capacity)
+        r = route(self.router(xg), self.moe.top_k, self.capacity, self.moe.gating)
         y = torch.zeros_like(xg)
         for g in range(xg.shape[0]):
             for e, expert in enumerate(self.experts):
@@ -225,6 +294,8 @@ class SerialMoE(nn.Module):
 
 class MoEBlock(nn.Module):
     """A transformer block whose FFN is a mixture of experts."""
+
+    routes = True  # forward returns (x, Routing): run_units' segments collect it
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, with_experts: bool = True):
         super().__init__()
@@ -274,17 +345,21 @@ def make_moe_unit(cfg: GPTConfig, moe: MoEConfig, index: int, seed: int,
 
 @dataclass
 class MoEStats:
-    """What the MoE layers of one forward report: the summed aux loss, and the kept and
-    assigned token-expert assignments (their ratio is the kept fraction)."""
+    """What the MoE layers of one forward report: the aux loss, the kept and assigned
+    token-expert assignments (their ratio is the kept fraction), and per MoE layer (in
+    block order) the assignments routed to each expert and those kept (``load``: a list
+    of ((E,), (E,)) long tensors)."""
 
     aux_loss: torch.Tensor
     kept: int = 0
     assigned: int = 0
+    load: list = dataclasses.field(default_factory=list)
 
     def add(self, r: Routing) -> None:
         self.aux_loss = self.aux_loss + r.aux_loss
         self.kept += r.kept
         self.assigned += r.assigned
+        self.load.append((r.tokens, r.kept_per_expert))
 
     @property
     def dropped_fraction(self) -> float:
@@ -309,18 +384,21 @@ class MoEGPT(nn.Module):
         if self.activation_checkpointing and torch.is_grad_enabled():
             def recompute(segment, x, *blocks):
                 return checkpoint(segment, x, *blocks, use_reentrant=False)
-        return run_units(list(self.units.values()), idx, _serial_segment, recompute)
+        return run_units(list(self.units.values()), idx, serial_segment, recompute,
+                         self.moe_cfg)
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
 def run_units(units: list[nn.Module], idx: torch.Tensor, segment: Callable,
-              recompute: Callable | None = None) -> tuple[torch.Tensor, MoEStats]:
-    """(logits, MoEStats) of an MoE GPT's units (embedding, blocks, head) on tokens
+              recompute: Callable | None = None,
+              moe: MoEConfig | None = None) -> tuple[torch.Tensor, MoEStats]:
+    """(logits, MoEStats) of an MoE model's units (embedding, blocks, head) on tokens
     `idx`: the blocks run in segments of ~sqrt(N) (checkpoint_interval), each by
-    ``segment(x, *blocks)`` -> (x, aux loss, (kept, assigned)), or under activation
-    checkpointing by ``recompute(segment, x, *blocks)``."""
+    ``segment(x, *blocks)`` -> (x, summed aux loss, [(tokens, kept) per MoE layer]), or
+    under activation checkpointing by ``recompute(segment, x, *blocks)``. `moe` finishes
+    a Mixtral aux loss (finish_aux)."""
     x = units[0](idx)
     stats = MoEStats(torch.zeros((), device=x.device))
     blocks = units[1:-1]
@@ -328,30 +406,42 @@ def run_units(units: list[nn.Module], idx: torch.Tensor, segment: Callable,
     for i in range(0, len(blocks), k):
         seg = blocks[i:i + k]
         run = segment if recompute is None else functools.partial(recompute, segment)
-        x, aux, counts = run(x, *seg)
+        x, aux, loads = run(x, *seg)
         stats.aux_loss = stats.aux_loss + aux
-        stats.kept += counts[0]
-        stats.assigned += counts[1]
+        for tokens, kept in loads:
+            stats.load.append((tokens, kept))
+            stats.kept += int(kept.sum())
+            stats.assigned += int(tokens.sum())
+    if moe is not None:
+        stats.aux_loss = finish_aux(stats.aux_loss, moe, len(stats.load))
     return units[-1](x), stats
 
 
-def _serial_segment(x, *blocks):
-    aux, kept, assigned = torch.zeros((), device=x.device), 0, 0
+def serial_segment(x, *blocks):
+    """Blocks in order: (x, summed aux loss, [(tokens, kept) per MoE layer])."""
+    aux, loads = torch.zeros((), device=x.device), []
     for b in blocks:
-        if isinstance(b, MoEBlock):
+        if getattr(b, "routes", False):
             x, r = b(x)
             aux = aux + r.aux_loss
-            kept, assigned = kept + r.kept, assigned + r.assigned
+            loads.append((r.tokens, r.kept_per_expert))
         else:
             x = b(x)
-    return x, aux, (kept, assigned)
+    return x, aux, loads
 
 
 def moe_loss(logits: torch.Tensor, targets: torch.Tensor, stats: MoEStats,
-             moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the loss to minimize, the LM loss): mean next-token cross entropy in fp32 plus
-    aux_loss_coef x the summed aux loss."""
-    lm = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+             moe: MoEConfig, denominator: float | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to minimize, the LM loss): next-token cross entropy in fp32 over the
+    targets that are not -100 (ignored: Goldfish's dropped tokens, padding), divided by
+    `denominator` (default: their count here, i.e. the mean), plus aux_loss_coef x the
+    aux loss."""
+    flat = targets.reshape(-1)
+    ce = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, reduction="sum")
+    if denominator is None:
+        denominator = max(1, int((flat != -100).sum()))
+    lm = ce / denominator
     return lm + moe.aux_loss_coef * stats.aux_loss, lm
 
 

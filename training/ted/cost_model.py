@@ -127,6 +127,10 @@ def step_comm(cfg: GPTConfig, moe: MoEConfig, layout: TEDLayout, *, micro_batch:
     if tokens % moe.router_group_tokens:
         raise ValueError("a microbatch must hold whole router groups")
     n_groups = tokens // moe.router_group_tokens
+    if moe.dropless:
+        raise ValueError("capacity_factor 0 (dropless): the buffers' size follows each "
+                         "step's routing, so the bytes are not fixed in advance; model a "
+                         "capacity factor bounding the load instead")
     c_buf = buffer_capacity(moe.capacity(), g_t)
     slots = moe.experts * n_groups * c_buf * cfg.n_embd * w      # a full dispatch buffer
     out = {k: {"calls": 0, "bytes": 0} for k in ("all_reduce", "all_to_all_single",

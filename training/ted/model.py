@@ -35,6 +35,17 @@ no randomness, so the buffers agree across tensor ranks; ``debug_checks=True`` v
 it on every MoE call, recomputations included (an all_gather over the tensor group, then
 an all_reduce over the world so that every rank raises when any group differs).
 
+**Mixtral** (``--arch mixtral``, a MixtralConfig): Llama's blocks (training/models/
+mixtral.py) with the same groups: q_proj, k_proj and v_proj N-layers split by heads over
+the tensor group (key/value heads too: n_kv_head must divide by G_tensor), o_proj a
+T-layer; SwiGLU FFNs and experts with gate_proj and up_proj N-layers and down_proj a
+T-layer; RMSNorms, routers, embedding and head replicated.
+
+**Dropless** (``capacity_factor=0``): each MoE call sizes its capacity to the largest
+load of one expert in one router group, agreed by an all_reduce (MAX) over the expert
+group (the ranks whose buffers the all_to_all exchanges; through CAC's stash, so a
+recomputation replays it). Nothing is dropped, so the result does not depend on it.
+
 **CAC.** With activation checkpointing, blocks run in segments of ~sqrt(N) under
 ``cac.checkpointed``; with ``cac=True`` the recomputation replays the forward
 collectives' stashed outputs instead of communicating again.
@@ -52,11 +63,14 @@ import mcrdl
 from mcrdl.launch import launch_command
 
 from ..core.backends import KINDS, Backends
-from ..core.cac import checkpointed
+from ..core.cac import checkpointed, through_stash
 from ..core.checkpoint import load_serial_part
 from ..core.sharding import Split, split_of
 from ..core.topology import Axis, ProcessGrid
+from ..models import llama
+from ..models import mixtral as mixtral_model
 from ..models.gpt import MLP, Block, Embedding, GPTConfig, Head
+from ..models.init_source import SerialSource
 from ..models.moe import (
     MoEBlock,
     MoEConfig,
@@ -69,7 +83,7 @@ from ..models.moe import (
 )
 from ..models.moe import to_groups as _to_groups
 from ..tensor_parallel.comm import AxisComm, TensorComms
-from ..tensor_parallel.layers import ParallelMLP, ParallelSelfAttention
+from ..tensor_parallel.layers import ParallelLinear, ParallelMLP, ParallelSelfAttention
 from .autograd_collectives import (
     Comm,
     all_to_all,
@@ -117,7 +131,9 @@ class TEDLayout:
             raise ValueError(f"experts={moe.experts} is not divisible by G_expert="
                              f"{self.g_expert}: every expert rank holds experts/G_expert "
                              "experts; pick --G-expert dividing --experts")
-        if model is not None:
+        if isinstance(model, llama.LlamaConfig):
+            check_llama_split(model, self.g_tensor)
+        elif model is not None:
             check_tensor_split(model.n_head, model.n_embd, self.g_tensor)
         if model is not None and moe is not None and \
                 not any(moe.is_moe(j) for j in range(model.n_layer)):
@@ -176,6 +192,19 @@ def check_tensor_split(n_head: int, n_embd: int, g_tensor: int) -> None:
                          f"G_tensor={g_tensor}; pick --G-tensor dividing the width")
 
 
+def check_llama_split(cfg: llama.LlamaConfig, g_tensor: int) -> None:
+    """ValueError naming the constraint when a Llama/Mixtral's query heads, key/value
+    heads or SwiGLU width do not split over G_tensor."""
+    for name, n, what in (("n_head", cfg.n_head, "attention by query heads"),
+                          ("n_kv_head", cfg.n_kv_head, "grouped-query attention's key/value "
+                           "heads with their query heads"),
+                          ("intermediate_size", cfg.intermediate_size,
+                           "the SwiGLU FFNs and experts by width")):
+        if n % g_tensor:
+            raise ValueError(f"{name}={n} is not divisible by G_tensor={g_tensor}: tensor "
+                             f"parallelism splits {what}; pick --G-tensor dividing {n}")
+
+
 def mark_replicated(module: nn.Module) -> None:
     """Give every parameter of `module` without a ``split`` the whole-tensor one: held
     entire by every tensor rank (embeddings, LayerNorms, routers, the head)."""
@@ -196,6 +225,61 @@ class ExpertFFN(ParallelMLP):
             a = a + self.c_fc.bias
         return self.c_proj.partial(F.gelu(a))
 
+    @property
+    def out_bias(self) -> torch.Tensor | None:
+        return self.c_proj.bias
+
+
+class ParallelSwiGLU(nn.Module):
+    """Llama's SwiGLU FFN on this tensor rank: gate_proj and up_proj N-layers, down_proj
+    a T-layer over the tensor group. ``partial`` as ExpertFFN's (an expert)."""
+
+    out_bias = None
+
+    def __init__(self, serial: nn.Module, comms, prefix: str):
+        super().__init__()
+        for n, transposed in (("gate_proj", False), ("up_proj", False), ("down_proj", True)):
+            setattr(self, n, ParallelLinear(getattr(serial, n).weight.data, None, comms,
+                                            transposed=transposed, name=f"{prefix}.{n}"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.partial(F.silu(self.gate_proj.partial(h))
+                                      * self.up_proj.partial(h))
+
+
+class ParallelLlamaAttention(nn.Module):
+    """Llama's attention with its query heads and key/value heads split over the tensor
+    group (q_proj, k_proj, v_proj N-layers; o_proj a T-layer): rank t holds query heads
+    t*H/G..(t+1)*H/G-1 and the key/value heads serving them."""
+
+    def __init__(self, serial: llama.Attention, comms, name: str):
+        super().__init__()
+        g = comms.x.size
+        self.local_heads, self.local_kv = serial.n_head // g, serial.n_kv_head // g
+        self.head_dim = serial.head_dim
+        self.register_buffer("inv_freq", serial.inv_freq, persistent=False)
+        for n, transposed in (("q_proj", False), ("k_proj", False), ("v_proj", False),
+                              ("o_proj", True)):
+            setattr(self, n, ParallelLinear(getattr(serial, n).weight.data, None, comms,
+                                            transposed=transposed, name=f"{name}.{n}"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, kv, d = self.local_heads, self.local_kv, self.head_dim
+        q = self.q_proj(x).view(B, T, h, d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, kv, d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, kv, d).transpose(1, 2)
+        cos, sin = llama.Attention.rotary(self, T, x.dtype)  # from this module's inv_freq
+        q = q * cos + llama._rotate_half(q) * sin
+        k = k * cos + llama._rotate_half(k) * sin
+        k = k.repeat_interleave(h // kv, dim=1)
+        v = v.repeat_interleave(h // kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, h * d))
+
 
 def buffer_capacity(capacity: int, g_tensor: int) -> int:
     """The capacity dimension of the dispatch buffers: the drop rule's capacity rounded
@@ -208,22 +292,26 @@ class ParallelMoE(nn.Module):
     experts (tensor-parallel FFNs), dispatch and combine (module docstring)."""
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, serial_router: nn.Module,
-                 experts: dict[int, MLP], groups: TEDGroups, *, dtd: bool = False,
+                 experts: dict[int, nn.Module], groups: TEDGroups, *, dtd: bool = False,
                  debug_checks: bool = False, prefix: str = "moe"):
         super().__init__()
         self.moe, self.groups = moe, groups
-        self.capacity = moe.capacity()
+        self.capacity = moe.capacity()  # None: dropless, sized per call
         g_t = groups.layout.g_tensor
-        self.capacity_buf = buffer_capacity(self.capacity, g_t)
+        self.capacity_buf = None if self.capacity is None else \
+            buffer_capacity(self.capacity, g_t)
         # DTD only pays where an all_to_all carries duplicates
         self.dtd = dtd and groups.tensor.active and groups.expert.active
-        if self.dtd and self.capacity_buf % g_t:  # by construction; kept as the rule
+        if self.dtd and self.capacity_buf is not None and self.capacity_buf % g_t:
             raise ValueError(f"DTD: expert capacity {self.capacity_buf} is not a multiple of "
-                             f"G_tensor={g_t}")
+                             f"G_tensor={g_t}")  # by construction; kept as the rule
         self.debug_checks = debug_checks
         self.router = serial_router
+        comms = groups.tensor_comms
         self.experts = nn.ModuleDict({
-            str(e): ExpertFFN(mlp, groups.tensor_comms, f"{prefix}.experts.{e}")
+            str(e): (ParallelSwiGLU(mlp, comms, f"{prefix}.experts.{e}")
+                     if isinstance(mlp, llama.MLP)
+                     else ExpertFFN(mlp, comms, f"{prefix}.experts.{e}"))
             for e, mlp in experts.items()})
         for p in self.experts.parameters():
             p.expert = True
@@ -252,12 +340,25 @@ class ParallelMoE(nn.Module):
                                f"of world rank {int(seen.item())}'s tensor group (this rank's "
                                f"group agrees); {rule}")
 
+    def _agree(self, count: int) -> int:
+        """Dropless: the largest of `count` over the expert group (tensor ranks route
+        alike, so they agree already)."""
+        expert = self.groups.expert
+        if not expert.active:
+            return count
+        t = torch.tensor([float(count)], dtype=torch.float64,
+                         device=self.router.weight.device)
+        out = through_stash("all_reduce", lambda: expert.all_reduce(t, op=mcrdl.ReduceOp.MAX))
+        return int(out.item())
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        E, C, d = self.moe.experts, self.capacity_buf, x.shape[-1]
+        E, d = self.moe.experts, x.shape[-1]
         xg = _to_groups(x, self.moe.router_group_tokens)            # (G, S, d)
         n_groups, S, _ = xg.shape
-        r = route(self.router(xg), self.moe.top_k, self.capacity)
-        pad = C - self.capacity
+        r = route(self.router(xg), self.moe.top_k, self.capacity, self.moe.gating,
+                  agree=self._agree)
+        C = buffer_capacity(r.capacity, self.groups.layout.g_tensor)
+        pad = C - r.capacity
         slot_token = F.pad(r.slot_token, (0, pad), value=-1)         # (G, E, C)
         slot_weight = F.pad(r.slot_weight, (0, pad))
         # token S of each group is a zero row: empty slots read it and write to it
@@ -296,8 +397,8 @@ class ParallelMoE(nn.Module):
         experts = list(self.experts.values())
         partial = torch.stack([ex.partial(h[i]) for i, ex in enumerate(experts)])
         y = reduce_from(partial, g.tensor)                           # one all_reduce for all
-        if experts[0].c_proj.bias is not None:
-            y = y + torch.stack([ex.c_proj.bias for ex in experts]).unsqueeze(1)
+        if experts[0].out_bias is not None:
+            y = y + torch.stack([ex.out_bias for ex in experts]).unsqueeze(1)
         y = y.view(n_local, g_e, n_groups, C, d).transpose(0, 1)     # (G_e, E_l, G, C, d)
         y = y.reshape(g_e * n_local, n_groups, C, d)
         return self._exchange(y, dim=2)
@@ -308,7 +409,8 @@ class ParallelBlock(nn.Module):
     (``mlp``) or MoE FFN (``moe``)."""
 
     def __init__(self, serial: nn.Module, cfg: GPTConfig, moe: MoEConfig, groups: TEDGroups,
-                 experts: dict[int, MLP] | None, dtd: bool, debug_checks: bool, prefix: str):
+                 experts: dict[int, nn.Module] | None, dtd: bool, debug_checks: bool,
+                 prefix: str):
         super().__init__()
         comms = groups.tensor_comms
         self.ln_1, self.ln_2 = serial.ln_1, serial.ln_2
@@ -319,12 +421,42 @@ class ParallelBlock(nn.Module):
         else:
             self.mlp = ParallelMLP(serial.mlp, comms, f"{prefix}.mlp")
 
+    def norms(self):
+        return self.ln_1, self.ln_2
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing | None]:
-        x = x + self.attn(self.ln_1(x))
+        norm_1, norm_2 = self.norms()
+        x = x + self.attn(norm_1(x))
         if hasattr(self, "moe"):
-            y, r = self.moe(self.ln_2(x))
+            y, r = self.moe(norm_2(x))
             return x + y, r
-        return x + self.mlp(self.ln_2(x)), None
+        return x + self.mlp(norm_2(x)), None
+
+
+class ParallelLlamaBlock(ParallelBlock):
+    """A Llama/Mixtral block: tensor-parallel attention (ParallelLlamaAttention) and a
+    SwiGLU FFN (``mlp``) or MoE FFN of SwiGLU experts (``moe``); serial parameter names."""
+
+    def __init__(self, serial: nn.Module, cfg: llama.LlamaConfig, moe: MoEConfig,
+                 groups: TEDGroups, experts: dict[int, nn.Module] | None, dtd: bool,
+                 debug_checks: bool, prefix: str):
+        nn.Module.__init__(self)
+        comms = groups.tensor_comms
+        self.input_layernorm = serial.input_layernorm
+        self.post_attention_layernorm = serial.post_attention_layernorm
+        self.self_attn = ParallelLlamaAttention(serial.self_attn, comms, f"{prefix}.self_attn")
+        if isinstance(serial, mixtral_model.MixtralBlock):
+            self.moe = ParallelMoE(cfg, moe, serial.moe.router, experts, groups, dtd=dtd,
+                                   debug_checks=debug_checks, prefix=f"{prefix}.moe")
+        else:
+            self.mlp = ParallelSwiGLU(serial.mlp, comms, f"{prefix}.mlp")
+
+    @property
+    def attn(self):
+        return self.self_attn
+
+    def norms(self):
+        return self.input_layernorm, self.post_attention_layernorm
 
 
 class TEDGPT(nn.Module):
@@ -333,8 +465,10 @@ class TEDGPT(nn.Module):
     (training/tensor_parallel/layers.py: X is the tensor group) and expert parameters
     ``expert = True``.
 
-    ``state_dict``: start from the serial model's weights (any layout's, consolidated)
-    instead of `seed`'s draws; every rank takes its pieces.
+    ``state_dict``: start from the serial model's weights (any layout's, consolidated:
+    a dict, or a training/models/init_source.py SerialSource) instead of `seed`'s
+    draws; every rank takes its pieces (from a SerialSource it reads only the experts
+    it holds).
 
     ``activation_checkpointing`` runs the blocks in segments of checkpoint_interval(N)
     blocks; ``cac`` stashes their forward collectives for the recomputation;
@@ -343,33 +477,40 @@ class TEDGPT(nn.Module):
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, groups: TEDGroups, seed: int = 0, *,
                  dtd: bool = False, cac: bool = False, activation_checkpointing: bool = False,
                  early_stop: bool = True, debug_checks: bool = False,
-                 state_dict: dict[str, torch.Tensor] | None = None):
+                 state_dict: dict[str, torch.Tensor] | SerialSource | None = None):
         super().__init__()
         groups.layout.check(cfg, moe)
         self.cfg, self.moe_cfg, self.groups = cfg, moe, groups
         self.dtd, self.cac = dtd, cac
         self.activation_checkpointing, self.early_stop = activation_checkpointing, early_stop
         local = groups.local_experts(moe.experts)
+        is_llama = isinstance(cfg, llama.LlamaConfig)
+        if is_llama:
+            make, expert, draw = (mixtral_model.make_unit, llama.MLP,
+                                  mixtral_model.init_expert)
+            block = ParallelLlamaBlock
+        else:
+            make, expert, draw, block = make_moe_unit, MLP, init_expert, ParallelBlock
         units = {}
         for i in range(cfg.n_units):
             # the serial unit without its experts; this rank's experts drawn on their own
-            serial = make_moe_unit(cfg, moe, i, seed, with_experts=False)
+            serial = make(cfg, moe, i, seed, with_experts=False)
             if state_dict is not None:
-                load_serial_part(serial, state_dict, f"units.{i}.")
-            if isinstance(serial, (Embedding, Head)):
+                _load(serial, state_dict, f"units.{i}.")
+            if isinstance(serial, (Embedding, Head, llama.Embedding, llama.Head)):
                 units[str(i)] = serial
                 continue
             experts = None
-            if isinstance(serial, MoEBlock):
+            if getattr(serial, "routes", False):
                 experts = {}
                 for e in local:
-                    experts[e] = MLP(cfg)
-                    init_expert(experts[e], cfg, seed, i, e)
+                    experts[e] = expert(cfg)
+                    draw(experts[e], cfg, seed, i, e)
                     if state_dict is not None:
-                        load_serial_part(experts[e], state_dict, f"units.{i}.moe.experts.{e}.")
-            assert isinstance(serial, (Block, MoEBlock))
-            units[str(i)] = ParallelBlock(serial, cfg, moe, groups, experts, dtd, debug_checks,
-                                          f"units.{i}")
+                        _load(experts[e], state_dict, f"units.{i}.moe.experts.{e}.")
+            assert isinstance(serial, (Block, MoEBlock, llama.Block, mixtral_model.MixtralBlock))
+            units[str(i)] = block(serial, cfg, moe, groups, experts, dtd, debug_checks,
+                                  f"units.{i}")
         self.units = nn.ModuleDict(units)
         mark_replicated(self)
 
@@ -379,7 +520,7 @@ class TEDGPT(nn.Module):
             def recompute(segment, x, *blocks):
                 return checkpointed(segment, x, *blocks, cac=self.cac,
                                     early_stop=self.early_stop)
-        return run_units(list(self.units.values()), idx, _segment, recompute)
+        return run_units(list(self.units.values()), idx, _segment, recompute, self.moe_cfg)
 
     def expert_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if getattr(p, "expert", False)]
@@ -388,14 +529,21 @@ class TEDGPT(nn.Module):
         return [p for p in self.parameters() if not getattr(p, "expert", False)]
 
 
+def _load(module: nn.Module, source, prefix: str) -> None:
+    if isinstance(source, SerialSource):
+        source.load_into(module, prefix)
+    else:
+        load_serial_part(module, source, prefix)
+
+
 def _segment(x, *blocks):
-    aux, kept, assigned = torch.zeros((), device=x.device), 0, 0
+    aux, loads = torch.zeros((), device=x.device), []
     for b in blocks:
         x, r = b(x)
         if r is not None:
             aux = aux + r.aux_loss
-            kept, assigned = kept + r.kept, assigned + r.assigned
-    return x, aux, (kept, assigned)
+            loads.append((r.tokens, r.kept_per_expert))
+    return x, aux, loads
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

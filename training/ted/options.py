@@ -3,32 +3,80 @@ they compose with the shared sections (``MoETrainConfig``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..core.options import Options, option
-from ..core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
+from ..core.options import Options, flag, option
+from ..core.run_options import (
+    HF_PREFIX,
+    DataOptions,
+    ModelOptions,
+    OptimizerOptions,
+    RunOptions,
+)
 from ..core.topology import Axis, GridError
+from ..models import mixtral
 from ..models.moe import MoEConfig, base_config
 from .model import TEDLayout
+
+# --arch: the GPT's MoE (training/models/moe.py) or Mixtral (training/models/mixtral.py)
+ARCHS = ("gpt", "mixtral")
+# the MoE options whose default depends on --arch (gpt, mixtral)
+_ARCH_DEFAULTS = {"experts": (4, 8), "top_k": (1, 2), "moe_every": (2, 1)}
+
+
+def hf_model(init_from: str):
+    """(MixtralConfig, MoEConfig) of the Hugging Face directory `init_from` ("hf:DIR")
+    names; ValueError naming --init-from when it is no MixtralForCausalLM."""
+    from ..models.hf import HFCheckpoint
+
+    directory = init_from.removeprefix(HF_PREFIX)
+    try:
+        with HFCheckpoint(directory) as ckpt:
+            cfg, moe, name = ckpt.config, ckpt.moe, ckpt.architecture.name
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--init-from {init_from}: {e}") from None
+    if moe is None:
+        raise ValueError(f"--init-from {init_from}: a {name} has no experts; train_moe "
+                         "imports MixtralForCausalLM (train_gpt trains the dense ones)")
+    return cfg, moe
 
 
 @dataclass
 class MoEOptions(Options):
     section = "moe"
-    experts: int = option(4, "experts per MoE layer", minimum=1)
-    top_k: int = option(1, "experts per token: 1 (Switch) or 2 (GShard)", minimum=1)
+    experts: int | None = option(None, "experts per MoE layer (default 4; --arch mixtral "
+                                 "8; hf:DIR's)", minimum=1)
+    top_k: int | None = option(None, "experts per token: 1 (Switch) or 2 (GShard); "
+                               "--arch mixtral: any, default 2", minimum=1)
     capacity_factor: float = option(1.25, "expert capacity = ceil(factor x top_k x group "
-                                    "tokens / experts)")
-    moe_every: int = option(2, "every k-th block has an MoE FFN", minimum=1)
+                                    "tokens / experts); 0: dropless (no token dropped, "
+                                    "the capacity agreed over the expert group per call)",
+                                    minimum=0)
+    moe_every: int | None = option(None, "every k-th block has an MoE FFN (default 2; "
+                                   "--arch mixtral 1)", minimum=1)
     router_group_tokens: int = option(16, "tokens per router group (capacity, dropping and "
                                       "the aux loss are per group)", minimum=1)
     aux_loss_coef: float = option(0.01, "weight of the load-balancing loss", minimum=0)
 
     def moe_config(self) -> MoEConfig:
-        return MoEConfig(experts=self.experts, top_k=self.top_k,
-                         capacity_factor=self.capacity_factor, moe_every=self.moe_every,
+        """The run's MoEConfig: the options, their --arch defaults, and with --init-from
+        hf:DIR the checkpoint's experts, top-k and blocks (given options must agree)."""
+        arch = getattr(self, "arch", "gpt")
+        values = {k: getattr(self, k) if getattr(self, k) is not None
+                  else d[arch == "mixtral"] for k, d in _ARCH_DEFAULTS.items()}
+        init = getattr(self, "init_from", None)
+        if arch == "mixtral" and init and init.startswith(HF_PREFIX):
+            _, hf = hf_model(init)
+            for k in _ARCH_DEFAULTS:
+                given, theirs = getattr(self, k), getattr(hf, k)
+                if given is not None and given != theirs:
+                    raise ValueError(f"{flag(k)} {given} disagrees with --init-from {init} "
+                                     f"({k} {theirs}); drop {flag(k)} or give {theirs}")
+                values[k] = theirs
+        return MoEConfig(**values, capacity_factor=self.capacity_factor,
                          router_group_tokens=self.router_group_tokens,
-                         aux_loss_coef=self.aux_loss_coef)
+                         aux_loss_coef=self.aux_loss_coef,
+                         gating="mixtral" if arch == "mixtral" else "gshard")
 
     def check(self) -> None:
         try:
@@ -84,8 +132,14 @@ class TEDOptions(Options):
         """The layout's rules of the model (TEDLayout.check: experts over G_expert,
         heads and widths over G_tensor, a block with experts), and the router's: every
         microbatch holds whole router groups (to_groups)."""
-        TEDLayout(self.G_tensor, self.G_expert, self.G_data or self.G_expert).check(
-            model, self.moe_config())
+        layout = TEDLayout(self.G_tensor, self.G_expert, self.G_data or self.G_expert)
+        try:
+            layout.check(model, self.moe_config())
+        except ValueError as e:
+            init = getattr(self, "init_from", None)
+            if init and init.startswith(HF_PREFIX):  # the shape is the checkpoint's
+                raise ValueError(f"--init-from {init}: {e}") from None
+            raise
         tokens = self.micro_batch_size * model.block_size
         if tokens % self.router_group_tokens:
             raise ValueError(f"--router-group-tokens {self.router_group_tokens} does not "
@@ -114,22 +168,48 @@ class MoETrainConfig(RunOptions, OptimizerOptions, TEDOptions, DataOptions, MoEO
                      ModelOptions):
     """The options of ``python -m training.train_moe``."""
 
+    arch: str = option("gpt", "model family: gpt (GPT-2 blocks, training/models/moe.py) or "
+                       "mixtral (Llama blocks with SwiGLU experts and Mixtral's top-k "
+                       "gating, training/models/mixtral.py)", choices=ARCHS)
     model: str = option("moe-tiny", "base model shape (training/models/moe.py MOE_BASES or "
-                        "training/models/gpt.py CONFIGS)")
+                        "training/models/gpt.py CONFIGS; --arch mixtral: "
+                        "training/models/mixtral.py CONFIGS)")
     out_dir: str = option("runs/moe", "directory of the metrics and the loss plot")
     backends: str | None = option(None, "mcrdl backends to initialize and collective kinds "
                                   "pinned, e.g. mpi,gloo,a2a=gloo,allreduce=mpi (default: mpi "
                                   "or gloo; every kind 'auto')")
 
-    def model_config(self):
-        """The base model shape (training/models/moe.py base_config), ValueError naming
-        --model."""
+    def model_config(self, vocab_size: int | None = None):
+        """The base model shape (training/models/moe.py base_config; --arch mixtral:
+        mixtral.get_config, or hf:DIR's shape), ValueError naming --model. `vocab_size`:
+        the data's (default --data's)."""
+        vocab = self.data_vocab_size() if vocab_size is None else vocab_size
+        shape = {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
+                 "block_size": self.block_size}
+        if self.arch != "mixtral" and self.n_kv_head is not None:
+            raise ValueError("--n-kv-head applies to --arch mixtral (grouped-query "
+                             "attention); drop it or add --arch mixtral")
+        if self.arch == "mixtral" and self.init_from and self.init_from.startswith(HF_PREFIX):
+            cfg, _ = hf_model(self.init_from)
+            if self.block_size is not None and self.block_size <= cfg.block_size:
+                # rotary positions: the weights do not depend on the context length
+                cfg = replace(cfg, block_size=self.block_size)
+            for k, given in (*shape.items(), ("n_kv_head", self.n_kv_head)):
+                if given is not None and given != getattr(cfg, k):
+                    raise ValueError(f"{flag(k)} {given} disagrees with --init-from "
+                                     f"{self.init_from} ({k} {getattr(cfg, k)}); drop "
+                                     f"{flag(k)}")
+            if vocab > cfg.vocab_size:
+                raise ValueError(f"--data's vocabulary ({vocab} tokens) exceeds the model's "
+                                 f"({cfg.vocab_size}) of --init-from {self.init_from}")
+            return cfg
         try:
-            return base_config(self.model, vocab_size=self.data_vocab_size(),
-                               n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                               block_size=self.block_size)
-        except ValueError as e:
-            raise ValueError(self.model_error(e)) from None
+            if self.arch == "mixtral":
+                return mixtral.get_config(self.model, vocab_size=vocab,
+                                          n_kv_head=self.n_kv_head, **shape)
+            return base_config(self.model, vocab_size=vocab, **shape)
+        except (ValueError, TypeError) as e:
+            raise ValueError(self.model_error(ValueError(str(e)))) from None
 
     def describe_grid(self) -> str:
         g = f"G_data={self.G_data}" if self.G_data else "G_data=world/G_tensor"

@@ -24,12 +24,20 @@ from ..core.data import Batches, load_dataset
 from ..core.dtypes import torch_dtype
 from ..core.optim import applied_lr, storage_bytes
 from ..core.timers import PhaseTimers
-from ..models.moe import MoEGPT, base_config, moe_loss
+from ..models.init_source import read_init
+from ..models.mixtral import Mixtral, MixtralConfig
+from ..models.moe import MoEGPT, moe_loss
 from .consolidate import LAYERS, check_layers
 from .model import TEDGPT, TEDGroups, count_parameters
 from .zero import ParamSet, ZeroAdamW
 
 ENGINE = "ted"
+
+
+def describe_model(cfg) -> dict:
+    """The model as a manifest records it (training/models/families.py's form): the
+    config's fields and ``"arch"``."""
+    return {**cfg.as_dict(), "arch": "mixtral" if isinstance(cfg, MixtralConfig) else "gpt"}
 
 
 class MoETrainer:
@@ -45,17 +53,15 @@ class MoETrainer:
         runtime.init_comm(self.backends.init, self.device, cfg.timeout, nccl_with_given=True)
         self.world_rank, self.world_size = mcrdl.get_rank(), mcrdl.get_size()
         self.dataset = dataset or load_dataset(cfg.data, cfg.vocab_size)
-        self.model_cfg = base_config(cfg.model, vocab_size=self.dataset.vocab_size,
-                                     n_layer=cfg.n_layer, n_head=cfg.n_head,
-                                     n_embd=cfg.n_embd, block_size=cfg.block_size)
+        self.model_cfg = cfg.model_config(vocab_size=self.dataset.vocab_size)
         self.moe_cfg = cfg.moe_config()
         self.layout = cfg.layout(self.world_size)
         self.layout.check(self.model_cfg, self.moe_cfg, self.world_size)
         self.groups = TEDGroups(self.layout, self.backends)
+        serial = Mixtral if isinstance(self.model_cfg, MixtralConfig) else MoEGPT
         state = None
-        if cfg.init_from and not cfg.resume:  # the serial MoEGPT: each rank its pieces
-            state = runtime.read_init_from(cfg.init_from,
-                                           lambda: MoEGPT(self.model_cfg, self.moe_cfg))
+        if cfg.init_from and not cfg.resume:  # the serial model: each rank its pieces
+            state = read_init(cfg.init_from, lambda: serial(self.model_cfg, self.moe_cfg))
         torch.manual_seed(cfg.seed)
         self.model = TEDGPT(self.model_cfg, self.moe_cfg, self.groups, seed=cfg.seed,
                             state_dict=state,
@@ -65,10 +71,12 @@ class MoETrainer:
                             debug_checks=cfg.debug_checks if debug_checks is None
                             else debug_checks)
         dtype = torch_dtype(cfg.dtype)
-        # the file's fp32 weights, which the model rounds to `dtype`: the masters start
-        # from them
+        if state is not None:
+            state.close()
+        # the file's weights (fp32 or as stored), which the model rounds to `dtype`: the
+        # masters start from them
         fp32 = (None if state is None or dtype == torch.float32
-                else [p.detach().clone() for p in self.model.parameters()])
+                else [p.detach().float().clone() for p in self.model.parameters()])
         self.model.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.groups.data_rank, self.layout.g_data,
@@ -90,50 +98,116 @@ class MoETrainer:
 
     def describe(self) -> str:
         cfg, n = self.cfg, count_parameters(self.model)
-        return (f"training {cfg.model} MoE ({self.moe_cfg.experts} experts, top-{cfg.top_k}, "
-                f"capacity {self.moe_cfg.capacity()} per {cfg.router_group_tokens}-token "
+        m = self.moe_cfg
+        capacity = "dropless" if m.dropless else f"capacity {m.capacity()}"
+        return (f"training {cfg.model if not cfg.init_from else cfg.init_from} "
+                f"{'Mixtral' if m.gating == 'mixtral' else 'MoE GPT'} ({m.experts} experts, "
+                f"top-{m.top_k}, {capacity} per {cfg.router_group_tokens}-token "
                 f"group, {cfg.dtype}) on {self.world_size} ranks: {self.layout.describe()}; "
                 f"{n['nonexpert'] + n['expert']:,} parameters on this rank ({n['expert']:,} "
                 f"expert); DTD {'on' if cfg.dtd else 'off'}, CAC {'on' if cfg.cac else 'off'}"
                 f", activation checkpointing {'on' if cfg.activation_checkpointing else 'off'}"
                 f"; collectives {self.backends.describe()}; data: {self.dataset.describe()}")
 
+    def moe_units(self) -> list[int]:
+        """The units (1..n_layer) with experts, in order (MoEStats.load's order)."""
+        return [j + 1 for j in range(self.model_cfg.n_layer) if self.moe_cfg.is_moe(j)]
+
+    def _kept_targets(self, targets: list[torch.Tensor]) -> float:
+        """Collective: the targets that are not -100 in the global batch (every data
+        shard's microbatches `targets`), at least 1."""
+        n = torch.tensor([float(sum(int((y != -100).sum()) for y in targets))],
+                         dtype=torch.float64, device=self.device)
+        self.groups.data_nonexp.all_reduce(n)
+        return max(1.0, float(n))
+
     def train_step(self) -> tuple[float, bool]:
-        """One step on every rank: (the global batch's mean LM loss, True). The aux loss
-        and the dropped fraction of the step are in ``self.last``."""
+        """One step on every rank: (the global batch's mean LM loss over its targets
+        that are not -100, True). The aux loss, the dropped fraction and the load of
+        each MoE layer's experts are in ``self.last``."""
         micro = self.batches.microbatches(self.step)
-        acc = [0.0, 0.0, 0.0, 0.0]  # lm, aux, kept, assigned
+        # the gradient is the mean over data shards (training/ted/zero.py), so each
+        # shard's cross-entropy sum is divided by its share of the kept targets
+        denominator = self._kept_targets([y for _, y in micro]) / self.layout.g_data
+        acc = [0.0, 0.0, 0.0, 0.0]  # lm sum, aux, kept, assigned
+        load = None
         for x, y in micro:
             x, y = x.to(self.device), y.to(self.device)
             with self.timers("compute"):
                 logits, stats = self.model(x)
-                loss, lm = moe_loss(logits, y, stats, self.moe_cfg)
-                (loss / len(micro)).backward()
-            for i, v in enumerate((lm.item(), stats.aux_loss.detach().item(), stats.kept,
-                                   stats.assigned)):
+                _, lm = moe_loss(logits, y, stats, self.moe_cfg, denominator)
+                (lm + self.moe_cfg.aux_loss_coef * stats.aux_loss / len(micro)).backward()
+            for i, v in enumerate((lm.item() * denominator, stats.aux_loss.detach().item(),
+                                   stats.kept, stats.assigned)):
                 acc[i] += v
+            here = torch.stack([torch.stack(pair) for pair in stats.load]).double()
+            load = here if load is None else load + here
         self.optimizer.step()
         self.step += 1
         # on the model's device: the world's all_reduce may be pinned to a GPU backend
         sums = torch.tensor(acc, dtype=torch.float64, device=self.device)
+        load = load.to(self.device)
         with self.timers("collective"):
             self.groups.world.all_reduce(sums)
-        n = self.world_size * len(micro)  # every tensor rank holds the same copy
-        self.last = {"lm": float(sums[0]) / n, "aux": float(sums[1]) / n,
-                     "dropped": 1.0 - float(sums[2]) / float(sums[3]) if sums[3] else 0.0}
+            self.groups.world.all_reduce(load)
+        g_t = self.layout.g_tensor  # every tensor rank holds the same copy
+        n = self.world_size * len(micro)
+        self.last = {"lm": float(sums[0]) / g_t / (denominator * self.layout.g_data),
+                     "aux": float(sums[1]) / n,
+                     "dropped": 1.0 - float(sums[2]) / float(sums[3]) if sums[3] else 0.0,
+                     "load": self.load_record(load.cpu() / g_t)}
         return self.last["lm"], True
+
+    def load_record(self, load: torch.Tensor) -> list[dict]:
+        """Per MoE layer: the token-expert assignments routed to each expert in the step,
+        those dropped, and the largest expert load over the mean (1.0: balanced)."""
+        out = []
+        for unit, (tokens, kept) in zip(self.moe_units(), load, strict=True):
+            mean = float(tokens.mean())
+            out.append({"unit": unit, "tokens": [int(t) for t in tokens],
+                        "dropped": [int(t) for t in tokens - kept],
+                        "max_mean": float(tokens.max()) / mean if mean else 0.0})
+        return out
 
     def eval_loss(self, step: int) -> float:
         """Collective: the mean LM loss of the global batch of `step`, no gradients."""
         micro = self.batches.microbatches(step)
-        lm_sum = 0.0
+        return self._mean_loss([x for x, _ in micro], [y for _, y in micro])
+
+    def _mean_loss(self, inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
+        """Collective: the mean cross-entropy over the targets that are not -100 of every
+        data shard's microbatches (`inputs`, `targets`), forward only."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         with torch.no_grad():
-            for x, y in micro:
+            for x, y in zip(inputs, targets, strict=True):
                 logits, stats = self.model(x.to(self.device))
-                lm_sum += moe_loss(logits, y.to(self.device), stats, self.moe_cfg)[1].item()
-        total = torch.tensor([lm_sum], dtype=torch.float64, device=self.device)
-        self.groups.world.all_reduce(total)
-        return float(total) / (self.world_size * len(micro))
+                _, lm = moe_loss(logits, y.to(self.device), stats, self.moe_cfg, 1.0)
+                sums[0] += lm.double()
+                sums[1] += float((y != -100).sum())
+        self.groups.world.all_reduce(sums)  # each tensor rank counts the same: the ratio
+        return float(sums[0] / sums[1]) if sums[1] else float("nan")
+
+    def evaluate(self, windows: torch.LongTensor) -> float:
+        """Collective over the world: the mean cross-entropy of `windows` ([W, T+1], the
+        same on every rank: inputs [:, :T], targets [:, 1:]) over the targets that are
+        not -100. Microbatch i holds windows i*b..(i+1)*b-1 (b = --micro-batch-size) and
+        data shard d takes microbatches d, d + G_data, ..., so routing (per router group,
+        inside a microbatch) does not depend on the layout; the last microbatches are
+        padded with ignored windows. No gradient, no state change."""
+        windows = torch.as_tensor(windows, dtype=torch.long)
+        if windows.dim() != 2 or windows.shape[1] < 2:
+            raise ValueError(f"evaluate: windows of shape {tuple(windows.shape)}; expected "
+                             "[W, T+1] token ids")
+        b, shards = self.cfg.micro_batch_size, self.layout.g_data
+        inputs, targets = windows[:, :-1], windows[:, 1:]
+        per = b * shards
+        pad = -len(windows) % per
+        if pad:
+            inputs = torch.cat([inputs, inputs.new_zeros(pad, inputs.shape[1])])
+            targets = torch.cat([targets, targets.new_full((pad, targets.shape[1]), -100)])
+        mine = range(self.groups.data_rank, len(inputs) // b, shards)
+        return self._mean_loss([inputs[i * b:(i + 1) * b] for i in mine],
+                               [targets[i * b:(i + 1) * b] for i in mine])
 
     def metrics_record(self, loss: float, step_time: float, tokens: int,
                        applied: bool) -> dict:
@@ -141,7 +215,7 @@ class MoETrainer:
                 "dropped_fraction": self.last["dropped"],
                 "lr": applied_lr(self.optimizer),
                 "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
-                "tokens_per_s": tokens / step_time}
+                "tokens_per_s": tokens / step_time, "moe_load": self.last["load"]}
 
     # --- memory ------------------------------------------------------------------------
     def measured_bytes(self) -> dict[str, int]:
@@ -175,7 +249,7 @@ class MoETrainer:
                 "format": ckpt.FORMAT, "engine": ENGINE, "layers": LAYERS, "step": self.step,
                 "grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
                          "G_data": self.layout.g_data},
-                "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict(),
+                "model": describe_model(self.model_cfg), "moe": self.moe_cfg.as_dict(),
                 "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
                 "shards": entries})
 
@@ -184,7 +258,7 @@ class MoETrainer:
         A missing, damaged or mismatched checkpoint raises CheckpointError everywhere."""
         want = {"grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
                          "G_data": self.layout.g_data},
-                "model": self.model_cfg.as_dict(), "moe": self.moe_cfg.as_dict()}
+                "model": describe_model(self.model_cfg), "moe": self.moe_cfg.as_dict()}
 
         def check(manifest: dict, path: Path) -> None:
             check_layers(manifest, path)

@@ -1,0 +1,191 @@
+"""TED with ``--arch mixtral`` (training/models/mixtral.py) against the serial Mixtral,
+dropless routing across layouts, and a Hugging Face MixtralForCausalLM imported into a
+layout. Run under ``mpiexec -n 4`` (one launch for every check):
+
+- parity: each layout of RUNS trains STEPS fp32 steps; every step's LM and aux loss
+  equals the serial Mixtral's (one process, the whole batch per forward, torch's AdamW)
+  to 1e-5 relative. "mixtral parity OK".
+- dropless (capacity_factor 0): the dropless runs of RUNS drop nothing and their losses
+  agree across layouts to 1e-5 (one serial reference for all). "mixtral dropless OK".
+- hf import: rank 0 makes a tiny random MixtralForCausalLM (4 experts, top-2) and saves
+  it; ``--init-from hf:DIR`` on (G_tensor 2, G_expert 2, G_data 2) reads on each rank
+  only the experts it holds, and ``trainer.evaluate(windows)`` equals HF's own loss on
+  the same windows to 1e-5 (fp32), windows padded with ignored targets included.
+  "mixtral hf OK".
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+import mcrdl  # noqa: E402
+from tests.training._scratch import scratch_dir  # noqa: E402
+from tests.training.reference import torch_adamw, torch_step  # noqa: E402
+from training.core.data import Batches, eval_windows, load_dataset  # noqa: E402
+from training.models.mixtral import Mixtral  # noqa: E402
+from training.models.moe import moe_loss  # noqa: E402
+from training.ted.trainer import MoETrainer  # noqa: E402
+from training.train_moe import MoETrainConfig, run  # noqa: E402
+
+TOL = 1e-5
+STEPS = int(os.environ.get("PARITY_STEPS", 8))
+# (G_tensor, G_expert, G_data_nonexp, capacity_factor, options); 4 experts, top-2
+RUNS = [
+    (2, 2, 2, 1.0, {"dtd": True}),
+    (2, 2, 2, 0, {"dtd": True, "activation_checkpointing": True, "cac": True}),
+    (1, 4, 4, 0, {"optimizer_tile": 500}),
+    (2, 1, 2, 0, {}),
+    (1, 2, 4, 1.0, {}),
+]
+
+
+def tiny(**kw) -> MoETrainConfig:
+    base = dict(arch="mixtral", model="moe-tiny", steps=STEPS, experts=4, top_k=2,
+                router_group_tokens=32, moe_every=1, micro_batch_size=2,
+                global_batch_size=8, seed=7, lr=3e-3, warmup_steps=3, plot=False,
+                progress=False, quiet=True, comm_log=False,
+                out_dir=scratch_dir("mcrdl-mixtral-check-"))
+    return MoETrainConfig(**{**base, **kw})
+
+
+def serial_losses(cfg: MoETrainConfig, dataset) -> list[tuple[float, float]]:
+    """(LM loss, aux loss) per step of the serial Mixtral: the whole global batch in one
+    forward, torch's AdamW and clipping (tests/training/reference.py's serial MoE)."""
+    cfg.validate()
+    mcfg, moe = cfg.model_config(dataset.vocab_size), cfg.moe_config()
+    oc = cfg.optim()
+    model = Mixtral(mcfg, moe, seed=cfg.seed)
+    opt = torch_adamw(model, oc)
+    data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
+                   seed=cfg.seed)
+    out = []
+    for step in range(cfg.steps):
+        x, y = data.global_batch_at(step)
+        logits, stats = model(x)
+        loss, lm = moe_loss(logits, y, stats, moe)
+        loss.backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        torch_step(model, opt, oc, step)
+        out.append((lm.item(), stats.aux_loss.item()))
+    return out
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def parity(data, rank, n):
+    refs = {}
+    factors = sorted({cap for *_, cap, _ in RUNS})
+    mine = {cap: serial_losses(tiny(capacity_factor=cap), data)
+            for i, cap in enumerate(factors) if i % n == rank}
+    for part in mcrdl.all_gather_object(mine):
+        refs.update(part)
+    worst, dropless = 0.0, []
+    for gt, ge, gd, cap, opts in RUNS:
+        t0 = time.perf_counter()
+        res = run(tiny(capacity_factor=cap, G_tensor=gt, G_expert=ge, G_data=gd,
+                       debug_checks=True, **opts), dataset=data)
+        got = list(zip([loss for _, loss in res.losses], res.aux, strict=True))
+        diff = max(max(rel(a, b), rel(c, d))
+                   for (a, c), (b, d) in zip(got, refs[cap], strict=True))
+        worst = max(worst, diff)
+        if rank == 0:
+            print(f"mixtral parity G_tensor={gt} G_expert={ge} G_data={gd} capacity_factor="
+                  f"{cap} {opts}: loss {got[0][0]:.5f} -> {got[-1][0]:.5f}, aux "
+                  f"{got[-1][1]:.4f}, dropped {max(res.dropped):.3f}, max rel diff "
+                  f"{diff:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        assert diff <= TOL, (got, refs[cap])
+        assert got[-1][0] < got[0][0] - 0.1, got  # it trains
+        if cap == 0:
+            assert max(res.dropped) == 0.0, res.dropped
+            load = res.trainer.last["load"]
+            assert all(d == 0 for layer in load for d in layer["dropped"]), load
+            dropless.append([loss for _, loss in res.losses])
+        else:
+            assert max(res.dropped) > 0.0, res.dropped  # the capacity does drop
+    across = max(rel(a, b) for losses in dropless[1:]
+                 for a, b in zip(losses, dropless[0], strict=True))
+    assert across <= TOL, dropless
+    if rank == 0:
+        print(f"mixtral parity OK: world {n}, {len(RUNS)} runs x {STEPS} steps, max rel diff "
+              f"{worst:.2e}", flush=True)
+        print(f"mixtral dropless OK: {len(dropless)} layouts, nothing dropped, losses agree "
+              f"to {across:.2e}", flush=True)
+
+
+def hf_import(data, rank):
+    """A tiny MixtralForCausalLM into (2, 2, 2): each rank reads its experts only, and
+    evaluate() gives HF's loss."""
+    root = mcrdl.broadcast_object(scratch_dir("mcrdl-mixtral-hf-"))
+    hf_dir = os.path.join(root, "hf")
+    # 7 windows: the last microbatches padded with ignored windows
+    windows = eval_windows(data.splits["train"], 7, 16)
+    if rank == 0:
+        from transformers import MixtralConfig as HFMixtralConfig
+        from transformers import MixtralForCausalLM
+
+        torch.manual_seed(0)
+        hf = MixtralForCausalLM(HFMixtralConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, max_position_embeddings=64)).eval()
+        hf.save_pretrained(hf_dir)
+        with torch.no_grad():
+            logits = hf(windows[:, :-1]).logits
+        want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256).double(),
+                                                 windows[:, 1:].reshape(-1)).item()
+    mcrdl.barrier("mpi")
+    read = []
+    import training.ted.trainer as ted_trainer
+    original = ted_trainer.read_init
+
+    def recording(*args, **kwargs):  # the tensors this rank takes from the source
+        source = original(*args, **kwargs)
+        parts = source.parts
+
+        def taken(wanted):
+            read.extend(wanted)
+            return parts(wanted)
+        source.parts = taken
+        return source
+
+    ted_trainer.read_init = recording
+    try:
+        trainer = MoETrainer(tiny(init_from=f"hf:{hf_dir}", G_tensor=2, G_expert=2, G_data=2,
+                                  block_size=16, capacity_factor=0, experts=None,
+                                  top_k=None, moe_every=None, dtd=True), dataset=data)
+    finally:
+        ted_trainer.read_init = original
+    mine = set(trainer.groups.local_experts(4))
+    experts = {int(name.split(".experts.")[1].split(".")[0]) for name in read
+               if ".experts." in name}
+    assert experts == mine, (rank, experts, mine)
+    got = trainer.evaluate(windows)
+    if rank == 0:
+        assert rel(got, want) <= TOL, (got, want)
+        print(f"mixtral hf OK: MixtralForCausalLM on G_tensor=2 G_expert=2 G_data=2, each "
+              f"rank reading its 2 of 4 experts; evaluate {got:.7f}, HF {want:.7f} "
+              f"(rel {rel(got, want):.1e})", flush=True)
+
+
+def main():
+    mcrdl.init(["mpi"])
+    n, rank = mcrdl.get_size(), mcrdl.get_rank()
+    data = load_dataset(os.environ.get("MOE_DATA", "stdlib"), 256)
+    checks = os.environ.get("MIXTRAL_CHECKS", "parity,hf").split(",")
+    if "parity" in checks:
+        parity(data, rank, n)
+    if "hf" in checks:
+        hf_import(data, rank)
+    mcrdl.finalize()
+
+
+if __name__ == "__main__":
+    main()
