@@ -22,18 +22,25 @@ def _env(**kw):
 
 
 def test_4d_grids_in_one_launch():
-    """All 14 grids of the issue (both optimizers, micro-batching, --regather-weights):
-    every step's loss of 20 steps equals the serial run to 1e-5; the logged calls and
-    bytes per (op, axis) equal training.parallel4d.perf_model's on every rank; checkpoints, overlap
-    and matmul tuning (tests/training/check_4d.py says how each is checked)."""
+    """All 14 grids of the issue (both optimizers, micro-batching, --regather-weights),
+    each with the GPT and with the Llama (grouped-query attention), and the Llama on
+    (2,1,1,2): every step's loss of 20 steps equals the serial run to 1e-5; the logged
+    calls and bytes per (op, axis) equal training.parallel4d.perf_model's on every rank;
+    evaluate() on (2,1,1,2) and (1,2,2,1) equals the serial loss to 1e-5 on every rank;
+    checkpoints, overlap and matmul tuning (tests/training/check_4d.py says how each is
+    checked)."""
     out = run_launcher([mpiexec_or_skip(), "-n", "8", sys.executable,
                         os.path.join(HERE, "check_4d.py")], env=_env(), timeout=600)
     m = re.search(r"4d parity OK: (\d+) grids x (\d+) steps, max rel diff (\S+)", out)
     assert m, out
-    assert int(m.group(1)) == 14 and int(m.group(2)) == 20 and float(m.group(3)) <= 1e-5
-    assert "4d bytes OK: 14 grids" in out, out
+    assert int(m.group(1)) == 29 and int(m.group(2)) == 20 and float(m.group(3)) <= 1e-5
+    assert "4d bytes OK: 29 grids" in out, out
     for grid in ("(2, 1, 1, 1)", "(1, 1, 4, 1)", "(3, 1, 1, 1)", "(2, 2, 1, 2)"):
-        assert f"4d parity {grid}" in out, out
+        for shape in ("h", "l"):
+            assert re.search(rf"4d parity {re.escape(grid)} {shape}[34] ", out), (grid, out)
+    assert "4d parity (2, 1, 1, 2) l4" in out, out
+    for grid in ("(2, 1, 1, 2)", "(1, 2, 2, 1)"):
+        assert f"4d evaluate {grid} l4: 7 windows" in out, out
     # --regather-weights: the second Z gather in backward, its bytes as modelled
     assert "4d parity (1, 2, 2, 1) h4 {'regather_weights': True}" in out, out
     # resume after step 10 reproduces 11-20 exactly; consolidate gives the serial weights
@@ -59,6 +66,21 @@ def test_4d_layers_in_one_launch():
         assert f"4d layernorm {dtype} G_y=2" in out, out
     for level in ("none", "all"):
         assert f"4d gathers --overlap {level} G_z=2" in out, out
+
+
+def test_4d_llama_from_hf_in_one_launch():
+    """4 ranks: a Hugging Face Llama made locally imported on 4-rank grids gives the
+    serial model's logits, each rank's peak resident memory growing by at most 1.6x
+    its own share (the full model 4x it), and evaluate() of a run --init-from hf:DIR on
+    (2,1,1,2) and (1,2,2,1) equals the serial loss (tests/training/check_4d_llama.py)."""
+    pytest.importorskip("transformers")
+    out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
+                        os.path.join(HERE, "check_4d_llama.py")], env=_env(), timeout=600)
+    assert "4d llama OK" in out, out
+    for grid in ("(1, 1, 4, 1)", "(1, 2, 2, 1)", "(4, 1, 1, 1)"):
+        assert f"4d llama import {grid}: full model" in out, out
+    for grid in ("(2, 1, 1, 2)", "(1, 2, 2, 1)"):
+        assert f"4d llama evaluate {grid} --init-from hf" in out, out
 
 
 # --- single process ----------------------------------------------------------------------
@@ -109,6 +131,117 @@ def test_gpt4d_on_one_rank_is_the_serial_model():
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
     again = GPT4D.from_state_dict(cfg, TensorComms.single(), ref)
     assert torch.equal(again(x), par(x))
+
+
+def test_llama4d_on_one_rank_is_the_serial_model():
+    """The Llama on the 4D layers (RMSNorm, rotary, SwiGLU, grouped-query attention):
+    the serial logits, loss (targets of -100 ignored) and gradients, the serial
+    state_dict back, and built again from an init source."""
+    from training.models.llama import Llama, LlamaConfig, lm_loss
+    from training.parallel4d.model import GPT4D, assemble_state_dict
+    from training.tensor_parallel.comm import TensorComms
+    cfg = LlamaConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, block_size=16,
+                      vocab_size=96, intermediate_size=48)
+    serial, par = Llama(cfg, seed=3), GPT4D(cfg, TensorComms.single(), seed=3)
+    x, y = torch.randint(0, 96, (2, 16)), torch.randint(0, 96, (2, 16))
+    y[0, :5] = -100
+    want = lm_loss(serial(x), y)
+    want.backward()
+    got = par.loss(x, y)
+    got.backward()
+    par.reduce_gradients()
+    torch.testing.assert_close(got, want)
+    total, kept = par.loss_sum(x, y)
+    assert kept == 27 and abs(total.item() / kept - want.item()) < 1e-6
+    grads = {n: p.grad for n, p in serial.named_parameters()}
+    for name, p in par.named_parameters():
+        torch.testing.assert_close(p.grad.view(grads[name].shape), grads[name], rtol=1e-5,
+                                   atol=1e-7)
+    ref = serial.state_dict()
+    sd = assemble_state_dict(cfg, par.splits(), par.comms.sizes(),
+                             [(par.comms.coords(), par.local_pieces())])
+    assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in ref)
+
+    class Source:  # the init source interface (training/models/init_source.py)
+        def names(self):
+            return list(ref)
+
+        def shape(self, name):
+            return tuple(ref[name].shape)
+
+        def part(self, name, index=None):
+            return ref[name][index].clone()
+
+    assert torch.equal(GPT4D(cfg, TensorComms.single(), source=Source())(x), par(x))
+
+
+def test_read_piece_reads_only_the_piece():
+    """read_piece (a piece read from a source in rectangles) equals Split.local on
+    every rank of grids with rows, columns, Z chunks across rows and permuted rows;
+    every rectangle it reads lies inside the piece's (x, y) block's columns."""
+    import itertools
+
+    from training.core.sharding import Split
+    from training.tensor_parallel import layers
+    from training.tensor_parallel.layers import SerialPart, read_piece
+    full = torch.randn(12, 8)
+    reads = []
+    part = SerialPart(full.shape, lambda index: (reads.append(index), full[index].clone())[1])
+    grids = ({"x": 2, "y": 2, "z": 4}, {"x": 3, "y": 1, "z": 2}, {"x": 1, "y": 4, "z": 3},
+             {"x": 2, "y": 1, "z": 5}, {"x": 1, "y": 2, "z": 1})
+    checked = 0
+    for budget in (1 << 20, 40):  # and whole rows read a row at a time
+        old, layers.READ_ROWS_BYTES = layers.READ_ROWS_BYTES, budget
+        try:
+            for split in (Split((12, 8), "x", "y", True), Split((12, 8), None, "y", True),
+                          Split((12, 8), "y", "x", True, perm=tuple(reversed(range(12)))),
+                          Split((12, 8), "x", "y", True,
+                                perm=layers.qkv_head_permutation(4, 2, 2)[:12]),
+                          Split((12, 8), "x", "y", False)):
+                for g in grids:
+                    sizes = {**g, "data": 1}
+                    try:
+                        split.check(sizes)
+                    except ValueError:
+                        continue
+                    for x, y, z in itertools.product(*(range(g[a]) for a in "xyz")):
+                        coords = {"x": x, "y": y, "z": z, "data": 0}
+                        reads.clear()
+                        got = read_piece(part, split, coords, sizes)
+                        assert torch.equal(got, split.local(full, coords, sizes)), split
+                        width = 8 // sizes[split.cols] if split.cols else 8
+                        c0 = coords[split.cols] * width if split.cols else 0
+                        assert all(c0 <= i[1].start and i[1].stop <= c0 + width
+                                   for i in reads), (split, reads)
+                        checked += 1
+        finally:
+            layers.READ_ROWS_BYTES = old
+    assert checked > 150
+
+
+def test_4d_llama_kv_head_rule():
+    """G_x must divide n_kv_head: refused by the options naming --n-kv-head and --G-x,
+    by the grid check, and by the layer."""
+    from training.models.llama import LlamaConfig
+    from training.parallel4d.perf_model import Grid4D, TrainingStep, constraint_violations
+    from training.tensor_parallel.comm import TensorComms
+    from training.tensor_parallel.layers import ParallelLlamaAttention
+    from training.train_gpt import parse_args
+    with pytest.raises(ValueError, match=re.escape(
+            "--G-x 4 with --arch llama: n_kv_head=2 is not divisible by G_x=4") + ".*"
+            + re.escape("choose --G-x dividing --n-kv-head 2")):
+        parse_args(["--arch", "llama", "--G-x", "4"])
+    with pytest.raises(ValueError, match="--n-kv-head 1"):
+        parse_args(["--arch", "llama", "--G-x", "2", "--n-kv-head", "1"])
+    assert parse_args(["--arch", "llama", "--G-x", "2"]).model_config().n_kv_head == 2
+    cfg = LlamaConfig(n_layer=1, n_head=8, n_kv_head=2, n_embd=32, block_size=8,
+                      vocab_size=64, intermediate_size=64)
+    kinds = [k for k, _ in constraint_violations(TrainingStep(cfg, 8), Grid4D(4, 1, 1, 1))]
+    assert kinds == ["kv heads"], kinds
+    comms = TensorComms.single()
+    comms.x.size = 4  # the layer's own guard, before any weight is read
+    with pytest.raises(ValueError, match="attn: n_kv_head=2 is not divisible by G_x=4"):
+        ParallelLlamaAttention(lambda name: None, 8, 2, 4, torch.ones(2), comms, "attn")
 
 
 def test_4d_options_and_errors():

@@ -9,7 +9,8 @@ per rank, not once per grid. Ranks left over in a round compute the serial refer
 
 Tiny GPT (2 blocks, sequence 16) on a 96-token vocabulary (bytes of three of Python's
 source files mod 96, so that G_x = 3 divides it). Rank 0 prints one line per run and
-"4d parity OK". ``$GRIDS_4D`` ("2,1,1,1;1,2,1,1") restricts the grids.
+"4d parity OK". ``$GRIDS_4D`` ("2,1,1,1;1,2,1,1") restricts the grids, ``$ARCH_4D``
+("gpt" or "llama") the family.
 """
 
 import argparse
@@ -42,8 +43,12 @@ TOL = 1e-5
 #: (tests/training/reference.py bf16_loss_rtol derives it; measured: 1.5e-4)
 BF16_TOL = bf16_loss_rtol(tokens=8 * 16)
 #: model shapes: "h4" n_embd 32 with 4 heads, batch 8; "h3" n_embd 48 with 3 heads,
-#: batch 6 (divisible by G = 3)
-SHAPES = {"h4": (dict(n_embd=32, n_head=4), 8), "h3": (dict(n_embd=48, n_head=3), 6)}
+#: batch 6 (divisible by G = 3); "l4", "l3": the Llama (training/models/llama.py; its
+#: tiny intermediate size 96) with grouped-query attention, 2 query heads per key/value
+#: head and G_x dividing n_kv_head (tensor_parallel.layers.check_kv_heads)
+SHAPES = {"h4": (dict(n_embd=32, n_head=4), 8), "h3": (dict(n_embd=48, n_head=3), 6),
+          "l4": (dict(arch="llama", n_embd=32, n_head=8, n_kv_head=4), 8),
+          "l3": (dict(arch="llama", n_embd=48, n_head=6, n_kv_head=3), 6)}
 #: (grid, shape, options): options vary the optimizer and the micro-batching
 CASES = [
     ((3, 1, 1, 1), "h3", {}), ((1, 1, 3, 1), "h3", {"offload_optimizer": True}),
@@ -55,6 +60,12 @@ CASES = [
     ((4, 1, 1, 1), "h4", {}), ((1, 1, 4, 1), "h4", {}),
     ((2, 2, 2, 1), "h4", {}), ((2, 2, 1, 2), "h4", {"offload_optimizer": True}),
 ]
+#: every grid again with the Llama ("h" -> "l"), and (x2, d2)
+CASES += [(grid, "l" + shape[1:], options) for grid, shape, options in CASES] + \
+    [((2, 1, 1, 2), "l4", {})]
+#: grids whose fresh trainer also evaluates EVAL_WINDOWS windows before training
+EVAL_GRIDS = {(2, 1, 1, 2), (1, 2, 2, 1)}
+EVAL_WINDOWS = 7  # not a multiple of any grid's shards x micro-batch: the last is padded
 
 
 def token_data(directory: str) -> TokenFile:
@@ -76,6 +87,45 @@ def config(directory: str, shape: str, steps: int, grid=(1, 1, 1, 1), **options)
                        lr=3e-3, warmup_steps=3, plot=False, progress=False, quiet=True,
                        out_dir=os.path.join(directory, "out"), log_interval=10**6,
                        G_x=gx, G_y=gy, G_z=gz, G_data=gd, engine="4d", **options)
+
+
+def eval_windows(dataset) -> torch.Tensor:
+    """EVAL_WINDOWS windows of block_size + 1 tokens from the start of the data."""
+    t = 17
+    data = torch.from_numpy(np.asarray(dataset.splits["train"][:EVAL_WINDOWS * t],
+                                       dtype=np.int64))
+    return data.view(EVAL_WINDOWS, t)
+
+
+def reference(cfg: TrainConfig, dataset) -> tuple[list[float], float]:
+    """(the serial run's per-step losses, the serial initial model's mean loss on
+    eval_windows in float64). The GPT's run is tests/training/reference.py's; the
+    Llama's the same loop (torch.optim.AdamW, clip_grad_norm_, whole global batch)."""
+    from tests.training.reference import torch_adamw, torch_step
+    from training.core.data import Batches
+    from training.models.families import family_of, model_shape
+    mcfg = model_shape(cfg, dataset.vocab_size)
+    torch.manual_seed(cfg.seed)
+    model = family_of(mcfg).stage(mcfg, 0, mcfg.n_units - 1, cfg.seed)
+    w = eval_windows(dataset)
+    with torch.no_grad():
+        logits = model(w[:, :-1]).double()
+        ev = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
+                                               w[:, 1:].reshape(-1)).item()
+    if cfg.arch == "gpt":
+        return serial_losses(cfg, dataset), ev
+    oc = cfg.optim()
+    opt = torch_adamw(model, oc)
+    data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
+                   seed=cfg.seed)
+    losses = []
+    for step in range(cfg.steps):
+        x, y = data.global_batch_at(step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        torch_step(model, opt, oc, step)
+        losses.append(loss.item())
+    return losses, ev
 
 
 def rounds(cases):
@@ -116,8 +166,14 @@ def place(size: int, slots):
     return mine
 
 
-def train(cfg: TrainConfig, grid, group, **trainer_options) -> tuple[Trainer4D, list[float]]:
+def train(cfg: TrainConfig, grid, group, windows=None,
+          **trainer_options) -> tuple[Trainer4D, list[float]]:
+    """The trainer and its per-step losses; with `windows`, the fresh trainer's
+    evaluate(windows) first (trainer.evaluated; its collectives are left out of this
+    rank's communication log)."""
     trainer = Trainer4D(cfg, grid=grid, **trainer_options)
+    trainer.evaluated = None if windows is None else trainer.evaluate(windows)
+    mcrdl.reset_log()  # the byte counts are the training steps'
     return trainer, [trainer.train_step()[0] for _ in range(cfg.steps)]
 
 
@@ -408,9 +464,12 @@ def main():
     cases = CASES
     if os.environ.get("GRIDS_4D"):
         wanted = {tuple(int(v) for v in g.split(",")) for g in os.environ["GRIDS_4D"].split(";")}
-        cases = [c for c in CASES if c[0] in wanted]
+        cases = [c for c in cases if c[0] in wanted]
+    if os.environ.get("ARCH_4D"):  # "gpt" or "llama": that family's cases only
+        cases = [c for c in cases if c[1][0] == {"gpt": "h", "llama": "l"}[os.environ["ARCH_4D"]]]
     results = {}  # (grid, shape, options) -> losses, on rank 0
-    refs = {}
+    evals = {}  # (grid, shape, options) -> every rank's evaluate()
+    refs = {}  # shape -> (serial losses, serial evaluation)
     todo_refs = sorted({c[1] for c in cases})
     t0 = time.perf_counter()
     for size, slots in rounds(cases):
@@ -420,28 +479,35 @@ def main():
         if mine is not None:
             (grid, shape, options), layout, group = mine
             trainer, losses = train(config(directory, shape, steps, grid, **options), layout,
-                                    group)
+                                    group, eval_windows(dataset) if grid in EVAL_GRIDS
+                                    and shape.startswith("l") else None)
             problem = check_bytes(grid, logged_counts(os.path.join(directory, "trace.json"),
                                                       layout, group),
                                   model_counts(trainer, steps))
             problems = mcrdl.all_gather_object(problem, group=group)
+            evaluated = mcrdl.all_gather_object(trainer.evaluated, group=group)
             if layout.rank == 0:
-                out = ("run", (grid, shape, tuple(options.items())), (losses, problems))
+                out = ("run", (grid, shape, tuple(options.items())), (losses, problems),
+                       evaluated)
         elif todo_refs:  # a rank no grid of this round uses: a serial reference
             idle = sorted(set(range(WORLD)) - {f + i for _, f in slots for i in range(size)})
             k = idle.index(rank)
             if k < len(todo_refs):
                 shape = todo_refs[k]
-                out = ("ref", shape, serial_losses(config(directory, shape, steps), dataset))
+                out = ("ref", shape, reference(config(directory, shape, steps), dataset))
         gathered = mcrdl.all_gather_object(out)  # also the end of the round
         for item in filter(None, gathered):
             if item[0] == "run":
                 results[item[1]] = item[2]
+                if item[3][0] is not None:
+                    evals[item[1]] = item[3]
             else:
                 refs[item[1]] = item[2]
                 todo_refs.remove(item[1])
     for shape in todo_refs:  # no round left a rank idle
-        refs[shape] = serial_losses(config(directory, shape, steps), dataset)
+        refs[shape] = reference(config(directory, shape, steps), dataset)
+    refs = {shape: losses for shape, (losses, _) in refs.items()} | \
+        {("eval", shape): ev for shape, (_, ev) in refs.items()}
     if os.environ.get("CHECKPOINT_4D", "1") == "1" and all(
             (c[0], c[1], tuple(c[2].items())) in results for c in CHECKPOINT_CASES):
         checkpoints(directory, dataset, results)
@@ -471,6 +537,16 @@ def main():
                 raise AssertionError(f"4d parity FAILED on {grid}: max rel diff {worst:.2e}")
             assert got[-1] < got[0] - 0.1, (grid, got[0], got[-1])  # it trains
         assert len(results) == len(cases), (len(results), len(cases))
+        for (grid, shape, _), got in evals.items():
+            want = refs[("eval", shape)]
+            rel = max(abs(g - want) / want for g in got)
+            print(f"4d evaluate {grid} {shape}: {EVAL_WINDOWS} windows, {got[0]:.6f} on all "
+                  f"{len(got)} ranks (identical: {len(set(got)) == 1}), serial {want:.6f}, "
+                  f"rel diff {rel:.1e}", flush=True)
+            assert len(set(got)) == 1 and rel <= TOL, (grid, shape, got, want)
+        want_evals = {g for g in EVAL_GRIDS if any(c[0] == g and c[1].startswith("l")
+                                                      for c in cases)}
+        assert {g for g, _, _ in evals} == want_evals, (sorted(evals), want_evals)
         print(f"4d parity OK: {len(results)} grids x {steps} steps, max rel diff "
               f"{worst_all:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
     mcrdl.finalize()

@@ -2,7 +2,8 @@
 replicated over data-parallel groups, on mcrdl's public API. Its layers are
 training/tensor_parallel/ (shared with TED).
 
-- ``model``: ``GPT4D`` built from the serial GPT, and back (``serial_state_dict``).
+- ``model``: ``GPT4D`` built from the serial GPT or Llama (or an init source, each rank
+  reading its pieces), and back (``serial_state_dict``).
 - ``trainer``: ``Trainer4D``, one rank's run (``python -m training.train_gpt --G-x ...``).
 - ``tuning``: ``MatmulTuner``, the fastest NN/NT/TN matmul layout per layer.
 - ``options``: ``TensorOptions``, its axes and the choice of engine.

@@ -97,6 +97,29 @@ class TensorOptions(Options):
                                  "scaling yet); use bf16 or fp32")
             self.check_batch_split("G_z*G_data", [self.G_z, self.G_data])
 
+    def check_model(self, model) -> None:
+        """The 4D engine's rules of a Llama's shape (training/models/llama.py): key/value
+        heads split over X with their query heads (tensor_parallel.layers
+        check_kv_heads: G_x divides n_kv_head), and untied embeddings."""
+        from ..models.llama import LlamaConfig
+        from ..tensor_parallel.layers import check_kv_heads
+
+        if not self.uses_4d() or not isinstance(model, LlamaConfig):
+            return
+        problem = check_kv_heads(model.n_head, model.n_kv_head, self.G_x)
+        if problem:
+            raise ValueError(f"--G-x {self.G_x} with --arch llama: {problem}")
+        if model.intermediate_size % self.G_x:
+            raise ValueError(f"--G-x {self.G_x} with --arch llama: intermediate_size="
+                             f"{model.intermediate_size} is not divisible by G_x={self.G_x} "
+                             "(gate_proj and up_proj's rows are split over X); choose --G-x "
+                             "dividing it")
+        if model.tie_embeddings:
+            raise ValueError("--arch llama with tied embeddings (tie_word_embeddings) is not "
+                             "supported by the 4D engine: it splits the embedding (columns "
+                             "over Y) and the LM head (rows over X) differently; untie them "
+                             "or use the pipeline engine (G_x = G_y = G_z = 1)")
+
     def check_node(self) -> None:
         if self.axis_backends:
             check_backends_usable("--axis-backends", self.axis_backends,

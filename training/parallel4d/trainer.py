@@ -32,9 +32,10 @@ from ..core.optim import DataParallelAdamW, OffloadedAdamW, applied_lr
 from ..core.options import Options
 from ..core.timers import PhaseTimers
 from ..core.topology import Axis, GridError, ProcessGrid
-from ..models.gpt import GPTStage, get_config
+from ..models.families import describe, family_of, model_shape
+from ..models.init_source import read_init
 from ..tensor_parallel.comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
-from .model import GPT4D
+from .model import GPT4D, IGNORE_INDEX
 from .perf_model.step import Grid4D, TrainingStep, check_grid
 
 GRID_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.DATA)
@@ -87,9 +88,8 @@ class Trainer4D:
         self.world_size = mcrdl.get_size() if world is None else world.size
         torch.manual_seed(cfg.seed)
         self.dataset = load_dataset(cfg.data, cfg.vocab_size)
-        self.model_cfg = get_config(cfg.model, vocab_size=self.dataset.vocab_size,
-                                    n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
-                                    block_size=cfg.block_size)
+        # --arch's family; with --init-from hf:DIR the directory's config.json
+        self.model_cfg = model_shape(cfg, self.dataset.vocab_size)
         g = Grid4D(cfg.G_x, cfg.G_y, cfg.G_z, cfg.G_data)
         check_grid(TrainingStep(self.model_cfg, cfg.global_batch_size), g, self.world_size)
         sizes = {Axis.X: g.x, Axis.Y: g.y, Axis.Z: g.z, Axis.DATA: g.data}
@@ -116,13 +116,17 @@ class Trainer4D:
         if dtype == torch.float16:
             raise GridError("--dtype fp16 is not supported by the 4D engine (no loss "
                             "scaling yet); use bf16 or fp32")
-        state = None
-        if cfg.init_from and not cfg.resume:  # a serial state_dict: each rank its pieces
-            state = runtime.read_init_from(cfg.init_from, lambda: GPTStage(self.model_cfg, 0,
-                                                                   self.model_cfg.n_units - 1),
-                                   world)
-        self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed, state_dict=state)
-        fp32 = (None if state is None or dtype == torch.float32  # the masters start from it
+        source = None
+        if cfg.init_from and not cfg.resume:  # .pt or hf:DIR: each rank reads its pieces
+            mc = self.model_cfg
+            source = read_init(cfg.init_from,
+                               lambda: family_of(mc).stage(mc, 0, mc.n_units - 1), world)
+        try:
+            self.model = GPT4D(self.model_cfg, self.comms, seed=cfg.seed, source=source)
+        finally:
+            if source is not None:
+                source.close()
+        fp32 = (None if source is None or dtype == torch.float32  # the masters start from it
                 else [p.detach().clone() for p in self.model.parameters()])
         self.model.to(device=self.device, dtype=dtype)
         c = self.comms
@@ -148,7 +152,9 @@ class Trainer4D:
         cfg, c = self.cfg, self.comms
         backends = ", ".join(f"{a}={c.axis(a).backend}" for a in ("x", "y", "z", "data")
                              if c.axis(a).size > 1) or "none"
-        return (f"training {cfg.model} ({self.model_cfg.n_params() / 1e6:.2f} M params, "
+        name = cfg.init_from if (cfg.init_from or "").startswith("hf:") else \
+            f"{family_of(self.model_cfg).name} {cfg.model}"
+        return (f"training {name} ({self.model_cfg.n_params() / 1e6:.2f} M params, "
                 f"{cfg.dtype}) on {self.world_size} ranks with the 4D engine: "
                 f"{cfg.describe_grid()}, {self.batches.n_micro} microbatches of "
                 f"{cfg.micro_batch_size} per step per (z, data) shard, overlap {cfg.overlap}, "
@@ -194,6 +200,53 @@ class Trainer4D:
                 "grad_norm": self.optimizer.last_grad_norm, "time_s": step_time,
                 "tokens_per_s": tokens / step_time}
 
+    def evaluate(self, windows: torch.Tensor) -> float:
+        """Collective over the run's ranks: the mean cross-entropy of the model on
+        `windows` [W, T+1] (the same on every rank; inputs ``[:, :T]``, targets
+        ``[:, 1:]``) over every target other than -100, the same float on every rank.
+        The windows are spread over the G_z*G_data shards as training batches are: round
+        k gives shard s rows ``k*S*mb + s*mb ..`` (+ --micro-batch-size), the last round
+        padded with windows whose targets are all -100. Forward only, no state changes;
+        the loss sums and target counts (float64, counted by the x = y = 0 ranks) are
+        all_reduced over the run once."""
+        c, mb = self.comms, self.cfg.micro_batch_size
+        if windows.dim() != 2 or windows.shape[1] < 2:
+            raise ValueError(f"evaluate: windows of shape {tuple(windows.shape)}; expected "
+                             "[W, T+1] token ids with T >= 1")
+        n, t = windows.shape[0], windows.shape[1] - 1
+        if t > self.model_cfg.block_size:
+            raise ValueError(f"evaluate: windows of {t} inputs exceed the model's block_size "
+                             f"{self.model_cfg.block_size}")
+        inputs, targets = windows[:, :t].long(), windows[:, 1:].long().clone()
+        per_round = self.n_shards * mb
+        rounds = max(1, -(-n // per_round))
+        pad = rounds * per_round - n
+        if pad:
+            inputs = torch.cat([inputs, torch.zeros(pad, t, dtype=torch.long)])
+            targets = torch.cat([targets, torch.full((pad, t), IGNORE_INDEX, dtype=torch.long)])
+        total = torch.zeros((), dtype=torch.float64)
+        count = 0
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for k in range(rounds):
+                    lo = k * per_round + self.shard * mb
+                    s, kept = self.model.loss_sum(inputs[lo:lo + mb].to(self.device),
+                                                  targets[lo:lo + mb].to(self.device))
+                    total += s.cpu()
+                    count += kept
+        finally:
+            self.model.train(was_training)
+        counts = c.x.rank == 0 and c.y.rank == 0
+        sums = torch.tensor([float(total), float(count)] if counts else [0.0, 0.0],
+                            dtype=torch.float64)
+        if self.world_size > 1:
+            mcrdl.all_reduce("auto", sums, op=mcrdl.ReduceOp.SUM, group=self.world)
+        if sums[1] == 0:
+            raise ValueError("evaluate: every target of the windows is -100 (ignored)")
+        return float(sums[0] / sums[1])
+
     def serial_state_dict(self):
         """Collective: the serial state_dict on the run's rank 0."""
         from .model import serial_state_dict
@@ -224,7 +277,7 @@ class Trainer4D:
             self.cfg.checkpoint_dir, self.step, write_shard=write_shard,
             manifest=lambda shards: ckpt.build_manifest(
                 step=self.step, grid=self.cfg.degree_options(), partition=[],
-                model=self.model_cfg.as_dict(), optimizer=type(self.optimizer).__name__,
+                model=describe(self.model_cfg), optimizer=type(self.optimizer).__name__,
                 train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d"),
             group=self.world)
 
@@ -232,7 +285,7 @@ class Trainer4D:
         """Collective: load `spec` ("latest" or a path) written on the same tensor grid
         (G_data may differ) and return its step; any problem raises CheckpointError on
         every rank before any state changes."""
-        want = {"model": self.model_cfg.as_dict(), "optimizer": type(self.optimizer).__name__,
+        want = {"model": describe(self.model_cfg), "optimizer": type(self.optimizer).__name__,
                 **{f"G_{a}": self.comms.axis(a).size for a in ("x", "y", "z")}}
 
         def check(manifest: dict, path: Path) -> None:

@@ -5,5 +5,8 @@ model from them, TED its attention and dense MLPs.
   layer communicates over), ``Overlap``, ``Recorder``, ``GatherSchedule`` (OAG).
 - ``layers``: ``ParallelLinear`` (N- and T-layers), ``ParallelEmbedding``,
   ``ParallelLayerNorm``, ``ParallelSelfAttention``, ``ParallelMLP``, ``gather_last_dim``;
-  where a piece of a parameter lives is training/core/sharding.py's ``Split``.
+  the Llama's ``ParallelRMSNorm``, ``ParallelLlamaAttention`` (grouped-query, its rule
+  ``check_kv_heads``: G_x divides n_kv_head), ``ParallelSwiGLU``; where a piece of a
+  parameter lives is training/core/sharding.py's ``Split``, and ``read_piece`` reads
+  only a rank's piece of a serial tensor not in memory (``SerialPart``).
 """

@@ -31,6 +31,8 @@ piece out of the serial tensor, ``Split.assemble`` puts the pieces back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -43,12 +45,105 @@ AXES = ("x", "y", "z", "data")
 
 # -- where a parameter lives --------------------------------------------------------------
 
-def shard_parameter(full: torch.Tensor, split: Split, comms: TensorComms,
+class SerialPart:
+    """A serial tensor that is not in memory: its shape, and `read(index)` giving the
+    rectangle `index` (a tuple of slices of the serial layout) of it, e.g. an init
+    source's ``part(name, index)`` reading only that slice of a safetensors file. The
+    layers take one wherever they take a serial tensor; they read only this rank's
+    piece (``read_piece``)."""
+
+    def __init__(self, shape, read: Callable[[tuple[slice, ...]], torch.Tensor]):
+        self.shape = torch.Size(shape)
+        self.read = read
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def read_piece(full: SerialPart, split: Split, coords: dict[str, int],
+               sizes: dict[str, int], name: str = "parameter") -> torch.Tensor:
+    """``split.local(full_tensor, coords, sizes)`` reading only this rank's piece: the
+    elements of its (x, y) block (rows permuted by ``split.perm``, the block's columns)
+    that its Z chunk covers, as reads of whole rows in runs of consecutive serial rows
+    and, where the chunk starts or ends inside a row, of that row's part. One piece is
+    in memory at a time: a single read is the piece itself, several are concatenated
+    once."""
+    split.check(sizes, name)
+    bs = split.block_shape(sizes)
+    r0 = coords[split.rows] * bs[0] if split.rows else 0
+    rows = list(range(r0, r0 + bs[0]))
+    if split.perm is not None:
+        rows = [split.perm[r] for r in rows]
+    two_d = len(bs) == 2
+    width = bs[1] if two_d else 1
+    c0 = coords[split.cols] * bs[1] if two_d and split.cols else 0
+    start, end = 0, bs[0] * width
+    if split.z:
+        n = end // sizes["z"]
+        start, end = coords["z"] * n, (coords["z"] + 1) * n
+    # (first row, last row + 1, first column, last column + 1) of each read, block-relative
+    reads: list[list[int]] = []
+    pos = start
+    while pos < end:
+        i, lo = divmod(pos, width)
+        hi = min(width, lo + end - pos)
+        whole = lo == 0 and hi == width
+        last = reads[-1] if reads else None
+        if (whole and last is not None and last[2:] == [0, width] and
+                rows[last[1] - 1] + 1 == rows[i]):
+            last[1] = i + 1                          # the run of whole rows goes on
+        else:
+            reads.append([i, i + 1, lo, hi])
+        pos += hi - lo
+    # a read of part of the columns may cost the reader whole rows: at most
+    # READ_ROWS_BYTES of them at a time, each read copied into the piece and dropped
+    row_bytes = full.shape[1] * 4 if two_d else 4
+    step = max(1, READ_ROWS_BYTES // row_bytes) if two_d and width < full.shape[1] \
+        else None
+    chunks = []
+    for i0, i1, lo, hi in reads:
+        for j in range(i0, i1, step or (i1 - i0)):
+            chunks.append((j, min(i1, j + (step or (i1 - i0))), lo, hi))
+    piece = None
+    at = 0
+    for i0, i1, lo, hi in chunks:
+        index = (slice(rows[i0], rows[i1 - 1] + 1),)
+        if two_d:
+            index += (slice(c0 + lo, c0 + hi),)
+        part = full.read(index).reshape(-1)
+        if len(chunks) == 1:
+            piece = part
+            break
+        if piece is None:
+            piece = torch.empty(end - start, dtype=part.dtype)
+        piece[at:at + part.numel()] = part
+        at += part.numel()
+        del part
+    if not split.z:
+        piece = piece.view(bs)
+    return piece.detach().contiguous()
+
+
+#: read_piece reads at most this many bytes of whole rows at a time where it wants
+#: part of their columns
+READ_ROWS_BYTES = 1 << 20
+
+
+def local_piece(full: torch.Tensor | SerialPart, split: Split, comms: TensorComms,
+                name: str = "parameter") -> torch.Tensor:
+    """This rank's piece of the serial tensor `full` (in memory, or a SerialPart read
+    piecewise)."""
+    if isinstance(full, SerialPart):
+        return read_piece(full, split, comms.coords(), comms.sizes(), name)
+    return split.local(full, comms.coords(), comms.sizes(), name)
+
+
+def shard_parameter(full: torch.Tensor | SerialPart, split: Split, comms: TensorComms,
                     name: str = "parameter") -> nn.Parameter:
     """A parameter holding this rank's piece of `full`, tagged with its split and its
     logical (serial) shape: weight decay and checkpoints go by those, not by the piece.
     ValueError naming `name` where the grid does not divide it (Split.check)."""
-    p = nn.Parameter(split.local(full, comms.coords(), comms.sizes(), name))
+    p = nn.Parameter(local_piece(full, split, comms, name))
     p.split = split
     p.logical_shape = tuple(split.shape)
     return p
@@ -350,25 +445,40 @@ def qkv_head_permutation(n_embd: int, n_head: int, g_x: int) -> tuple[int, ...]:
     return tuple(rows)
 
 
+Weights = Callable[[str], "torch.Tensor | SerialPart | None"]
+
+
+def serial_weights(serial: nn.Module | Weights) -> Weights:
+    """A layer's serial weights by parameter name (``"c_attn.weight"``; None for a
+    parameter the serial module lacks, e.g. a bias), from the serial module itself or
+    from a getter (tensors of a state_dict, SerialParts of an init source)."""
+    if not isinstance(serial, nn.Module):
+        return serial
+    params = {n: p.data for n, p in serial.named_parameters()}
+    return params.get
+
+
 class ParallelSelfAttention(nn.Module):
     """Causal self-attention with its heads split over X: c_attn an N-layer (rows
     permuted, see qkv_head_permutation), the attention of this rank's heads local,
-    c_proj a T-layer whose in-features (split over X) are those heads."""
+    c_proj a T-layer whose in-features (split over X) are those heads. `serial`: the
+    serial attention module or its weights by name (serial_weights)."""
 
-    def __init__(self, serial: nn.Module, n_head: int, comms: TensorComms, name: str):
+    def __init__(self, serial: nn.Module | Weights, n_head: int, comms: TensorComms,
+                 name: str):
         super().__init__()
-        c = serial.c_attn.in_features
+        get = serial_weights(serial)
+        w = get("c_attn.weight")
+        c = w.shape[1]
         if n_head % comms.x.size:
             raise ValueError(f"{name}: n_head={n_head} is not divisible by G_x={comms.x.size}")
         self.local_heads = n_head // comms.x.size
         self.head_dim = c // n_head
         perm = qkv_head_permutation(c, n_head, comms.x.size)
-        sa = serial.c_attn
-        self.c_attn = ParallelLinear(sa.weight.data, data_of(sa.bias), comms, row_perm=perm,
+        self.c_attn = ParallelLinear(w, get("c_attn.bias"), comms, row_perm=perm,
                                      name=f"{name}.c_attn")
-        sp = serial.c_proj
-        self.c_proj = ParallelLinear(sp.weight.data, data_of(sp.bias), comms, transposed=True,
-                                     name=f"{name}.c_proj")
+        self.c_proj = ParallelLinear(get("c_proj.weight"), get("c_proj.bias"), comms,
+                                     transposed=True, name=f"{name}.c_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -383,15 +493,129 @@ class ParallelMLP(nn.Module):
     """The GPT MLP: c_fc an N-layer, c_proj a T-layer (Megatron-LM's column- and
     row-parallel pair where only X has degree > 1)."""
 
-    def __init__(self, serial: nn.Module, comms: TensorComms, prefix: str):
+    def __init__(self, serial: nn.Module | Weights, comms: TensorComms, prefix: str):
         super().__init__()
-        self.c_fc = ParallelLinear(serial.c_fc.weight.data, data_of(serial.c_fc.bias), comms,
+        get = serial_weights(serial)
+        self.c_fc = ParallelLinear(get("c_fc.weight"), get("c_fc.bias"), comms,
                                    name=f"{prefix}.c_fc")
-        self.c_proj = ParallelLinear(serial.c_proj.weight.data, data_of(serial.c_proj.bias),
-                                     comms, transposed=True, name=f"{prefix}.c_proj")
+        self.c_proj = ParallelLinear(get("c_proj.weight"), get("c_proj.bias"), comms,
+                                     transposed=True, name=f"{prefix}.c_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+# -- the Llama family (training/models/llama.py) -------------------------------------------
+
+class ParallelRMSNorm(nn.Module):
+    """RMSNorm over a hidden dimension split over Y: the per-token sum of squares of the
+    local columns (float32) all_reduced over Y gives the mean square (one call of one
+    float32 per token; its gradient likewise in the backward), then as the serial
+    RMSNorm: normalized in float32, cast back to the input's dtype, times the weight.
+    With G_y = 1, the serial formula."""
+
+    def __init__(self, weight: torch.Tensor | SerialPart, comms: TensorComms,
+                 eps: float = 1e-5, name: str = "norm"):
+        super().__init__()
+        self.comms, self.eps, self.name = comms, eps, name
+        self.dim = weight.shape[0]
+        if self.dim % comms.y.size:
+            raise ValueError(f"{name}: width {self.dim} is not divisible by G_y={comms.y.size}")
+        self.weight = shard_parameter(weight, Split(tuple(weight.shape), "y"), comms,
+                                      f"{name}.weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.comms.y
+        h = x.float()
+        if y.size == 1:
+            ms = h.pow(2).mean(-1, keepdim=True)
+        else:
+            ms = (_SumOverAxis.apply(h.pow(2).sum(-1), y, f"{self.name} sumsq")
+                  / self.dim).unsqueeze(-1)
+        h = h * torch.rsqrt(ms + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def check_kv_heads(n_head: int, n_kv_head: int, g_x: int) -> str | None:
+    """The rule of grouped-query attention on X (None: it holds). Heads are split over X
+    in contiguous groups, query and key/value heads alike: X rank x holds query heads
+    x*H/G_x .. (x+1)*H/G_x - 1 and key/value heads x*K/G_x .. (x+1)*K/G_x - 1, which
+    are exactly the key/value heads those query heads read (query head h reads
+    key/value head h // (H/K)). So G_x must divide n_kv_head (and then n_head, a
+    multiple of it); key/value heads are never replicated over X."""
+    if n_kv_head % g_x:
+        return (f"n_kv_head={n_kv_head} is not divisible by G_x={g_x}: key/value heads are "
+                f"split over X with the query heads they serve (each X rank holds "
+                f"n_kv_head/G_x of them); choose --G-x dividing --n-kv-head {n_kv_head}")
+    if n_head % g_x:
+        return f"n_head={n_head} is not divisible by G_x={g_x}"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ParallelLlamaAttention(nn.Module):
+    """Grouped-query attention with rotary embeddings (training/models/llama.py's
+    Attention) with its heads split over X by check_kv_heads' rule: q_proj, k_proj and
+    v_proj N-layers (their rows, heads, contiguous per X rank, so no permutation), the
+    attention of this rank's heads local, o_proj a T-layer. `serial`: the serial
+    attention module or its weights by name. `inv_freq`: the rotary inverse
+    frequencies (float32; kept so whatever the model's dtype)."""
+
+    def __init__(self, serial: nn.Module | Weights, n_head: int, n_kv_head: int,
+                 head_dim: int, inv_freq: torch.Tensor, comms: TensorComms, name: str):
+        super().__init__()
+        problem = check_kv_heads(n_head, n_kv_head, comms.x.size)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+        get = serial_weights(serial)
+        g_x = comms.x.size
+        self.local_heads, self.local_kv, self.head_dim = n_head // g_x, n_kv_head // g_x, head_dim
+        self.inv_freq = inv_freq.float()
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, proj, ParallelLinear(get(f"{proj}.weight"), None, comms,
+                                               name=f"{name}.{proj}"))
+        self.o_proj = ParallelLinear(get("o_proj.weight"), None, comms, transposed=True,
+                                     name=f"{name}.o_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h, kv, d = self.local_heads, self.local_kv, self.head_dim
+        q = self.q_proj(x).view(B, T, h, d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, kv, d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, kv, d).transpose(1, 2)
+        pos = torch.arange(T, device=x.device, dtype=torch.float)
+        angles = pos[:, None] * self.inv_freq.to(x.device)[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k = k.repeat_interleave(h // kv, dim=1)
+        v = v.repeat_interleave(h // kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, h * d))
+
+
+class ParallelSwiGLU(nn.Module):
+    """Llama's MLP, down(silu(gate(x)) * up(x)): gate_proj and up_proj N-layers split
+    alike (rank x holds the same rows, intermediate features, of both, so the product
+    is local), down_proj a T-layer over those features."""
+
+    def __init__(self, serial: nn.Module | Weights, comms: TensorComms, prefix: str):
+        super().__init__()
+        get = serial_weights(serial)
+        self.gate_proj = ParallelLinear(get("gate_proj.weight"), None, comms,
+                                        name=f"{prefix}.gate_proj")
+        self.up_proj = ParallelLinear(get("up_proj.weight"), None, comms,
+                                      name=f"{prefix}.up_proj")
+        self.down_proj = ParallelLinear(get("down_proj.weight"), None, comms, transposed=True,
+                                        name=f"{prefix}.down_proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def data_of(p):
@@ -403,6 +627,8 @@ def sharded_weights(module: nn.Module) -> list[ShardedWeight]:
     return [m for m in module.modules() if isinstance(m, ShardedWeight)]
 
 
-__all__ = ["ParallelEmbedding", "ParallelLayerNorm", "ParallelLinear", "ParallelMLP",
-           "ParallelSelfAttention", "ShardedWeight", "data_of", "gather_last_dim", "owns",
-           "qkv_head_permutation", "shard_parameter", "sharded_weights"]
+__all__ = ["ParallelEmbedding", "ParallelLayerNorm", "ParallelLinear", "ParallelLlamaAttention",
+           "ParallelMLP", "ParallelRMSNorm", "ParallelSelfAttention", "ParallelSwiGLU",
+           "SerialPart", "ShardedWeight", "check_kv_heads", "data_of", "gather_last_dim",
+           "local_piece", "owns", "qkv_head_permutation", "read_piece", "serial_weights",
+           "shard_parameter", "sharded_weights"]

@@ -60,6 +60,13 @@ Beyond the paper's equations (the rest of the GPT):
   squared gradient norm, each shard counted once) after the gradient reductions, also
   when clipping is off (the norm is reported). Always 4-byte elements.
 
+A Llama (training/models/llama.py) differs: one embedding table ``embed_tokens`` (rotary
+positions have none); Linear layers q_proj, k_proj, v_proj N (C -> H d, C -> K d, C -> K
+d), o_proj T (H d -> C), gate_proj and up_proj N (C -> F), down_proj T (F -> C), lm_head N,
+no biases; RMSNorm (``input_layernorm``, ``post_attention_layernorm`` per block,
+``norm``): one all_reduce over y of t float32 (the sum of squares) in the forward, one
+(its gradient) in the backward; the replicated parameters are the RMSNorm weights.
+
 Not here: activation checkpointing's recomputation (it would repeat a block's forward
 all_reduces), vocabulary-parallel cross-entropy (it replaces the logits all_gather),
 pipeline stages. Counts are per step; entries are grouped by phase ("forward",
@@ -71,7 +78,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .step import WORLD, Grid4D, TrainingStep, check_grid, linear_layers, weight_blocks
+from ...models.llama import LlamaConfig
+from .step import (
+    WORLD,
+    Grid4D,
+    TrainingStep,
+    check_grid,
+    embedding_tables,
+    linear_layers,
+    weight_blocks,
+)
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
 OPS = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
@@ -149,33 +165,41 @@ def collectives(step: TrainingStep, grid: Grid4D) -> list[Collective]:
                [Collective(ALL_REDUCE, "y", t, 4, mb, "backward", f"{name} {stat} grad")
                 for stat in ("variance", "mean")]
 
+    def rms_norm(name: str) -> list[Collective]:
+        return [Collective(ALL_REDUCE, "y", t, 4, mb, "forward", f"{name} sumsq"),
+                Collective(ALL_REDUCE, "y", t, 4, mb, "backward", f"{name} sumsq grad")]
+
     def passes(entries: list[Collective]) -> list[Collective]:
         """A layer's forward and backward entries (its gradient reduction is fused)."""
         return [e for e in entries if e.phase != "gradients"]
 
-    for name in ("wte.weight", "wpe.weight"):
+    for name in embedding_tables(cfg):
         out += [Collective(ALL_GATHER, "z", blocks[name], b, mb, "forward", name),
                 Collective(REDUCE_SCATTER, "z", blocks[name], b, mb, "backward", f"{name} grad")]
     linear = {"micro_batches": mb, "keep_weights": step.keep_weights, "dtype_bytes": b}
-    by_name = {layer.name: layer for layer in linear_layers(cfg)}
+    layers = linear_layers(cfg)
 
-    def linear_passes(name: str) -> list[Collective]:
-        layer = by_name[name]
-        return passes(linear_collectives(name, layer.k, layer.n, m, grid,
+    def linear_passes(layer) -> list[Collective]:
+        return passes(linear_collectives(layer.name, layer.k, layer.n, m, grid,
                                          transposed=layer.transposed, **linear))
 
-    out += per_block(layer_norm("ln_1"))
-    out += per_block(linear_passes("attn.c_attn"))
-    out += per_block(linear_passes("attn.c_proj"))
-    out += per_block(layer_norm("ln_2"))
-    out += per_block(linear_passes("mlp.c_fc"))
-    out += per_block(linear_passes("mlp.c_proj"))
-    out += layer_norm("ln_f")
-    out += linear_passes("lm_head")
+    llama = isinstance(cfg, LlamaConfig)
+    norm = rms_norm if llama else layer_norm
+    norms = ("input_layernorm", "post_attention_layernorm", "norm") if llama \
+        else ("ln_1", "ln_2", "ln_f")
+    mlp_first = next(i for i, layer in enumerate(layers) if layer.name.startswith("mlp."))
+    out += per_block(norm(norms[0]))
+    for layer in layers[:mlp_first]:
+        out += per_block(linear_passes(layer))
+    out += per_block(norm(norms[1]))
+    for layer in layers[mlp_first:-1]:
+        out += per_block(linear_passes(layer))
+    out += norm(norms[2])
+    out += linear_passes(layers[-1])
     out.append(Collective(ALL_GATHER, "x", t * v, b, mb, "forward", "logits"))
     replicated = sum(elements * count for _, elements, count in _replicated(step, grid))
-    layers = {"wte.weight": 1, "wpe.weight": 1, "lm_head.weight": 1}
-    shards = sum(blocks[name] // grid.z * layers.get(name, L) for name in blocks)
+    once = {*embedding_tables(cfg), "lm_head.weight"}
+    shards = sum(blocks[name] // grid.z * (1 if name in once else L) for name in blocks)
     out += _bucketed("z", replicated, step, "replicated parameters grad")
     out += _bucketed("data", shards + replicated, step, "every gradient")
     out.append(Collective(ALL_REDUCE, WORLD, STEP_SCALARS, STEP_SCALAR_BYTES, 1, "step",
@@ -200,6 +224,10 @@ def _replicated(step: TrainingStep, grid: Grid4D) -> list[tuple[str, int, int]]:
     """(name, local elements, tensors per step) of each replicated parameter."""
     cfg = step.model
     c = cfg.n_embd
+    if isinstance(cfg, LlamaConfig):  # no biases; RMSNorm weights only
+        return [(f"{n}.weight", c // grid.y, cfg.n_layer)
+                for n in ("input_layernorm", "post_attention_layernorm")] + \
+            [("norm.weight", c // grid.y, 1)]
     norm_params = ("weight", "bias") if cfg.bias else ("weight",)
     out = [(f"{ln}.{p}", c // grid.y, cfg.n_layer) for ln in ("ln_1", "ln_2")
            for p in norm_params]

@@ -6,7 +6,8 @@ multiplication over (G_x, G_y, G_z), replicated over G_data data-parallel groups
 ``r = x + G_x*(y + G_y*(z + G_z*d))`` (X innermost), the layout of
 ``ProcessGrid(grid.sizes(), order=AXES)``.
 
-``TrainingStep`` is one optimizer step of a GPT (``training.models.gpt.GPTConfig``):
+``TrainingStep`` is one optimizer step of a GPT (``training.models.gpt.GPTConfig``) or
+a Llama (``training.models.llama.LlamaConfig``):
 ``batch`` whole sequences of ``block_size`` tokens, run as ``micro_batches`` forward and
 backward passes whose gradients accumulate before one update.
 
@@ -23,6 +24,7 @@ from mcrdl.launch import launch_command
 
 from ...core.topology import GridError
 from ...models.gpt import GPTConfig
+from ...models.llama import LlamaConfig
 
 #: The grid's axes from the fastest-varying (consecutive ranks) to the slowest.
 AXES = ("x", "y", "z", "data")
@@ -82,7 +84,7 @@ class TrainingStep:
     ``bucket_bytes``: the step's gradient all_reduces are fused into buckets of this
     many bytes (the engine's --bucket-mib; None: one call per axis)."""
 
-    model: GPTConfig
+    model: GPTConfig | LlamaConfig
     batch: int
     micro_batches: int = 1
     dtype_bytes: int = 4
@@ -90,9 +92,10 @@ class TrainingStep:
     bucket_bytes: int | None = 4 << 20
 
     def __post_init__(self):
-        if not isinstance(self.model, GPTConfig):
+        if not isinstance(self.model, (GPTConfig, LlamaConfig)):
             raise TypeError(f"TrainingStep: model is {type(self.model).__name__}; "
-                            "expected a training.models.gpt.GPTConfig")
+                            "expected a training.models.gpt.GPTConfig or "
+                            "training.models.llama.LlamaConfig")
         for name in ("batch", "micro_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -134,9 +137,21 @@ class LinearLayer:
         return tokens // grid.z, self.k // in_deg, self.n // out_deg
 
 
-def linear_layers(model: GPTConfig) -> list[LinearLayer]:
-    """The GPT's Linear layers in forward order, N and T alternating."""
+def linear_layers(model: GPTConfig | LlamaConfig) -> list[LinearLayer]:
+    """The model's Linear layers in forward order (a GPT's N and T alternating; a
+    Llama's q, k, v N, o T, gate and up N, down T)."""
     c, v = model.n_embd, model.vocab_size
+    if isinstance(model, LlamaConfig):
+        q, kv, f = model.n_head * model.head_dim, model.n_kv_head * model.head_dim, \
+            model.intermediate_size
+        return [LinearLayer("self_attn.q_proj", c, q, False, True),
+                LinearLayer("self_attn.k_proj", c, kv, False, True),
+                LinearLayer("self_attn.v_proj", c, kv, False, True),
+                LinearLayer("self_attn.o_proj", q, c, True, True),
+                LinearLayer("mlp.gate_proj", c, f, False, True),
+                LinearLayer("mlp.up_proj", c, f, False, True),
+                LinearLayer("mlp.down_proj", f, c, True, True),
+                LinearLayer("lm_head", c, v, False, False)]
     return [LinearLayer("attn.c_attn", c, 3 * c, False, True),
             LinearLayer("attn.c_proj", c, c, True, True),
             LinearLayer("mlp.c_fc", c, 4 * c, False, True),
@@ -144,19 +159,29 @@ def linear_layers(model: GPTConfig) -> list[LinearLayer]:
             LinearLayer("lm_head", c, v, False, False)]
 
 
-def weight_blocks(model: GPTConfig, grid: Grid4D) -> dict[str, int]:
+def embedding_tables(model: GPTConfig | LlamaConfig) -> dict[str, int]:
+    """Rows of each embedding table by weight name (their columns are n_embd): a GPT's
+    token and position tables, a Llama's token table (rotary positions have none)."""
+    if isinstance(model, LlamaConfig):
+        return {"embed_tokens.weight": model.vocab_size}
+    return {"wte.weight": model.vocab_size, "wpe.weight": model.block_size}
+
+
+def weight_blocks(model: GPTConfig | LlamaConfig, grid: Grid4D) -> dict[str, int]:
     """Elements of each weight's local [rows/G_x, cols/G_y] block (embeddings: columns
-    over Y, rows whole), the block Z shards. Names as in the GPT's parameters."""
-    c, v, t = model.n_embd, model.vocab_size, model.block_size
+    over Y, rows whole), the block Z shards. Names as in the model's parameters."""
+    c = model.n_embd
     xy = grid.x * grid.y
-    return {"wte.weight": v * c // grid.y, "wpe.weight": t * c // grid.y,
+    return {**{name: rows * c // grid.y for name, rows in embedding_tables(model).items()},
             **{f"{layer.name}.weight": layer.k * layer.n // xy
                for layer in linear_layers(model)}}
 
 
 def constraint_violations(step: TrainingStep, grid: Grid4D) -> list[tuple[str, str]]:
     """Every ``(constraint, message)`` the grid breaks for this step; empty when it fits.
-    Constraints: ``"heads"``, ``"width"``, ``"vocab"``, ``"weight shard"``, ``"batch"``.
+    Constraints: ``"heads"``, ``"width"``, ``"vocab"``, ``"weight shard"``, ``"batch"``;
+    a Llama's ``"kv heads"`` (training/tensor_parallel/layers.py check_kv_heads: G_x
+    divides n_kv_head), ``"intermediate"`` and ``"tied"``.
 
     Only X splits heads (c_attn's out-features, attn.c_proj's in-features); Y splits the
     hidden dimension (c_attn's in-features, attn.c_proj's out-features), never a head,
@@ -164,9 +189,23 @@ def constraint_violations(step: TrainingStep, grid: Grid4D) -> list[tuple[str, s
     shard because attention mixes the tokens of a sequence."""
     m = step.model
     out = []
-    if m.n_head % grid.x:
+    if isinstance(m, LlamaConfig) and m.n_kv_head % grid.x:
+        out.append(("kv heads", f"n_kv_head={m.n_kv_head} is not divisible by G_x={grid.x}: "
+                                "key/value heads are split over X with the query heads "
+                                "they serve (each X rank holds n_kv_head/G_x of them); "
+                                f"choose --G-x dividing --n-kv-head {m.n_kv_head}"))
+    elif m.n_head % grid.x:
         out.append(("heads", f"n_head={m.n_head} is not divisible by G_x={grid.x}: attention "
                              "heads are split over X; choose G_x dividing n_head"))
+    if isinstance(m, LlamaConfig) and m.intermediate_size % grid.x:
+        out.append(("intermediate", f"intermediate_size={m.intermediate_size} is not "
+                                    f"divisible by G_x={grid.x}: gate_proj and up_proj's "
+                                    "rows are split over X; choose G_x dividing it"))
+    if isinstance(m, LlamaConfig) and m.tie_embeddings:
+        out.append(("tied", "tie_embeddings: the 4D engine splits the embedding (columns "
+                            "over Y) and the LM head (rows over X, columns over Y) "
+                            "differently, so they cannot share one matrix; untie them "
+                            "(tie_word_embeddings false) or use the pipeline engine"))
     if m.n_embd % grid.y:
         out.append(("width", f"n_embd={m.n_embd} is not divisible by G_y={grid.y}: the hidden "
                              "dimension is split over Y; choose G_y dividing n_embd"))
