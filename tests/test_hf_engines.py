@@ -67,8 +67,12 @@ def save(model, path: Path, **kw) -> Path:
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     torch.manual_seed(1)
-    return {"llama": str(save(llama(), root / "llama")),
-            "gpt2": str(save(gpt2(), root / "gpt2"))}
+    dirs = {"llama": save(llama(), root / "llama"), "gpt2": save(gpt2(), root / "gpt2")}
+    # a tokenizer beside the llama's weights: export-hf carries it over
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
+        str(dirs["llama"] / "tokenizer.json"))
+    return {k: str(v) for k, v in dirs.items()}
 
 
 @pytest.fixture
@@ -112,6 +116,8 @@ def test_pipeline_import_evaluate_train_export(hf_dirs):
                       r"transformers \S+ \(rel (\S+)\)", out)
         assert m, out
         assert float(m.group(1)) <= 1e-5 and float(m.group(3)) <= 1e-5, m.group(0)
+    assert re.search(r"hf pipeline llama: .*carried over: generation_config.json, "
+                     r"tokenizer.json", out), out
 
 
 # ------------------------------------------------------------------ shape from config.json
@@ -157,6 +163,20 @@ def test_tied_embeddings_refuse_a_pipeline(tmp_path):
     with pytest.raises(ValueError, match=r"--G-inter 2: the model ties its LM head"):
         parse_args(["--init-from", f"hf:{d}", "--block-size", str(T), "--G-inter", "2"])
     parse_args(["--init-from", f"hf:{d}", "--block-size", str(T), "--G-data", "2"])
+
+
+def test_mixtral_is_train_moe_s(tmp_path):
+    """A MixtralForCausalLM directory gives the mixtral family's shape; train_gpt, whose
+    engines build no MoE, refuses it naming train_moe."""
+    from training.train_gpt import parse_args
+    d = save(transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64)), tmp_path / "mixtral")
+    cfg = families.model_shape(options(f"hf:{d}"), 256)
+    assert families.family_of(cfg).name == "mixtral" and cfg.n_kv_head == 2
+    with pytest.raises(ValueError, match=r"mixtral model.*python -m training.train_moe"):
+        parse_args(["--init-from", f"hf:{d}", "--block-size", str(T)])
 
 
 # ------------------------------------------------------------------ the init source

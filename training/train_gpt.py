@@ -1,5 +1,5 @@
-"""Train a GPT with AxoNN's pipeline x data parallelism, or its 4D (X x Y x Z x data)
-parallelism, on mcrdl.
+"""Train a GPT or a Llama-family model (``--arch``) with AxoNN's pipeline x data
+parallelism, or its 4D (X x Y x Z x data) parallelism, on mcrdl.
 
     mpiexec -n 4 python -m training.train_gpt --model tiny --steps 50 --G-inter 2 --G-data 2
     mpiexec -n 8 python -m training.train_gpt --G-x 2 --G-y 2 --G-z 2 --overlap all
@@ -7,6 +7,8 @@ parallelism, on mcrdl.
     srun -n 8 python -m training.train_gpt --config my_run.toml --steps 1000
     mpiexec -n 8 python -m training.train_gpt --G-inter 2 --G-data 4 --dtype bf16 \
         --samo --prune-sparsity 0.9 --prune-schedule 0,100,200     # SAMO (training/samo/)
+    mpiexec -n 4 python -m training.train_gpt --init-from hf:TinyLlama-1.1B --data tokens/ \
+        --block-size 512 --G-data 4    # a Hugging Face model: its config.json's shape
 
 Options (``--help``; declared in training/core/run_options.py and each engine's
 options.py) come from their defaults, then
@@ -32,7 +34,7 @@ from .core.report import TrainResult
 from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from .core.runner import run_command, train_loop
 from .core.topology import GridError
-from .models.families import model_shape
+from .models.families import family_of, model_shape
 from .models.gpt import GPTConfig
 from .models.llama import LlamaConfig
 from .parallel4d.options import TensorOptions
@@ -50,7 +52,14 @@ class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, Pipe
     def model_config(self) -> GPTConfig | LlamaConfig:
         """The model's shape (training/models/families.py), ValueError naming --arch,
         --model and the overriding options."""
-        return model_shape(self, self.data_vocab_size())
+        model = model_shape(self, self.data_vocab_size())
+        family = family_of(model)
+        if family.stage is None:
+            source = f"--init-from {self.init_from}" if self.init_from else f"--arch {self.arch}"
+            raise ValueError(f"{source} is a {family.name} model, which this command does "
+                             f"not build; train it with python -m training.train_moe --arch "
+                             f"{family.name}")
+        return model
 
 
 def parse_args(argv: Sequence[str] | None = None, *,
@@ -93,7 +102,9 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
         if not cfg.quiet:
             report.print_breakdown(result, steps_timed, trainer.n_stages, n_micro)
     if is_rank0 and cfg.plot:
-        report.plot_loss(cfg.metrics_path, Path(cfg.out_dir) / "loss.png", f"GPT, {result.grid}")
+        arch = family_of(trainer.model_cfg).name
+        report.plot_loss(cfg.metrics_path, Path(cfg.out_dir) / "loss.png",
+                         f"{'GPT' if arch == 'gpt' else arch.capitalize()}, {result.grid}")
     return result
 
 

@@ -13,7 +13,8 @@ byte corpus) and context T. For each, on the pipeline 2 x 2 grid (G_inter 2, G_d
    tensors of DIR bit for bit (import -> export with no step).
 3. 3 training steps, a checkpoint; a trainer resumed from it evaluates to the same
    loss exactly; the exported directory loads in ``AutoModelForCausalLM.from_pretrained``
-   and its loss on the windows equals that evaluation within 1e-5 relative.
+   and its loss on the windows equals that evaluation within 1e-5 relative; the
+   generation config and tokenizer of DIR are carried over byte for byte.
 4. The same windows on the checkpoint resumed at G_data 1 (G_inter 2 on 2 of the ranks
    beside an idle pair): the loss within 1e-5 relative (another data split).
 
@@ -179,13 +180,18 @@ def main():
             out3 = root / name / "hf3"
             checkpoint_tool.export_hf(step3, out3)
             exported = hf_loss(str(out3), windows)
+            carried = [f for f in ("generation_config.json", "tokenizer.json")
+                       if (Path(directory) / f).is_file()]
+            for f in carried:  # from the run's --init-from directory (train_config)
+                assert (out3 / f).read_bytes() == (Path(directory) / f).read_bytes(), f
             assert rel(exported, trained) <= TOL, (name, exported, trained)
             assert rel(trained, imported) > 1e-4, (trained, imported)  # it trained
             print(f"hf pipeline {name}: import {imported:.6f} vs transformers {ref:.6f} "
                   f"(rel {rel(imported, ref):.1e}); export at step 0 bitwise ({n} tensors); "
                   f"after {STEPS} steps {trained:.6f}, resumed {again:.6f}, G_data 1 "
                   f"{other:.6f}, exported in transformers {exported:.6f} (rel "
-                  f"{rel(exported, trained):.1e})", flush=True)
+                  f"{rel(exported, trained):.1e}); carried over: {', '.join(carried)}",
+                  flush=True)
         mcrdl.barrier("auto")
     import_memory(root)
     if rank == 0:

@@ -19,7 +19,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..core.run_options import HF_PREFIX
-from . import gpt, llama
+from . import gpt, llama, mixtral
 
 __all__ = ["FAMILIES", "Family", "config_from_dict", "describe", "family", "family_of",
            "hf_shape", "model_shape", "read_hf_config"]
@@ -30,8 +30,10 @@ class Family:
     name: str                              # --arch
     config_type: type
     configs: dict[str, Any]                # --model names -> shapes
-    stage: type[nn.Module]                 # Stage(cfg, first, last, seed, activation_checkpointing)
-    make_unit: Callable[[Any, int, int], nn.Module]
+    # Stage(cfg, first, last, seed, activation_checkpointing); None: no stage of its
+    # own (mixtral: its blocks need a MoEConfig; python -m training.train_moe builds it)
+    stage: type[nn.Module] | None
+    make_unit: Callable[[Any, int, int], nn.Module] | None
     shape_options: tuple[str, ...]         # the ModelOptions fields that override a shape
     from_dict: Callable[[dict], Any]
 
@@ -60,6 +62,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda d: gpt.GPTConfig(**d)),
     Family("llama", llama.LlamaConfig, llama.CONFIGS, llama.LlamaStage, llama.make_unit,
            (*_GPT_SHAPE, "n_kv_head"), llama.LlamaConfig.from_dict),
+    Family("mixtral", mixtral.MixtralConfig, mixtral.CONFIGS, None, None,
+           (*_GPT_SHAPE, "n_kv_head"), mixtral.MixtralConfig.from_dict),
 )}
 
 

@@ -84,6 +84,9 @@ class Trainer:
         self.dataset = load_dataset(cfg.data, cfg.vocab_size)
         self.model_cfg = model_shape(cfg, self.dataset.vocab_size)
         self.family = family_of(self.model_cfg)
+        if self.family.stage is None:
+            raise ValueError(f"the pipeline engine builds no {self.family.name} model; "
+                             f"train it with python -m training.train_moe")
         self.partition = partition(self.model_cfg.n_layer, self.n_stages, cfg.blocks_per_stage())
         check_tied(self.model_cfg, self.partition)
         first_unit, last_unit = self.partition[self.stage_index]
