@@ -24,7 +24,8 @@ import mcrdl  # noqa: E402
 from training import checkpoint as checkpoint_tool  # noqa: E402
 from training.core import checkpoint as ckpt  # noqa: E402
 from training.core.data import Batches, ByteCorpus  # noqa: E402
-from training.models.gpt import GPT, GPTConfig, lm_loss  # noqa: E402
+from training.models.families import config_from_dict  # noqa: E402
+from training.models.gpt import GPT, lm_loss  # noqa: E402
 from training.train_gpt import (
     TrainConfig,  # noqa: E402
     run,  # noqa: E402
@@ -79,7 +80,7 @@ def main():
     step10, step20 = ck / "step_000010", ck / "step_000020"
     if rank == 0:
         state, mcfg = checkpoint_tool.consolidate(step10)
-        model = GPT(GPTConfig(**mcfg))
+        model = GPT(config_from_dict(mcfg))
         model.load_state_dict(state, strict=True)
         data = Batches(ByteCorpus(), mcfg["block_size"], 8, 8, seed=11)
         x, y = data.global_batch_at(10)
