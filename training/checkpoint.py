@@ -7,7 +7,7 @@ master weights of a bf16/fp16 or --offload-optimizer run instead; load it with
 ``GPT(cfg).load_state_dict(torch.load("gpt.pt"))``) and ``gpt.json`` with its config;
 for train_moe's checkpoints, the serial ``MoEGPT``'s state_dict and its model and MoE
 configs. ``--init-from gpt.pt`` starts a run of any grid or layout from such a file
-(``read_serial_state_dict`` checks its names and shapes against the run's model).
+(training/models/init_source.py checks its names and shapes against the run's model).
 
     python -m training.checkpoint export-hf runs/ckpt/step_000020 -o my-model
 

@@ -1,7 +1,7 @@
 """What every engine's run does around its model: pick the device, initialize mcrdl,
 and the collective parts of checkpointing (a save through its staging directory, errors
-raised together on every rank, ``--init-from``'s serial weights, a resume's checks and
-load)."""
+raised together on every rank, a resume's checks and load). ``--init-from``'s weights:
+training/models/init_source.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 
 import mcrdl
 
@@ -95,22 +94,6 @@ def raise_together(error: Exception | None, context: str,
     error.agreed = True
     error.reporter = mcrdl.get_rank(group=group) == 0  # the run's rank 0, in a sub-group too
     raise error
-
-
-def read_init_from(path: str, make_template: Callable[[], nn.Module],
-                   group: mcrdl.Group | None = None) -> dict[str, torch.Tensor]:
-    """Collective over `group`: the serial state_dict ``--init-from`` names, read on every
-    rank and checked against ``make_template()`` (this run's serial model, built here on
-    the meta device); a problem on any rank raises CheckpointError on all of them."""
-    error, state = None, None
-    try:
-        with torch.device("meta"):
-            template = make_template()
-        state = ckpt.read_serial_state_dict(path, template)
-    except ckpt.CheckpointError as e:
-        error = e
-    raise_together(error, f"cannot read --init-from {path}", group)
-    return state
 
 
 def load_for_resume(spec: str, root: str | None, *, engine: str, dtype: str, shard: int,

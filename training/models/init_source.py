@@ -27,8 +27,8 @@ import torch.nn as nn
 import mcrdl
 
 from ..core import checkpoint as ckpt
-from ..core.runtime import raise_together
 from ..core.run_options import HF_PREFIX
+from ..core.runtime import raise_together
 
 __all__ = ["HF_PREFIX", "SerialSource", "read_init"]
 
@@ -272,36 +272,25 @@ def _known(source: SerialSource, name: str) -> str:
     return name
 
 
-def open_source(spec: str) -> SerialSource:
-    """The source `spec` names, unchecked (this rank alone): CheckpointError naming
-    ``--init-from`` when it cannot be read."""
+def open_source(spec: str, template: nn.Module) -> SerialSource:
+    """The source `spec` names, checked against `template` (this run's serial model, on
+    the meta device), on this rank alone: CheckpointError naming ``--init-from`` when
+    it cannot be read or does not fit."""
     if spec.startswith(HF_PREFIX):
         from .hf import HFConfigError
 
-        directory = spec.removeprefix(HF_PREFIX)
         try:
-            return _HFSource(spec, directory)
+            source = _HFSource(spec, spec.removeprefix(HF_PREFIX))
         except (HFConfigError, OSError) as e:
             raise ckpt.CheckpointError(f"{OPTION} {spec}: {e}") from None
-    path = os.fspath(spec)
-    try:
-        state = ckpt.load_file(path, path, OPTION)
-    except ckpt.CheckpointError:
-        raise
-    except FileNotFoundError:
-        raise ckpt.CheckpointError(f"{OPTION} {path}: no such file") from None
-    except Exception as e:  # noqa: BLE001 - torch's errors of a file of another kind
-        raise ckpt.CheckpointError(f"{OPTION} {path}: not a state_dict torch can load "
-                                   f"({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
-                                              for v in state.values()):
-        held = (f"a dict of {', '.join(map(repr, list(state)[:4]))}"
-                if isinstance(state, dict) else f"a {type(state).__name__}")
-        raise ckpt.CheckpointError(
-            f"{OPTION} {path} is not a state_dict (names to tensors) but {held} (a "
-            "checkpoint's shard?); python -m training.checkpoint consolidate writes a "
-            "checkpoint's state_dict")
-    return _StateDictSource(spec, state)
+        try:
+            source.check(template)
+        except ckpt.CheckpointError:
+            source.close()
+            raise
+        return source
+    # a .pt file is read whole (torch.load has no partial read), checked by name and shape
+    return _StateDictSource(spec, ckpt.read_serial_state_dict(spec, template, OPTION))
 
 
 def read_init(spec: str, make_template: Callable[[], nn.Module],
@@ -314,12 +303,9 @@ def read_init(spec: str, make_template: Callable[[], nn.Module],
     try:
         with torch.device("meta"):
             template = make_template()
-        source = open_source(spec)
-        source.check(template)
+        source = open_source(spec, template)
     except ckpt.CheckpointError as e:
         error = e
-        if source is not None:
-            source.close()
     raise_together(error, f"cannot read {OPTION} {spec}", group)
     return source
 

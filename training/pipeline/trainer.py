@@ -16,9 +16,9 @@ from ..core import checkpoint as ckpt
 from ..core import runtime
 from ..core.data import Batches, load_dataset
 from ..core.dtypes import torch_dtype
-from ..core.run_options import HF_PREFIX
 from ..core.optim import DataParallelAdamW, OffloadedAdamW, applied_lr
 from ..core.options import Options
+from ..core.run_options import HF_PREFIX
 from ..core.timers import PhaseTimers
 from ..core.topology import Axis, ProcessGrid
 from ..models.families import describe, family_of, model_shape
