@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out of the engines (issue 50): --init-from hf:DIR's
 shape and read (training/models/families.py, init_source.py), the pipeline engine's
-import, evaluation, checkpoint and export (tests/training/check_hf_pipeline.py, one
+import, evaluation, checkpoint and export (tests/training/check_hf_engines.py, one
 4-rank launch), ``python -m training.checkpoint export-hf`` and their errors.
 
 Tiny random models are made locally by transformers (nothing downloaded): a
@@ -53,6 +53,13 @@ def gpt2(**overrides):
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**kw))
 
 
+def mixtral():
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0))
+
+
 def save(model, path: Path, **kw) -> Path:
     torch.manual_seed(0)
     with torch.no_grad():  # norms and biases away from their initial values
@@ -73,6 +80,12 @@ def hf_dirs(tmp_path_factory):
     Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(
         str(dirs["llama"] / "tokenizer.json"))
     return {k: str(v) for k, v in dirs.items()}
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    torch.manual_seed(2)
+    return str(save(mixtral(), tmp_path_factory.mktemp("hf") / "mixtral"))
 
 
 @pytest.fixture
@@ -99,14 +112,17 @@ def options(init_from, **kw):
 
 # ------------------------------------------------------------------ the pipeline engine
 
-def test_pipeline_import_evaluate_train_export(hf_dirs):
-    """check_hf_pipeline.py on 4 ranks: import on pipeline 2x2 evaluates to transformers'
+def test_engines_import_evaluate_train_export(hf_dirs, mixtral_dir):
+    """check_hf_engines.py on 4 ranks: import on pipeline 2x2 evaluates to transformers'
     loss within 1e-5; export at step 0 is bitwise; after 3 steps, resumed (also at
-    G_data 1) and exported, transformers' loss equals our evaluation within 1e-5; a
+    G_data 1) and exported, transformers' loss equals our evaluation within 1e-5; the
+    same through the 4D engine (G_x 2, G_data 2); TED checkpoints of a Mixtral export
+    bitwise (at step 0: the imported tensors; after 3 steps: the checkpoint's); a
     4-stage import's peak RSS growth per rank stays within 1.5 x its share."""
     out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
-                        os.path.join(HERE, "check_hf_pipeline.py")],
-                       env=_env(HF_MODELS=json.dumps(hf_dirs), HF_T=str(T)), timeout=400)
+                        os.path.join(HERE, "check_hf_engines.py")],
+                       env=_env(HF_MODELS=json.dumps(hf_dirs), HF_MIXTRAL=mixtral_dir,
+                                HF_T=str(T)), timeout=500)
     assert "hf pipeline OK: gpt2, llama" in out, out
     # each rank's peak RSS grows by one tensor in flight, not by its share or the model
     assert re.search(r"hf import memory OK: peak growth <= (\S+) x", out), out
@@ -116,6 +132,13 @@ def test_pipeline_import_evaluate_train_export(hf_dirs):
                       r"transformers \S+ \(rel (\S+)\)", out)
         assert m, out
         assert float(m.group(1)) <= 1e-5 and float(m.group(3)) <= 1e-5, m.group(0)
+    for name in ("gpt2", "llama"):  # the 4D engine's checkpoints export too
+        m = re.search(rf"hf 4d {name}: import \S+ vs transformers \S+ \(rel (\S+)\); "
+                      r"export at step 0 bitwise \((\d+) tensors\).*exported in "
+                      r"transformers \S+ \(rel (\S+)\)", out)
+        assert m and float(m.group(1)) <= 1e-5 and float(m.group(3)) <= 1e-5, out
+    assert re.search(r"hf ted mixtral: export at step 0 bitwise \(\d+ tensors\); after 3 "
+                     r"steps the export holds the checkpoint's \d+ tensors bitwise", out), out
     assert re.search(r"hf pipeline llama: .*carried over: generation_config.json, "
                      r"tokenizer.json", out), out
 
@@ -169,10 +192,7 @@ def test_mixtral_is_train_moe_s(tmp_path):
     """A MixtralForCausalLM directory gives the mixtral family's shape; train_gpt, whose
     engines build no MoE, refuses it naming train_moe."""
     from training.train_gpt import parse_args
-    d = save(transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64)), tmp_path / "mixtral")
+    d = save(mixtral(), tmp_path / "mixtral")
     cfg = families.model_shape(options(f"hf:{d}"), 256)
     assert families.family_of(cfg).name == "mixtral" and cfg.n_kv_head == 2
     with pytest.raises(ValueError, match=r"mixtral model.*python -m training.train_moe"):

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints through the pipeline engine, under ``mpiexec -n 4``.
+"""Hugging Face checkpoints through the pipeline and 4D engines, under ``mpiexec -n 4``.
 
 ``$HF_MODELS`` names (as JSON, name -> directory) tiny random models that
 tests/test_hf_engines.py made with transformers and saved (LlamaForCausalLM with 4 heads
@@ -18,7 +18,14 @@ byte corpus) and context T. For each, on the pipeline 2 x 2 grid (G_inter 2, G_d
 4. The same windows on the checkpoint resumed at G_data 1 (G_inter 2 on 2 of the ranks
    beside an idle pair): the loss within 1e-5 relative (another data split).
 
-5. Memory of an import: a LlamaForCausalLM of ~50 MB (fp32) on 4 pipeline stages. Each
+5. The 4D engine (G_x 2, G_data 2): the same import evaluates to transformers' loss
+   within 1e-5; its checkpoint at step 0, exported, is bitwise DIR; after 3 steps its
+   export's loss in transformers equals Trainer4D.evaluate within 1e-5.
+6. TED (train_moe --arch mixtral, G_tensor 2 x G_expert 2) from ``$HF_MIXTRAL`` (a
+   MixtralForCausalLM, 4 experts, top-2): its checkpoint at step 0, exported, is bitwise
+   the directory; after 3 steps the export holds the consolidated checkpoint's tensors
+   bit for bit (training.models.hf.load_hf of it) and loads in transformers.
+7. Memory of an import: a LlamaForCausalLM of ~50 MB (fp32) on 4 pipeline stages. Each
    rank's peak resident set (VmHWM, reset before through /proc/self/clear_refs) grows
    during read_init + load_into by at most 1.5 x its stage's share of the weights
    beyond the stage itself (built before, as the trainer does): the reader holds one
@@ -125,6 +132,67 @@ def import_memory(root: Path) -> None:
               flush=True)
 
 
+def four_d(name: str, directory: str, opts: dict, windows: torch.Tensor, root: Path) -> None:
+    """Check 5: import, export at step 0, 3 steps and export through the 4D engine."""
+    from training.parallel4d.trainer import Trainer4D
+
+    cfg = TrainConfig(**opts, checkpoint_dir=str(root))
+    cfg.validate()
+    trainer = Trainer4D(cfg)
+    imported = trainer.evaluate(windows)
+    step0 = trainer.save_checkpoint()
+    for _ in range(STEPS):
+        trainer.train_step()
+    trained = trainer.evaluate(windows)
+    step3 = trainer.save_checkpoint()
+    if mcrdl.get_rank() == 0:
+        ref = hf_loss(directory, windows)
+        assert rel(imported, ref) <= TOL, (name, imported, ref)
+        checkpoint_tool.export_hf(step0, root / "hf0")
+        n = bitwise_same(directory, root / "hf0")
+        checkpoint_tool.export_hf(step3, root / "hf3")
+        exported = hf_loss(str(root / "hf3"), windows)
+        assert rel(exported, trained) <= TOL, (name, exported, trained)
+        print(f"hf 4d {name}: import {imported:.6f} vs transformers {ref:.6f} (rel "
+              f"{rel(imported, ref):.1e}); export at step 0 bitwise ({n} tensors); after "
+              f"{STEPS} steps {trained:.6f}, exported in transformers {exported:.6f} (rel "
+              f"{rel(exported, trained):.1e})", flush=True)
+    mcrdl.barrier("auto")
+
+
+def ted(directory: str, windows: torch.Tensor, root: Path) -> None:
+    """Check 6: export-hf of TED checkpoints of a Mixtral."""
+    from training.models.hf import load_hf
+    from training.ted.options import MoETrainConfig
+    from training.ted.trainer import MoETrainer
+
+    cfg = MoETrainConfig(init_from=f"hf:{directory}", arch="mixtral",
+                         block_size=windows.size(1) - 1, micro_batch_size=1,
+                         global_batch_size=4, steps=STEPS, G_tensor=2, G_expert=2, seed=5,
+                         lr=1e-3, warmup_steps=1, plot=False, progress=False, quiet=True,
+                         out_dir=str(root), checkpoint_dir=str(root / "ck"))
+    cfg.validate()
+    trainer = MoETrainer(cfg)
+    step0 = trainer.save_checkpoint()
+    for _ in range(STEPS):
+        trainer.train_step()
+    step3 = trainer.save_checkpoint()
+    if mcrdl.get_rank() == 0:
+        checkpoint_tool.export_hf(step0, root / "hf0")
+        n = bitwise_same(directory, root / "hf0")
+        checkpoint_tool.export_hf(step3, root / "hf3")
+        state, _ = checkpoint_tool.consolidate(step3)
+        exported = load_hf(root / "hf3").state_dict()
+        assert sorted(exported) == sorted(state)
+        assert all(torch.equal(exported[k], state[k]) for k in state)
+        loss = hf_loss(str(root / "hf3"), windows)
+        assert loss == loss and loss < 10, loss  # finite: transformers ran it
+        print(f"hf ted mixtral: export at step 0 bitwise ({n} tensors); after {STEPS} steps "
+              f"the export holds the checkpoint's {len(state)} tensors bitwise; "
+              f"transformers' loss {loss:.6f}", flush=True)
+    mcrdl.barrier("auto")
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -193,6 +261,9 @@ def main():
                   f"{rel(exported, trained):.1e}); carried over: {', '.join(carried)}",
                   flush=True)
         mcrdl.barrier("auto")
+        four_d(name, directory, dict(base, G_inter=1, G_data=2, G_x=2), windows,
+               root / name / "4d")
+    ted(os.environ["HF_MIXTRAL"], windows, root / "ted")
     import_memory(root)
     if rank == 0:
         print(f"hf pipeline OK: {', '.join(sorted(models))}", flush=True)
