@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mcrdl
-from mcrdl.torch_backend import factory, routing
+from mcrdl.torch_backend import factory, monitored, routing
 from mcrdl.torch_backend import work as work_module
 from mcrdl.torch_backend.convert import explicit_timeout, op_of
 from mcrdl.torch_backend.process_group import _pinned_routes
@@ -324,6 +324,41 @@ class FakeWork:
 
     def is_completed(self):
         return self.done.is_set()
+
+
+def _monitored_ranks(size: int, arriving, seconds: float, wait_all: bool = False):
+    """monitored.monitored_barrier on a HashStore by a thread per rank in `arriving`:
+    each rank's error message, or "passed"."""
+    store, results = dist.HashStore(), {}
+
+    def rank(r):
+        try:
+            monitored.monitored_barrier(store, "mb/0/1", r, size, seconds, wait_all)
+            results[r] = "passed"
+        except RuntimeError as exc:
+            results[r] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in arriving]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, store
+
+
+def test_monitored_barrier_names_the_ranks_that_did_not_arrive():
+    """Gloo's semantics and messages, over the group's store; no key is left behind."""
+    results, store = _monitored_ranks(3, [0, 1, 2], 30)
+    assert results == {0: "passed", 1: "passed", 2: "passed"}
+    assert store.num_keys() == 0
+    results, _ = _monitored_ranks(3, [0, 1], 0.5)
+    assert "Rank 2 failed to pass monitoredBarrier in 500 ms" in results[0], results
+    assert results[1].startswith("Rank 1 successfully reached monitoredBarrier, but "
+                                 "received errors while waiting for send/recv from rank 0")
+    results, _ = _monitored_ranks(4, [0, 2], 0.3, wait_all=True)
+    assert "Ranks 1, 3 failed to pass monitoredBarrier in 300 ms" in results[0], results
+    results, _ = _monitored_ranks(2, [0], 0)
+    assert results[0].startswith("Rank 0 timed out in monitoredBarrier after 0 ms"), results
 
 
 def test_work_finishes_once_and_completes_its_future():

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
-from . import rendezvous, routing
+from . import monitored, rendezvous, routing
 from .factory import create
 from .process_group import BACKEND_NAME, ProcessGroupMCRDL
 from .routing import ROUTES_ENV, TorchBackendOptions, process_routes
@@ -30,14 +30,16 @@ _front = None
 
 
 def register(front) -> None:
-    """Register the backend name "mcrdl" for CPU and CUDA tensors and the rendezvous on
-    mcrdl's store (rendezvous.py). Cheap: nothing is initialized until torch creates a
+    """Register the backend name "mcrdl" for CPU and CUDA tensors, the rendezvous on
+    mcrdl's store (rendezvous.py) and monitored_barrier on mcrdl's groups
+    (monitored.py). Cheap: nothing is initialized until torch creates a
     process group. Called by ``import mcrdl``."""
     global _front
     _front = front
     dist.Backend.register_backend(BACKEND_NAME, functools.partial(create, front),
                                   extended_api=True, devices=["cpu", "cuda"])
     rendezvous.install(front)
+    monitored.install(ProcessGroupMCRDL)
 
 
 def routes() -> dict[str, str]:

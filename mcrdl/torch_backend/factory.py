@@ -98,7 +98,7 @@ def create(front, options: dist.distributed_c10d._DistributedBackendOptions,
     watchdog.default_timeout = lambda: _runtime_timeout(front)
     pg = ProcessGroupMCRDL(front, options.group_rank, options.group_size, group, routes,
                            None if group is None else group_timeout(front, options.timeout),
-                           finalize_on_shutdown=owns)
+                           finalize_on_shutdown=owns, store=options.store)
     log.info("mcrdl torch backend: %s on %s: %s", where, front.get_backends(),
              describe(routes))
     return pg

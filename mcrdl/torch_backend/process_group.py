@@ -32,8 +32,9 @@ from ..errors import (
     MCRDLError,
     UnsupportedOperationError,
 )
-from ..ops import OPS
+from ..ops import OPS, ReduceOp
 from ..validate import validate
+from . import monitored
 from .convert import (
     BY_HASH,
     c10d_error,
@@ -97,8 +98,10 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
                  "_finalize_on_shutdown", "_name", "_desc", "__dict__")
 
     def __init__(self, front, rank: int, size: int, group, routes: dict[str, str],
-                 timeout: float | None, finalize_on_shutdown: bool = False):
+                 timeout: float | None, finalize_on_shutdown: bool = False, store=None):
         super().__init__(rank, size)
+        self._store = store  # torch's store of the world (monitored_barrier's)
+        self._monitored = 0  # monitored barriers called
         self._api = front
         self._all_reduce = front.all_reduce  # a module function, fixed: one lookup saved
         self._group = group
@@ -207,7 +210,46 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
             return McrdlWork.of((self._all_reduce(backend, tensors[0], op, self._group, True),),
                                 tensors, self._timeout, None, ALLREDUCE, self)
         except MCRDLError as exc:
+            if tensors[0].layout is torch.sparse_coo:  # refused by mcrdl: not on the hot path
+                return self._sparse_allreduce(tensors[0], op, opts.asyncOp)
             raise c10d_error(exc, ALLREDUCE, backend) from None
+
+    def _sparse_allreduce(self, tensor: torch.Tensor, op, async_op: bool):
+        """The sum of a sparse COO tensor over the group, into it (as Gloo's sparse
+        all_reduce): every rank's indices and values are gathered (padded to the largest
+        count, which one all_gather of the counts tells first) and summed, coalesced."""
+        backend = self._routes[ALLREDUCE]
+        if op is not ReduceOp.SUM:
+            raise c10d_error(InvalidArgumentError(
+                f"all_reduce: a sparse tensor reduces with ReduceOp.SUM only (as on Gloo), "
+                f"got {op.name}; convert it with .to_dense() for other ops"),
+                ALLREDUCE, backend)
+        local = tensor.coalesce()
+        indices, values = local.indices(), local.values()
+        count = torch.tensor([values.shape[0]], dtype=torch.int64)
+        counts = [torch.empty_like(count) for _ in range(self.size())]
+        try:
+            self._api.all_gather(backend, counts, count, self._group, False)
+        except MCRDLError as exc:
+            raise c10d_error(exc, ALLREDUCE, backend) from None
+        counts = [int(c) for c in counts]
+        most = max(counts)
+        padded_indices = indices.new_zeros((indices.shape[0], most))
+        padded_indices[:, :counts[self.rank()]] = indices
+        padded_values = values.new_zeros((most, *values.shape[1:]))
+        padded_values[:counts[self.rank()]] = values
+        all_indices = [torch.empty_like(padded_indices) for _ in counts]
+        all_values = [torch.empty_like(padded_values) for _ in counts]
+
+        def total():
+            summed = torch.sparse_coo_tensor(
+                torch.cat([i[:, :n] for i, n in zip(all_indices, counts, strict=True)], 1),
+                torch.cat([v[:n] for v, n in zip(all_values, counts, strict=True)]), tensor.shape)
+            tensor.copy_(summed.coalesce())
+
+        calls = [(all_indices, padded_indices), (all_values, padded_values)] if most else []
+        return self._post_each(ALLREDUCE, self._api.all_gather, calls, [tensor], async_op,
+                               total)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """One all_reduce per dtype, of the tensors packed into one buffer."""
@@ -272,9 +314,21 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """``output_lists[r][i]`` receives rank r's ``input_tensors[i]`` (one list per
+        rank, as torch's all_gather_coalesced documents): one all_gather per input."""
         if opts is None:
             opts = AllgatherOptions()
-        calls = [(outs, t) for outs, t in zip(output_lists, input_tensors, strict=True)]
+        size = self.size()
+        if len(output_lists) != size or any(len(outs) != len(input_tensors)
+                                            for outs in output_lists):
+            raise c10d_error(InvalidArgumentError(
+                f"all_gather_coalesced: output_tensor_lists holds one list per rank of the "
+                f"group ({size}), each with one tensor per input ({len(input_tensors)}); "
+                f"got {len(output_lists)} lists of "
+                f"{sorted({len(outs) for outs in output_lists})} tensors"),
+                ALLGATHER, self._routes[ALLGATHER])
+        calls = [([output_lists[r][i] for r in range(size)], t)
+                 for i, t in enumerate(input_tensors)]
         return self._post_each(ALLGATHER, self._api.all_gather, calls,
                                [o for outs in output_lists for o in outs], opts.asyncOp)
 
@@ -375,6 +429,25 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         return self._post(BARRIER, self._api.barrier, (), [], opts.asyncOp,
                           timeout_seconds(opts.timeout))
 
+    def monitored_barrier(self, timeout: datetime.timedelta | float | None = None,
+                          wait_all_ranks: bool = False) -> None:
+        """torch.distributed.monitored_barrier (monitored.py): a barrier over the group's
+        store that names the ranks which did not reach it within `timeout` (the group's,
+        else mcrdl's, when None)."""
+        if self._store is None:
+            raise UnsupportedOperationError(
+                "monitored_barrier: this mcrdl group has no store (it runs over the store "
+                "torch gives init_process_group); use barrier()")
+        seconds = self._timeout if timeout is None else (
+            timeout.total_seconds() if isinstance(timeout, datetime.timedelta)
+            else float(timeout))
+        if seconds is None:
+            seconds = self._api.current_runtime().timeout
+        self._monitored += 1
+        monitored.monitored_barrier(self._store, f"{monitored.KEY}/{self._name}/"
+                                    f"{self._monitored}", self.rank(), self.size(), seconds,
+                                    wait_all_ranks)
+
     # -- groups and lifetime ---------------------------------------------------------
     def new_group(self, ranks, timeout=None, pg_options=None, group_name=None,
                   group_desc=None, backend=None):
@@ -400,7 +473,7 @@ class ProcessGroupMCRDL(dist.ProcessGroup):
         if not group.is_member:
             return None
         pg = ProcessGroupMCRDL(self._api, group.rank, group.size, group, routes,
-                               group_timeout(self._api, timeout))
+                               group_timeout(self._api, timeout), store=self._store)
         pg._set_group_name(str(group_name))
         pg._set_group_desc(group_desc or "undefined")
         log.info("mcrdl torch backend: group %s (ranks %s): %s", group_name, list(ranks),

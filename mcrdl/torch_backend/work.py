@@ -193,23 +193,28 @@ class McrdlWork(dist.Work):
                 lock.acquire()
             elif not lock.acquire(timeout=seconds):
                 raise self._timed_out(CommTimeoutError(
-                    f"torch.distributed {self._what} on mcrdl did not complete within "
-                    f"wait(timeout={seconds}) s; it is still pending"))
+                    f"it did not complete within wait(timeout={seconds}) s; it is still "
+                    "pending"), seconds)
             try:
                 if not self._done:
                     self._settle(deadline)
             except CommTimeoutError as exc:
-                raise self._timed_out(exc) from None
+                raise self._timed_out(exc, seconds) from None
             finally:
                 lock.release()
         if self._error is not None:
             raise self._error
         return True
 
-    def _timed_out(self, exc: CommTimeoutError) -> CommTimeoutError:
-        """`exc`, having broken the group: the op stays in flight on every rank that
-        posted it, so the group's later ops would no longer match across ranks (as Gloo
-        closes its pairs and NCCL aborts its communicator after a timeout)."""
+    def _timed_out(self, exc: CommTimeoutError, seconds: float | None) -> CommTimeoutError:
+        """`exc` led by the c10d operation and the wait ("Timed out waiting", the words
+        of Gloo's and NCCL's timeouts, which torch's tests and users match), having
+        broken the group: the op stays in flight on every rank that posted it, so the
+        group's later ops would no longer match across ranks (as Gloo closes its pairs
+        and NCCL aborts its communicator after a timeout)."""
+        if seconds is not None:
+            exc = type(exc)(f"torch.distributed {self._what} on mcrdl: Timed out waiting "
+                            f"{seconds * 1000:.0f} ms: {exc}")
         if self._pg is not None:
             self._pg._break(self._what, exc)
         return exc
@@ -291,7 +296,7 @@ class McrdlWork(dist.Work):
             for w in self._works:
                 w.time_out(-1.0 if self._timeout is None else self._timeout)
         except CommTimeoutError as exc:
-            self._settle_future(self._timed_out(exc))
+            self._settle_future(self._timed_out(exc, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the future's waiters
             self._settle_future(exc)
 

@@ -249,13 +249,13 @@ class Checks:
             out, [tensor(src[j], dt) for j in range(n)] if me == root else None,
             group_src=root, group=g, async_op=a), out, src[me])
 
-        # all_gather_coalesced: a list of outputs per input
+        # all_gather_coalesced: a list of outputs per rank, one output per input
         ins = [self.each((k + 1,), 40 + k) for k in range(2)]
-        outs = [[torch.empty(k + 1, dtype=dt) for _ in range(n)] for k in range(2)]
+        outs = [[torch.empty(k + 1, dtype=dt) for k in range(2)] for _ in range(n)]
         w = dist.all_gather_coalesced(outs, [tensor(x[me], dt) for x in ins], group=g,
                                       async_op=a)
         self.post("all_gather_coalesced", FutureWork(w) if a else w,
-                  [o for per in outs for o in per], [y for x in ins for y in x])
+                  [o for per in outs for o in per], [x[r] for r in range(n) for x in ins])
 
         # coalesced forms: what torch's _coalescing_manager sends as one call
         ins = [self.each((k + 1,), 30 + k) for k in range(3)]
@@ -460,8 +460,11 @@ if RANK == bad:
         ("non-contiguous tensor", lambda: dist.broadcast(
             torch.ones(4, 4).t(), 0), ValueError),
         ("receive from any source", lambda: dist.recv(torch.ones(2)), RuntimeError),
-        ("sparse tensor", lambda: dist.all_reduce(torch.sparse_coo_tensor(
-            [[0]], [1.0], (3,))), ValueError, "non-strided (e.g. sparse) layout"),
+        # a sparse all_reduce sums (as Gloo's), with SUM only
+        ("sparse tensor, MAX", lambda: dist.all_reduce(torch.sparse_coo_tensor(
+            [[0]], [1.0], (3,)), op=ReduceOp.MAX), ValueError, "ReduceOp.SUM only"),
+        ("sparse tensor, broadcast", lambda: dist.broadcast(torch.sparse_coo_tensor(
+            [[0]], [1.0], (3,)), 0), ValueError, "non-strided (e.g. sparse) layout"),
         # each tensor checked before the pack, which would take either
         ("sparse tensor, coalesced", lambda: dist.all_reduce_coalesced(
             [torch.ones(2), torch.sparse_coo_tensor([[0]], [1.0], (3,))]), ValueError),
