@@ -623,14 +623,17 @@ def test_blocking_call_releases_the_gil_a_python_thread_needs(two_ranks):
         assert f"rank 0 {variant} ok" in out and f"rank 1 {variant} ok" in out, out
 
 
-@pytest.mark.parametrize("mode", ["auto", "always"])
+@pytest.mark.parametrize("mode", ["auto", "always", "never"])
 @pytest.mark.parametrize("order", ["mpi4py", "mcrdl"])
 def test_async_cost_per_op_does_not_grow_with_ops_in_flight(order, mode):
     """512 small async all_reduces in flight cost per op what 32 do (within 2x), whoever
-    initialized MPI: with MPI initialized by the program (mpi4py.MPI imported first) and
-    ops of the blocking variant queued on the issue thread, every wait of an op on that
-    thread's turns cost the lane a test of every op in flight, and 512 took 2.5-8x per op
-    what 32 took. A ratio over the bound is measured once more (a loaded machine)."""
+    initialized MPI and whichever variant runs them: with MPI initialized by the program
+    (mpi4py.MPI imported first) and ops of the blocking variant queued on the issue
+    thread, every wait of an op on that thread's turns cost the lane a test of every op in
+    flight, and 512 took 2.5-8x per op what 32 took; on the nonblocking variant MPICH's
+    progress engine visits every nonblocking collective in flight on each test (the
+    window bounds them). A ratio over the bound is measured once more (a loaded
+    machine)."""
     mpiexec = mpiexec_or_skip()
     env = dict(os.environ, MCRDL_MPI_BLOCKING=mode)
     ratios = []
@@ -643,6 +646,53 @@ def test_async_cost_per_op_does_not_grow_with_ops_in_flight(order, mode):
             return
     pytest.fail(f"per-op cost at 512 in flight over 2x that at 32 ({order} first, "
                 f"MCRDL_MPI_BLOCKING={mode}): ratios {ratios}; last run:\n{out}")
+
+
+WINDOW = r"""
+import torch, mcrdl
+from mcrdl import _C
+mcrdl.init(['mpi'])
+b = mcrdl.api.current_runtime().backend('mpi')
+c, rank = b.comm(None), mcrdl.get_rank()
+_C.set_mpi_window(4)
+with b.variant('all_reduce', 'nonblocking'):
+    ts = [torch.full((256,), float(rank + k)) for k in range(64)]
+    works, seen = [], 0
+    for k, t in enumerate(ts):
+        works.append(mcrdl.all_reduce('mpi', t, async_op=True))
+        seen = max(seen, c.in_mpi)
+        if k == 31:  # a blocking call behind the queued ones, then the rest
+            x = torch.full((4,), float(rank))
+            mcrdl.all_reduce('mpi', x)
+            assert x.tolist() == [1.0] * 4, x
+    for w in works:
+        w.wait()
+    assert seen <= 4, seen
+    assert c.in_mpi == 0, c.in_mpi
+    for k, t in enumerate(ts):
+        assert torch.equal(t, torch.full((256,), float(1 + 2 * k))), (k, t[:4])
+try:
+    _C.set_mpi_window(0)
+except ValueError as e:
+    assert 'set_mpi_window: n must be >= 1' in str(e), e
+else:
+    raise AssertionError('window 0 accepted')
+_C.set_mpi_window(32)
+print('window ok', rank, seen)
+mcrdl.finalize()
+"""
+
+
+def test_async_nonblocking_collectives_kept_within_the_window(tmp_path):
+    """At most mpi_window() nonblocking collectives of a communicator are in MPI at once:
+    64 async all_reduces posted against a window of 4 all complete, in order, with the
+    right sums, a blocking call posted behind the queued ones included."""
+    mpiexec = mpiexec_or_skip()
+    script = tmp_path / "window.py"
+    script.write_text(WINDOW)
+    out = run_launcher([mpiexec, "-n", "2", sys.executable, str(script)], timeout=180)
+    for rank in (0, 1):
+        assert re.search(rf"window ok {rank} [1-4]\b", out), out
 
 
 INIT_MODE = r"""

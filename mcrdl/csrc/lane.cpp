@@ -380,20 +380,25 @@ void Lane::throw_unhealthy(const char* op) {
                   "matching operations); finalize and restart the job. Earlier: " + why_);
 }
 
-// The lane's own lists: `polled`, the ops it tests on every pass, and per gate queue
-// (Work::gate) the ops waiting for their issue thread, oldest first. Testing every op in
-// flight on every pass cost O(ops in flight) per pass, and a pass ran per turn of the
+// The lane's own lists: `polled`, the ops it tests on every pass, and per order queue
+// (Work::gate_queue: a communicator's collectives) its ops in sequence order, of which it
+// tests only the oldest unfinished one, once its gate (if any) is open. Testing every op
+// in flight on every pass cost O(ops in flight) per pass, and more inside MPI: each test
+// of a nonblocking op runs MPICH's progress engine, which visits every nonblocking
+// collective in flight, so a pass over N ops cost O(N^2). And a pass ran per turn of the
 // threads sharing a core (the issue thread's MPI call yields in its progress loop, waiters
 // yield): with N small async ops queued on an issue thread each one's issue waited for
 // O(N) work of the lane, so N ops took O(N^2) (512 all_reduces of 1 KiB at 2 ranks, MPI
-// initialized by mpi4py: 230 us an op against 40 us at 64). A gated op is looked at only
-// when it heads its queue. inflight_ (for synchronize and shutdown) is purged of finished
-// ops when the lane has nothing left, or once they are half of it (amortized O(1) an op).
+// initialized by mpi4py: 230 us an op against 40 us at 64). Testing the oldest op drives
+// MPI's progress for all of them; a later op that completes first is seen when it heads
+// the queue, or at once by a thread waiting on it (a waiter tests its own op).
+// inflight_ (for synchronize and shutdown) is purged of finished ops when the lane has
+// nothing left, or once they are half of it (amortized O(1) an op).
 void Lane::loop() {
   Backoff backoff(true);
   std::vector<std::shared_ptr<Work>> polled, fresh;
-  std::vector<std::pair<const void*, std::deque<std::shared_ptr<Work>>>> gated;
-  size_t n_gated = 0;
+  std::vector<std::pair<const void*, std::deque<std::shared_ptr<Work>>>> ordered;
+  size_t n_ordered = 0;
   auto sleep = [this](std::chrono::microseconds d) {
     std::unique_lock<std::mutex> g(mu_);
     cv_.wait_for(g, d, [this] { return stop_ || !fresh_.empty(); });
@@ -401,7 +406,7 @@ void Lane::loop() {
   for (;;) {
     {
       std::unique_lock<std::mutex> g(mu_);
-      cv_.wait(g, [&] { return stop_ || !fresh_.empty() || !polled.empty() || n_gated; });
+      cv_.wait(g, [&] { return stop_ || !fresh_.empty() || !polled.empty() || n_ordered; });
       if (stop_) return;
       if (!fresh_.empty()) {
         backoff.reset();  // a new op: poll it at full rate
@@ -409,30 +414,36 @@ void Lane::loop() {
       }
     }
     for (auto& w : fresh) {
-      if (!w->gate) {
+      if (!w->gate_queue) {
         polled.push_back(std::move(w));
         continue;
       }
-      auto q = std::find_if(gated.begin(), gated.end(),
+      auto q = std::find_if(ordered.begin(), ordered.end(),
                             [&](const auto& e) { return e.first == w->gate_queue; });
-      if (q == gated.end())
-        q = gated.emplace(gated.end(), w->gate_queue, std::deque<std::shared_ptr<Work>>{});
+      if (q == ordered.end())
+        q = ordered.emplace(ordered.end(), w->gate_queue, std::deque<std::shared_ptr<Work>>{});
       // in issue order: threads posting on one communicator may track in another order
-      // than they pushed, but its sequence numbers follow the pushes (both under its lock)
+      // than they posted, but its sequence numbers follow the posts (both under its lock)
       auto at = q->second.end();
       while (at != q->second.begin() && (*(at - 1))->seq() > w->seq()) --at;
       q->second.insert(at, std::move(w));
-      ++n_gated;
+      ++n_ordered;
     }
     fresh.clear();
     bool any_done = false, moved = false;
-    for (auto& [key, q] : gated) {
-      while (!q.empty() && (q.front()->gate->load(std::memory_order_acquire) ||
-                            q.front()->finished())) {
-        polled.push_back(std::move(q.front()));
+    for (auto& [key, q] : ordered) {
+      while (!q.empty()) {
+        Work& w = *q.front();
+        if (!w.finished()) {
+          if (w.gate && !w.gate->load(std::memory_order_acquire)) break;
+          const uint64_t steps = w.advances();
+          const bool done = w.progress();
+          moved |= w.advances() != steps;
+          if (!done) break;
+        }
         q.pop_front();
-        --n_gated;
-        moved = true;
+        --n_ordered;
+        any_done = true;
       }
     }
     for (auto& w : polled) {
@@ -446,7 +457,7 @@ void Lane::loop() {
                    polled.end());
       std::lock_guard<std::mutex> g(mu_);
       auto& v = inflight_;
-      if (polled.empty() && !n_gated && fresh_.empty()) {
+      if (polled.empty() && !n_ordered && fresh_.empty()) {
         v.clear();  // every op tracked has finished
         purged_at_ = 0;
       } else if (v.size() >= 2 * purged_at_ + 64) {

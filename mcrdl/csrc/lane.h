@@ -58,10 +58,11 @@ class Work {
   std::function<bool()> test;
   // Runs once after completion (copy-back, cast-back, averaging); may throw Error.
   std::function<void()> finish;
-  // An op that another thread issues (a communicator's issue thread, issuer.h): testing it
-  // is pointless until `*gate` is set, and the gates of one `gate_queue` are set in the
-  // order of the ops' sequence numbers. The lane then looks only at each queue's oldest op
-  // instead of testing every op in flight on every pass (see Lane::loop).
+  // The ops of one `gate_queue` (a communicator's collectives) are issued to MPI in the
+  // order of their sequence numbers: the lane tests only each queue's oldest unfinished op
+  // instead of every op in flight on every pass (see Lane::loop). An op that another
+  // thread issues (a communicator's issue thread, issuer.h) has a `gate`: testing it is
+  // pointless until `*gate` is set.
   std::shared_ptr<const std::atomic<bool>> gate;
   const void* gate_queue = nullptr;
 

@@ -21,6 +21,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstring>
@@ -30,6 +31,7 @@
 #include <memory>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include <pybind11/stl.h>
 
@@ -206,8 +208,65 @@ int reduce_all_pick(const void* sd, void* rd, mcount n, int64_t per, int rank, i
   return rc;
 }
 
+// How many nonblocking collectives a communicator keeps in MPI at once: the async ones
+// posted beyond it wait in the communicator's issue queue and reach MPI, in issue order,
+// as earlier ones complete. MPICH's progress engine visits every nonblocking collective
+// in flight on each of its calls (one per test of any request), so with N in flight
+// every op's progress cost O(N): 512 async all_reduces of 1 KiB posted, then waited, at
+// 2 ranks (MPI initialized by mpi4py) cost 1.5-1.8x per op what 64 did, that loop 28-33%
+// of each rank's CPU samples (perf) against 5-6% with a window of 32, which still covers
+// the latency of a small op at the rate a caller posts them (benchmarks/async_burst.py).
+std::atomic<int> g_nb_window{32};
+
+// A communicator's count of nonblocking collectives in MPI, against g_nb_window. A slot
+// is taken to post (by the caller, with the post lock held and nothing queued, or by the
+// issue thread, which waits for room) and given back when a test sees the op complete.
+struct Window {
+  std::atomic<int> n{0};
+  std::atomic<bool> waiting{false};
+  std::mutex mu;
+  std::condition_variable cv;
+
+  // A caller posting with the post lock held and the issue queue idle (nothing else takes
+  // slots meanwhile): a slot if there is room.
+  bool try_take() {
+    if (n.load() >= g_nb_window.load(std::memory_order_relaxed)) return false;
+    n.fetch_add(1);
+    return true;
+  }
+  // The issue thread: wait for room, then take a slot. Once full, it waits until half the
+  // window has drained (one wake-up per half window, not per op). Gives up waiting when
+  // `lane` fails or closes (its ops are abandoned then, and never give their slots back):
+  // the op is then posted as it would be without the window.
+  void take(const Lane& lane) {
+    const int limit = g_nb_window.load(std::memory_order_relaxed);
+    if (n.load() >= limit) {
+      std::unique_lock<std::mutex> g(mu);
+      waiting.store(true);
+      while (n.load() > limit / 2 && lane.healthy())
+        cv.wait_for(g, std::chrono::milliseconds(10));
+      waiting.store(false);
+    }
+    n.fetch_add(1);
+  }
+  void give_back() {
+    // seq_cst with take's store and load of `waiting` and `n`: no wake-up is lost
+    if (n.fetch_sub(1) - 1 <= g_nb_window.load(std::memory_order_relaxed) / 2 &&
+        waiting.load()) {
+      { std::lock_guard<std::mutex> g(mu); }
+      cv.notify_one();
+    }
+  }
+};
+
 // Everything a posted op needs until it completes: requests, count arrays, buffers.
 struct InFlight {
+  // The window slot the op holds while in MPI (Window): given back when a test sees it
+  // complete, or when the op is dropped (failed to post, failed).
+  std::shared_ptr<Window> window;
+  ~InFlight() {
+    if (window) window->give_back();
+  }
   std::vector<MPI_Request> reqs;
   std::vector<mcount> c1, c2;
   std::vector<mdisp> d1, d2;
@@ -220,6 +279,7 @@ struct InFlight {
   bool completed(const char* op) {
     int flag = 0;
     check_mpi(MPI_Testall((int)reqs.size(), reqs.data(), &flag, MPI_STATUSES_IGNORE), op);
+    if (flag && window) std::exchange(window, nullptr)->give_back();
     return flag != 0;
   }
 };
@@ -246,6 +306,9 @@ class MpiComm {
   // Calls that ran the blocking MPI collective (either thread): what tests observe of the
   // variant choice.
   uint64_t blocking_calls() const { return blocking_calls_; }
+  // Nonblocking collectives in MPI now that hold a window slot (async calls, and calls
+  // the issue thread posted), not yet seen complete (Window).
+  int in_mpi() const { return window_->n.load(); }
   void set_timeout(double t) {
     auto g = lock_post();  // posts read it under the post lock
     timeout_s_ = t;
@@ -899,13 +962,22 @@ class MpiComm {
     w->finish = std::move(finish);
     append(s->keep, keep());
     auto test = testall(s, w->op());
-    if (p2p || issuer_->idle()) {
+    // A collective goes to MPI from here unless ops are queued on the issue thread, or,
+    // async, the window is full (Window): then the issue thread posts it in turn.
+    if (p2p || (issuer_->idle() && (!async_op || window_->try_take()))) {
+      if (!p2p && async_op) {
+        s->window = window_;  // given back by the InFlight should the post fail
+        w->gate_queue = issuer_.get();  // the lane tests the oldest of them (Lane::loop)
+      }
       check_mpi(post_fn(s->req()), mpi_name);
       g.unlock();
       w->test = std::move(test);
     } else {
       auto q = std::make_shared<Queued>(
-          [s, post_fn = std::function<int(MPI_Request*)>(std::forward<PostFn>(post_fn))] {
+          [s, win = window_, lane = lane_,
+           post_fn = std::function<int(MPI_Request*)>(std::forward<PostFn>(post_fn))] {
+            win->take(*lane);
+            s->window = win;
             return post_fn(s->req());
           });
       issuer_->push(q->task());
@@ -1010,6 +1082,7 @@ class MpiComm {
   PostLock post_mu_;
   BlockingChoice blocking_;
   std::shared_ptr<Issuer> issuer_;
+  std::shared_ptr<Window> window_ = std::make_shared<Window>();
   SlotCache slots_;
 };
 
@@ -1048,6 +1121,16 @@ void bind_mpi(py::module_& m) {
         "The CommTimeoutError text of an op that did not complete within `timeout` seconds "
         "(what the blocking path's watchdog prints before MPI_Abort); `own_timeout`: the "
         "op's own timeout, where the wait had another (the op is still in flight).");
+  m.def("set_mpi_window",
+        [](int n) {
+          if (n < 1) throw_invalid("set_mpi_window: n must be >= 1, got " + std::to_string(n));
+          g_nb_window.store(n, std::memory_order_relaxed);
+        },
+        arg("n"),
+        "How many nonblocking collectives each MPI communicator keeps in MPI at once (32); "
+        "async ones posted beyond it are issued in order as earlier ones complete.");
+  m.def("mpi_window", [] { return g_nb_window.load(std::memory_order_relaxed); },
+        "set_mpi_window's value.");
   bind_mpi_fast(m);
   m.def("mpi_library_version", &mpi_library_version,
         "Version string of the MPI library this extension was linked against.");
@@ -1060,6 +1143,9 @@ void bind_mpi(py::module_& m) {
       .def_property_readonly("seq", &MpiComm::seq)
       .def_property_readonly("blocking_calls", &MpiComm::blocking_calls,
                              "How many calls ran the blocking MPI collective (set_blocking).")
+      .def_property_readonly("in_mpi", &MpiComm::in_mpi,
+                             "Nonblocking collectives of this communicator in MPI now, not "
+                             "yet seen complete (at most mpi_window(); the rest queue).")
       .def("set_timeout", &MpiComm::set_timeout)
       .def_static("has_blocking", [](const std::string& op) { return block_op_of(op) >= 0; },
                   arg("op"), "Whether operation `op` has a blocking variant (set_blocking).")
