@@ -9,21 +9,24 @@ Usage::
     mpiexec -n 2 python benchmarks/fusion.py
     mpiexec -n 4 python benchmarks/fusion.py --backend gloo --count 512 --bytes 1K
 
-Method: warm up both variants, then time them in alternating blocks of
-``--block-iters`` iterations (the order reverses every block); an untimed mpi4py
-barrier on a communicator of its own precedes each iteration; one ``Allreduce(MAX)``
-at the end gives the per-iteration maximum over ranks; each figure is the median of
-those. ``speedup`` = unfused / fused time. ``issue`` is the part of an iteration spent
-issuing the calls (the rest is waiting: for the unfused calls to complete, or for the
-fused round - agreement, fused all_reduce, copies - to run); ``us/call`` divides the
-iteration by ``--count``.
+Method: warm up each contender, then time them in rotating blocks of ``--block-iters``
+iterations (unfused, fused, plain; each block starts one later in that order); an
+untimed mpi4py barrier on a communicator of its own precedes each iteration; one
+``Allreduce(MAX)`` at the end gives the per-iteration maximum over ranks; each figure is
+the median of those. ``speedup`` = unfused / fused time. ``issue`` is the part of an
+iteration spent issuing the calls (the rest is waiting: for the unfused calls to
+complete, or for the fused round - agreement, fused all_reduce, copies - to run);
+``us/call`` divides the iteration by ``--count``.
 
 The unfused baseline runs on the fastest path mcrdl offers for the calls: on a backend
 with MPI variants (``variant``: "mpi", "cray-mpich") a plain loop of the same async calls
 (post ``--count``, wait for all; no fills, checks or barriers inside) is timed with each
 variant forced, and the unfused iterations run the fastest (``path``; "chosen": the
-backend's own choice, where it has no variants). ``plain us/call`` is that loop's time
-per call on the chosen path, beside the unfused iteration's ``us/call``.
+backend's own choice, where it has no variants). The plain loop on that path is the third
+contender of the timed blocks: ``plain us/call`` is its median per call, measured in the
+same run as the unfused iterations, and ``unfused/plain`` the ratio of the two (the
+unfused iteration differs only by the fill before it and the check after it, both
+untimed).
 
 A second table gives a floor of the fused iteration, from parts measured the same way:
 issuing the calls (``issue``: the fused variant's issue time above; each call is
@@ -132,13 +135,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "copies": timed(lambda: _C.unpack_flat(_C.pack_flat(tensors), tensors)),
         }
 
+    def burst(backend: str) -> None:
+        works = [mcrdl.all_reduce(backend, t, async_op=True) for t in tensors]
+        for w in works:
+            w.wait()
+
     def plain(backend: str) -> float:
         """Seconds per call of a plain loop: post every call, then wait for all."""
-        def burst():
-            works = [mcrdl.all_reduce(backend, t, async_op=True) for t in tensors]
-            for w in works:
-                w.wait()
-        return timed(burst, reps=9) / len(tensors)
+        return timed(lambda: burst(backend), reps=9) / len(tensors)
+
+    def plain_iteration(backend: str) -> tuple[float, float]:
+        """A timed plain loop, as iteration() times its calls (no fill, no check)."""
+        sync.Barrier()
+        start = time.perf_counter()
+        works = [mcrdl.all_reduce(backend, t, async_op=True) for t in tensors]
+        issued = time.perf_counter() - start
+        for w in works:
+            w.wait()
+        return time.perf_counter() - start, issued
 
     def fastest_path(backend: str):
         """(name, context manager factory) of the fastest path for the unfused calls, and
@@ -156,8 +170,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     paths = {}
 
-    def run(backend: str, fused: bool, n: int) -> list[tuple[float, float]]:
-        if not fused:
+    def run(backend: str, kind: str, n: int) -> list[tuple[float, float]]:
+        if kind == "plain":
+            with paths[backend][1]():
+                return [plain_iteration(backend) for _ in range(n)]
+        if kind == "unfused":
             with paths[backend][1]():
                 return [iteration(backend) for _ in range(n)]
         with mcrdl.extensions(fusion=config):
@@ -172,36 +189,43 @@ def main(argv: Sequence[str] | None = None) -> int:
          "speedup = unfused / fused")
     emit(f"{'backend':<8} {'path':>11} {'unfused(ms)':>12} {'fused(ms)':>10} {'speedup':>8} "
          f"{'flushes/iter':>13} {'issue unfused/fused(ms)':>24} {'us/call unfused/fused':>22} "
-         f"{'plain us/call':>14}")
+         f"{'plain us/call':>14} {'unfused/plain':>14}")
     results = []
+    kinds = ("unfused", "fused", "plain")
     for backend in args.backend:
         paths[backend] = fastest_path(backend)
-        for fused in (False, True):
-            run(backend, fused, args.warmup)
-        times = {False: [], True: []}
+        for kind in kinds:
+            run(backend, kind, args.warmup)
+        times = {kind: [] for kind in kinds}
         fusion_stats(reset=True)
         blocks = range(0, args.iters, args.block_iters)
         for b, first in enumerate(blocks):
             n = min(args.block_iters, args.iters - first)
-            for fused in ((False, True) if b % 2 == 0 else (True, False)):
-                times[fused].extend(run(backend, fused, n))
+            for k in range(len(kinds)):
+                kind = kinds[(b + k) % len(kinds)]
+                times[kind].extend(run(backend, kind, n))
         flushes = fusion_stats()["flushes"] / args.iters
         med, issue = {}, {}
-        for fused, rows in times.items():
+        for kind, rows in times.items():
             arr = np.asarray(rows)  # columns: iteration, issuing
             sync.Allreduce(MPI.IN_PLACE, arr, op=MPI.MAX)
-            med[fused], issue[fused] = (float(x) for x in np.median(arr, axis=0))
-        speedup = med[False] / med[True]
-        path, _, plain_s = paths[backend]
+            med[kind], issue[kind] = (float(x) for x in np.median(arr, axis=0))
+        speedup = med["unfused"] / med["fused"]
+        path = paths[backend][0]
+        plain_s = med["plain"] / args.count
         results.append({"backend": backend, "ranks": size, "path": path,
-                        "unfused_s": med[False], "fused_s": med[True], "speedup": speedup,
-                        "flushes_per_iter": flushes, "unfused_issue_s": issue[False],
-                        "fused_issue_s": issue[True], "plain_per_call_s": plain_s})
-        per_call = f"{med[False] * 1e6 / args.count:.2f}/{med[True] * 1e6 / args.count:.2f}"
-        emit(f"{backend:<8} {path:>11} {med[False] * 1e3:>12.3f} {med[True] * 1e3:>10.3f} "
-             f"{speedup:>7.1f}x {flushes:>13.1f} "
-             f"{f'{issue[False] * 1e3:.3f}/{issue[True] * 1e3:.3f}':>24} {per_call:>22} "
-             f"{plain_s * 1e6:>14.2f}")
+                        "unfused_s": med["unfused"], "fused_s": med["fused"],
+                        "speedup": speedup, "flushes_per_iter": flushes,
+                        "unfused_issue_s": issue["unfused"], "fused_issue_s": issue["fused"],
+                        "plain_per_call_s": plain_s,
+                        "unfused_over_plain": med["unfused"] / med["plain"]})
+        per_call = (f"{med['unfused'] * 1e6 / args.count:.2f}/"
+                    f"{med['fused'] * 1e6 / args.count:.2f}")
+        issued = f"{issue['unfused'] * 1e3:.3f}/{issue['fused'] * 1e3:.3f}"
+        emit(f"{backend:<8} {path:>11} {med['unfused'] * 1e3:>12.3f} "
+             f"{med['fused'] * 1e3:>10.3f} {speedup:>7.1f}x {flushes:>13.1f} "
+             f"{issued:>24} {per_call:>22} {plain_s * 1e6:>14.2f} "
+             f"{med['unfused'] / med['plain']:>13.2f}x")
     emit(f"# floor of the fused iteration (ms): issuing the {args.count} calls + agreement + "
          f"one all_reduce of {args.count * args.bytes} B + copies in and out; best = unfused "
          "/ floor")
