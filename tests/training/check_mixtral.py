@@ -12,6 +12,10 @@ layout. Run under ``mpiexec -n 4`` (one launch for every check):
   only the experts it holds, and ``trainer.evaluate(windows)`` equals HF's own loss on
   the same windows to 1e-5 (fp32), windows padded with ignored targets included.
   "mixtral hf OK".
+- memory (not run by default: ``MIXTRAL_CHECKS=memory``): a MixtralForCausalLM of ~100
+  MiB (8 experts, 4 layers of width 256) into (2, 2, 2); each rank's RSS growth while
+  it reads the model and builds its share, against its share's bytes.
+  "mixtral import memory: ..." per rank.
 """
 
 import os
@@ -142,7 +146,7 @@ def hf_import(data, rank):
         want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256).double(),
                                                  windows[:, 1:].reshape(-1)).item()
     mcrdl.barrier("mpi")
-    read = []
+    read = {}  # name -> index, as this rank asked the source for it
     import training.ted.trainer as ted_trainer
     original = ted_trainer.read_init
 
@@ -151,7 +155,7 @@ def hf_import(data, rank):
         parts = source.parts
 
         def taken(wanted):
-            read.extend(wanted)
+            read.update(wanted)
             return parts(wanted)
         source.parts = taken
         return source
@@ -167,12 +171,77 @@ def hf_import(data, rank):
     experts = {int(name.split(".experts.")[1].split(".")[0]) for name in read
                if ".experts." in name}
     assert experts == mine, (rank, experts, mine)
+    # tensor-parallel weights: only this tensor rank's half of the rows (N-layers:
+    # q/k/v, gate, up) or of the columns (T-layers: o, down)
+    t, split_dim = trainer.groups.tensor_rank, {"q_proj": 0, "k_proj": 0, "v_proj": 0,
+                                                "gate_proj": 0, "up_proj": 0,
+                                                "o_proj": 1, "down_proj": 1}
+    for name, index in read.items():
+        kind = name.split(".")[-2]
+        if kind not in split_dim:
+            assert index is None, (name, index)  # replicated: whole
+            continue
+        cut = index[split_dim[kind]]
+        width = cut.stop - cut.start
+        assert cut.start == t * width and width in (8, 16, 24), (name, index)
+    halves = sum(1 for index in read.values() if index is not None)
     got = trainer.evaluate(windows)
     if rank == 0:
         assert rel(got, want) <= TOL, (got, want)
         print(f"mixtral hf OK: MixtralForCausalLM on G_tensor=2 G_expert=2 G_data=2, each "
-              f"rank reading its 2 of 4 experts; evaluate {got:.7f}, HF {want:.7f} "
+              f"rank reading its 2 of 4 experts and its tensor-parallel halves ({halves} "
+              f"slices); evaluate {got:.7f}, HF {want:.7f} "
               f"(rel {rel(got, want):.1e})", flush=True)
+
+
+def import_memory(rank):
+    """RSS growth of ``read_init`` + TEDGPT from an HF directory, per rank, against the
+    bytes of the parameters the rank holds (its share: 1/4 of the experts, 1/2 of the
+    attention, the replicated rest). The baseline is taken after torch has loaded its
+    meta-device kernels (a fixed ~75 MiB on first use, whatever the model)."""
+    import resource
+
+    from training.models.hf import HFCheckpoint
+    from training.models.init_source import read_init
+    from training.ted.model import TEDGPT, TEDGroups, TEDLayout
+
+    root = mcrdl.broadcast_object(scratch_dir("mcrdl-mixtral-mem-"))
+    hf_dir = os.path.join(root, "hf")
+    if rank == 0:
+        from transformers import MixtralConfig as HFMixtralConfig
+        from transformers import MixtralForCausalLM
+
+        torch.manual_seed(0)
+        MixtralForCausalLM(HFMixtralConfig(
+            vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=64)).save_pretrained(hf_dir)
+    mcrdl.barrier("mpi")
+    with HFCheckpoint(hf_dir) as ckpt:
+        cfg, moe = ckpt.config, ckpt.moe
+    groups = TEDGroups(TEDLayout(2, 2, 2))
+    with torch.device("meta"):
+        Mixtral(cfg, moe)
+
+    def rss() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = rss()
+    source = read_init(f"hf:{hf_dir}", lambda: Mixtral(cfg, moe))
+    model = TEDGPT(cfg, moe, groups, state_dict=source)
+    source.close()
+    peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss())
+    share = sum(p.numel() * p.element_size() for p in model.parameters())
+    # the peak since the process began (an overstatement where an earlier peak was
+    # higher); rank 0 built the HF model before, so its current RSS instead
+    grown = peak - before if rank else rss() - before
+    size = os.path.getsize(os.path.join(hf_dir, "model.safetensors"))
+    for r, (g, s) in enumerate(mcrdl.all_gather_object((grown, share))):
+        if rank == 0:
+            print(f"mixtral import memory: rank {r}: model file {size / 2**20:.1f} MiB, "
+                  f"share {s / 2**20:.1f} MiB, RSS grew {g / 2**20:.1f} MiB "
+                  f"({g / s:.2f} x the share){' (current, not peak)' if r == 0 else ''}",
+                  flush=True)
 
 
 def main():
@@ -184,6 +253,8 @@ def main():
         parity(data, rank, n)
     if "hf" in checks:
         hf_import(data, rank)
+    if "memory" in checks:
+        import_memory(rank)
     mcrdl.finalize()
 
 

@@ -111,6 +111,8 @@ def make_unit(cfg: MixtralConfig, moe: MoEConfig, index: int, seed: int,
         unit = MixtralBlock(cfg, moe, with_experts)
     else:
         unit = llama.Block(cfg)
+    if any(p.is_meta for p in unit.parameters()):
+        return unit  # a template (no storage): nothing to draw
     experts = getattr(getattr(unit, "moe", None), "experts", None)
     if experts is None:
         llama._init_unit(unit, index, cfg, seed)

@@ -339,7 +339,8 @@ def make_moe_unit(cfg: GPTConfig, moe: MoEConfig, index: int, seed: int,
         unit = MoEBlock(cfg, moe, with_experts)
     else:
         unit = Block(cfg)
-    init_moe_unit(unit, index, cfg, seed)
+    if not any(p.is_meta for p in unit.parameters()):  # a template has nothing to draw
+        init_moe_unit(unit, index, cfg, seed)
     return unit
 
 

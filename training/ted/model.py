@@ -53,6 +53,7 @@ collectives' stashed outputs instead of communicating again.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -255,12 +256,13 @@ class ParallelLlamaAttention(nn.Module):
     group (q_proj, k_proj, v_proj N-layers; o_proj a T-layer): rank t holds query heads
     t*H/G..(t+1)*H/G-1 and the key/value heads serving them."""
 
-    def __init__(self, serial: llama.Attention, comms, name: str):
+    def __init__(self, serial: llama.Attention, cfg: llama.LlamaConfig, comms, name: str):
         super().__init__()
         g = comms.x.size
         self.local_heads, self.local_kv = serial.n_head // g, serial.n_kv_head // g
         self.head_dim = serial.head_dim
-        self.register_buffer("inv_freq", serial.inv_freq, persistent=False)
+        # computed here: the serial module may be a template without storage
+        self.register_buffer("inv_freq", llama.rope_frequencies(cfg), persistent=False)
         for n, transposed in (("q_proj", False), ("k_proj", False), ("v_proj", False),
                               ("o_proj", True)):
             setattr(self, n, ParallelLinear(getattr(serial, n).weight.data, None, comms,
@@ -444,7 +446,8 @@ class ParallelLlamaBlock(ParallelBlock):
         comms = groups.tensor_comms
         self.input_layernorm = serial.input_layernorm
         self.post_attention_layernorm = serial.post_attention_layernorm
-        self.self_attn = ParallelLlamaAttention(serial.self_attn, comms, f"{prefix}.self_attn")
+        self.self_attn = ParallelLlamaAttention(serial.self_attn, cfg, comms,
+                                                f"{prefix}.self_attn")
         if isinstance(serial, mixtral_model.MixtralBlock):
             self.moe = ParallelMoE(cfg, moe, serial.moe.router, experts, groups, dtd=dtd,
                                    debug_checks=debug_checks, prefix=f"{prefix}.moe")
@@ -491,26 +494,44 @@ class TEDGPT(nn.Module):
             block = ParallelLlamaBlock
         else:
             make, expert, draw, block = make_moe_unit, MLP, init_expert, ParallelBlock
+        # a SerialSource (--init-from): every parameter read as this rank's piece, after
+        # the block is built; a dict (a consolidated state_dict in memory): the serial
+        # unit and experts loaded whole, then cut
+        pieces = isinstance(state_dict, SerialSource)
+        whole = None if pieces else state_dict
         units = {}
         for i in range(cfg.n_units):
             # the serial unit without its experts; this rank's experts drawn on their own
-            serial = make(cfg, moe, i, seed, with_experts=False)
-            if state_dict is not None:
-                _load(serial, state_dict, f"units.{i}.")
+            # (reading pieces: built without storage, which only the pieces get)
+            with torch.device("meta") if pieces else contextlib.nullcontext():
+                serial = make(cfg, moe, i, seed, with_experts=False)
+            if whole is not None:
+                load_serial_part(serial, whole, f"units.{i}.")
             if isinstance(serial, (Embedding, Head, llama.Embedding, llama.Head)):
                 units[str(i)] = serial
+                if pieces:
+                    materialize(serial)
+                    state_dict.load_into(serial, f"units.{i}.")
                 continue
             experts = None
             if getattr(serial, "routes", False):
                 experts = {}
                 for e in local:
+                    if pieces:  # no weights until this rank's pieces are read
+                        with torch.device("meta"):
+                            experts[e] = expert(cfg)
+                        continue
                     experts[e] = expert(cfg)
                     draw(experts[e], cfg, seed, i, e)
-                    if state_dict is not None:
-                        _load(experts[e], state_dict, f"units.{i}.moe.experts.{e}.")
+                    if whole is not None:
+                        load_serial_part(experts[e], whole, f"units.{i}.moe.experts.{e}.")
             assert isinstance(serial, (Block, MoEBlock, llama.Block, mixtral_model.MixtralBlock))
             units[str(i)] = block(serial, cfg, moe, groups, experts, dtd, debug_checks,
                                   f"units.{i}")
+            del serial, experts
+            if pieces:
+                materialize(units[str(i)])
+                load_pieces(units[str(i)], state_dict, f"units.{i}.", groups.tensor_comms)
         self.units = nn.ModuleDict(units)
         mark_replicated(self)
 
@@ -529,11 +550,47 @@ class TEDGPT(nn.Module):
         return [p for p in self.parameters() if not getattr(p, "expert", False)]
 
 
-def _load(module: nn.Module, source, prefix: str) -> None:
-    if isinstance(source, SerialSource):
-        source.load_into(module, prefix)
-    else:
-        load_serial_part(module, source, prefix)
+def piece_index(split: Split | None, coords: dict[str, int],
+                sizes: dict[str, int]) -> tuple[slice, ...] | None:
+    """The index of this rank's piece of a parameter in the serial tensor: rows and
+    columns as its ``split`` cuts them (the tensor group's X; None: the whole tensor, or
+    a split the slices cannot express: a row permutation, a Z shard)."""
+    if split is None or not split.split_axes or split.perm is not None or \
+            (split.z and sizes["z"] > 1):
+        return None
+    bs = split.block_shape(sizes)
+    index = [slice(None)] * len(split.shape)
+    for dim, axis in enumerate((split.rows, split.cols)):
+        if axis:
+            c = coords[axis]
+            index[dim] = slice(c * bs[dim], (c + 1) * bs[dim])
+    return tuple(index)
+
+
+def materialize(module: nn.Module) -> None:
+    """Storage (uninitialized, on the CPU) for the parameters of `module` built on the meta
+    device, keeping each parameter's attributes (``split``, ``expert``)."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(torch.empty_like(p, device="cpu"),
+                                   requires_grad=p.requires_grad)
+                new.__dict__.update(p.__dict__)
+                m._parameters[name] = new
+
+
+def load_pieces(module: nn.Module, source: SerialSource, prefix: str, comms) -> None:
+    """Every parameter of `module` (a parallel block, its experts included) from
+    `source`'s tensor ``prefix + name``, reading only this rank's piece of it."""
+    coords, sizes = comms.coords(), comms.sizes()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            split = split_of(p)
+            index = piece_index(split, coords, sizes)
+            t = source.part(prefix + name, index)
+            if index is None and split is not None and split.split_axes:
+                t = split.local(t, coords, sizes, prefix + name)  # read whole, then cut
+            p.copy_(t.reshape(p.shape))
 
 
 def _segment(x, *blocks):
