@@ -179,6 +179,9 @@ def test_errors_name_the_constraint(tmp_path):
                          "--G-expert", "2", "--block-size", "16", "--capacity-factor", "0"],
                         world_size=2)
     assert cfg_ok.moe_config().experts == 6 and cfg_ok.model_config().block_size == 16
+    imported = parse_args(["--arch", "mixtral", "--init-from", f"hf:{tmp_path / 'six'}"])
+    assert imported.moe_config().dropless  # HF routes without a capacity: so by default
+    assert parse_args(["--arch", "mixtral"]).moe_config().capacity_factor == 1.25
     small = tmp_path / "small-vocab"
     tiny_hf(small)
     with pytest.raises(ValueError, match=r"vocabulary \(256 tokens\) exceeds the model's "

@@ -48,10 +48,12 @@ class MoEOptions(Options):
                                  "8; hf:DIR's)", minimum=1)
     top_k: int | None = option(None, "experts per token: 1 (Switch) or 2 (GShard); "
                                "--arch mixtral: any, default 2", minimum=1)
-    capacity_factor: float = option(1.25, "expert capacity = ceil(factor x top_k x group "
-                                    "tokens / experts); 0: dropless (no token dropped, "
-                                    "the capacity agreed over the expert group per call)",
-                                    minimum=0)
+    capacity_factor: float | None = option(None, "expert capacity = ceil(factor x top_k x "
+                                           "group tokens / experts), default 1.25; 0: "
+                                           "dropless (no token dropped, the capacity agreed "
+                                           "over the expert group per call), the default "
+                                           "with --init-from hf:DIR (HF routes so)",
+                                           minimum=0)
     moe_every: int | None = option(None, "every k-th block has an MoE FFN (default 2; "
                                    "--arch mixtral 1)", minimum=1)
     router_group_tokens: int = option(16, "tokens per router group (capacity, dropping and "
@@ -65,7 +67,11 @@ class MoEOptions(Options):
         values = {k: getattr(self, k) if getattr(self, k) is not None
                   else d[arch == "mixtral"] for k, d in _ARCH_DEFAULTS.items()}
         init = getattr(self, "init_from", None)
-        if arch == "mixtral" and init and init.startswith(HF_PREFIX):
+        imported = arch == "mixtral" and init and init.startswith(HF_PREFIX)
+        capacity = self.capacity_factor
+        if capacity is None:
+            capacity = 0 if imported else 1.25
+        if imported:
             _, hf = hf_model(init)
             for k in _ARCH_DEFAULTS:
                 given, theirs = getattr(self, k), getattr(hf, k)
@@ -73,7 +79,7 @@ class MoEOptions(Options):
                     raise ValueError(f"{flag(k)} {given} disagrees with --init-from {init} "
                                      f"({k} {theirs}); drop {flag(k)} or give {theirs}")
                 values[k] = theirs
-        return MoEConfig(**values, capacity_factor=self.capacity_factor,
+        return MoEConfig(**values, capacity_factor=capacity,
                          router_group_tokens=self.router_group_tokens,
                          aux_loss_coef=self.aux_loss_coef,
                          gating="mixtral" if arch == "mixtral" else "gshard")
