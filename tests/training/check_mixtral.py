@@ -5,6 +5,8 @@ layout. Run under ``mpiexec -n 4`` (one launch for every check):
 - parity: each layout of RUNS trains STEPS fp32 steps; every step's LM and aux loss
   equals the serial Mixtral's (one process, the whole batch per forward, torch's AdamW)
   to 1e-5 relative. "mixtral parity OK".
+- Goldfish (k 2, h 4) on (2, 2, 2): the loss over the kept targets of the global batch
+  equals the serial one's to 1e-5.
 - dropless (capacity_factor 0): the dropless runs of RUNS drop nothing and their losses
   agree across layouts to 1e-5 (one serial reference for all). "mixtral dropless OK".
 - hf import: rank 0 makes a tiny random MixtralForCausalLM (4 experts, top-2) and saves
@@ -44,7 +46,10 @@ RUNS = [
     (1, 4, 4, 0, {"optimizer_tile": 500}),
     (2, 1, 2, 0, {}),
     (1, 2, 4, 1.0, {}),
+    # Goldfish: the loss is the mean over the kept targets of the whole global batch
+    (2, 2, 2, 0, {"goldfish_k": 2, "goldfish_h": 4}),
 ]
+GOLDFISH = ("goldfish_k", "goldfish_h")
 
 
 def tiny(**kw) -> MoETrainConfig:
@@ -65,7 +70,7 @@ def serial_losses(cfg: MoETrainConfig, dataset) -> list[tuple[float, float]]:
     model = Mixtral(mcfg, moe, seed=cfg.seed)
     opt = torch_adamw(model, oc)
     data = Batches(dataset, mcfg.block_size, cfg.global_batch_size, cfg.global_batch_size,
-                   seed=cfg.seed)
+                   seed=cfg.seed, goldfish=cfg.goldfish())
     out = []
     for step in range(cfg.steps):
         x, y = data.global_batch_at(step)
@@ -85,29 +90,36 @@ def rel(a: float, b: float) -> float:
 
 
 def parity(data, rank, n):
+    def key(cap, opts):
+        return (cap, *(opts.get(k) for k in GOLDFISH))
+
     refs = {}
-    factors = sorted({cap for *_, cap, _ in RUNS})
-    mine = {cap: serial_losses(tiny(capacity_factor=cap), data)
-            for i, cap in enumerate(factors) if i % n == rank}
+    refs_needed = sorted({key(cap, opts) for *_, cap, opts in RUNS}, key=str)
+    mine = {k: serial_losses(tiny(capacity_factor=k[0], **{
+        o: v for o, v in zip(GOLDFISH, k[1:], strict=True) if v is not None}), data)
+        for i, k in enumerate(refs_needed) if i % n == rank}
     for part in mcrdl.all_gather_object(mine):
         refs.update(part)
     worst, dropless = 0.0, []
     for gt, ge, gd, cap, opts in RUNS:
+        ref = refs[key(cap, opts)]
         t0 = time.perf_counter()
         res = run(tiny(capacity_factor=cap, G_tensor=gt, G_expert=ge, G_data=gd,
                        debug_checks=True, **opts), dataset=data)
         got = list(zip([loss for _, loss in res.losses], res.aux, strict=True))
         diff = max(max(rel(a, b), rel(c, d))
-                   for (a, c), (b, d) in zip(got, refs[cap], strict=True))
+                   for (a, c), (b, d) in zip(got, ref, strict=True))
         worst = max(worst, diff)
         if rank == 0:
             print(f"mixtral parity G_tensor={gt} G_expert={ge} G_data={gd} capacity_factor="
                   f"{cap} {opts}: loss {got[0][0]:.5f} -> {got[-1][0]:.5f}, aux "
                   f"{got[-1][1]:.4f}, dropped {max(res.dropped):.3f}, max rel diff "
                   f"{diff:.2e} ({time.perf_counter() - t0:.1f} s)", flush=True)
-        assert diff <= TOL, (got, refs[cap])
+        assert diff <= TOL, (got, ref)
         assert got[-1][0] < got[0][0] - 0.1, got  # it trains
-        if cap == 0:
+        if "goldfish_k" in opts:  # a different loss: not one of the dropless twins
+            assert got != refs[key(cap, {})], got
+        elif cap == 0:
             assert max(res.dropped) == 0.0, res.dropped
             load = res.trainer.last["load"]
             assert all(d == 0 for layer in load for d in layer["dropped"]), load

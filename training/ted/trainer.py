@@ -80,7 +80,7 @@ class MoETrainer:
         self.model.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.groups.data_rank, self.layout.g_data,
-                               seed=cfg.seed)
+                               seed=cfg.seed, goldfish=cfg.goldfish())
         self.timers = PhaseTimers()
         g = self.groups
         self.optimizer = ZeroAdamW(
@@ -115,7 +115,10 @@ class MoETrainer:
 
     def _kept_targets(self, targets: list[torch.Tensor]) -> float:
         """Collective: the targets that are not -100 in the global batch (every data
-        shard's microbatches `targets`), at least 1."""
+        shard's microbatches `targets`), at least 1; without a loss mask (Goldfish),
+        every target, counted without communication."""
+        if getattr(self.batches, "goldfish", None) is None:
+            return float(self.cfg.global_batch_size * self.model_cfg.block_size)
         n = torch.tensor([float(sum(int((y != -100).sum()) for y in targets))],
                          dtype=torch.float64, device=self.device)
         self.groups.data_nonexp.all_reduce(n)
