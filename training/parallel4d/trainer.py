@@ -132,7 +132,8 @@ class Trainer4D:
         c = self.comms
         self.shard, self.n_shards = c.data.rank * c.z.size + c.z.rank, c.z.size * c.data.size
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
-                               cfg.micro_batch_size, self.shard, self.n_shards, seed=cfg.seed)
+                               cfg.micro_batch_size, self.shard, self.n_shards, seed=cfg.seed,
+                               goldfish=cfg.goldfish())
         self.timers = PhaseTimers()
         comm = dict(data_group=None, pipe_group=None, world_reduce=self.world_size > 1,
                     timers=self.timers)
