@@ -3,8 +3,9 @@ log with a progress bar, the per-phase time breakdown and the loss plot.
 
 The pieces take plain values (records, seconds, paths), not a trainer, so that every
 entry point reports the same way: one JSON object per step in the metrics file (``step``,
-``loss``, ``lr``, ``grad_norm``, ``time_s``, ``tokens_per_s``, and ``loss_scale`` and
-``applied`` with fp16 loss scaling), one log line per ``--log-interval`` steps, a rich
+``loss``, ``lr``, ``grad_norm``, ``time_s``, ``tokens_per_s``, ``loss_scale`` and
+``applied`` with fp16 loss scaling, ``goldfish_kept`` with the Goldfish loss, ``val_loss``
+on the steps --eval-interval evaluates), one log line per ``--log-interval`` steps, a rich
 progress bar on stderr only when it is a terminal.
 """
 
@@ -26,6 +27,7 @@ class TrainResult:
     breakdown are filled on world rank 0 only."""
 
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss), 1-based
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # --eval-interval's
     phases: dict = field(default_factory=dict)  # stage -> phase -> mean seconds per step
     bubble_measured: float = float("nan")
     bubble_model: float = float("nan")
@@ -70,6 +72,8 @@ def step_line(record: dict, total_steps: int) -> str:
     line = (f"step {record['step']:5d}/{total_steps} | loss {record['loss']:.5f} | lr "
             f"{record['lr']:.2e} | {record['time_s'] * 1e3:7.1f} ms | "
             f"{record['tokens_per_s']:,.0f} tok/s")
+    if "val_loss" in record:
+        line += f" | val loss {record['val_loss']:.5f}"
     return line if record.get("applied", True) else line + " | skipped"
 
 
@@ -151,7 +155,8 @@ def print_breakdown(result: TrainResult, steps: int, n_stages: int, n_micro: int
 
 
 def plot_loss(metrics: Path, png: Path, title: str) -> None:
-    """The loss curve of a metrics file as a PNG (a note instead without matplotlib)."""
+    """The loss curve of a metrics file as a PNG, with the validation loss where the
+    records hold one (a note instead without matplotlib)."""
     try:
         import matplotlib
 
@@ -162,9 +167,14 @@ def plot_loss(metrics: Path, png: Path, title: str) -> None:
         return
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2)
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2,
+            label="training")
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val, strict=True), "o-", lw=1.2, ms=3, label="validation")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
+    ax.set_ylabel("loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from .backends import Backends
 from .checkpoint import TRUST_HELP, latest_checkpoint
-from .data import ByteCorpus
+from .data import META, ByteCorpus, read_meta, token_dtype
 from .dtypes import NAMES, dtype_name
+from .goldfish import Goldfish
 from .optim import OptimConfig
 from .options import Options, PathOptionError, check_directory, check_file, flag, option
 
@@ -58,11 +59,23 @@ def _is_stdlib(data: str | None) -> bool:
 class DataOptions(Options):
     section = "data"
     data: str = option("stdlib", "'stdlib' (bytes of Python's sources) or a directory of "
-                       "nanoGPT train.bin/val.bin")
-    vocab_size: int | None = option(None, "vocabulary of --data DIR's tokens", minimum=1)
+                       "train.bin/val.bin token ids ('python -m training.data prepare' "
+                       "writes one; nanoGPT's uint16 files too)")
+    vocab_size: int | None = option(None, "vocabulary of --data DIR's tokens (default: its "
+                                    "meta.json's, else 50304)", minimum=1)
     micro_batch_size: int = option(2, "sequences per microbatch", minimum=1)
     global_batch_size: int = option(8, "sequences per step, over all data-parallel ranks",
                                     minimum=1)
+    goldfish_k: int | None = option(None, "Goldfish loss: drop 1 in K targets from the loss, "
+                                    "chosen by a hash of the --goldfish-h tokens before each "
+                                    "(against verbatim memorization; 2 in the paper)",
+                                    minimum=2)
+    goldfish_h: int = option(13, "Goldfish loss: tokens of context hashed per target",
+                             minimum=1)
+
+    def goldfish(self) -> Goldfish | None:
+        """The run's Goldfish mask (None without --goldfish-k)."""
+        return Goldfish(self.goldfish_k, self.goldfish_h) if self.goldfish_k else None
 
     def check_batch_split(self, names: str, degrees: list[int]) -> None:
         """Batches' rule: every data shard takes whole microbatches. `names`: the
@@ -83,8 +96,14 @@ class DataOptions(Options):
 
     def data_vocab_size(self) -> int:
         """The vocabulary of --data's tokens (load_dataset's): bytes, or --vocab-size."""
-        return ByteCorpus.vocab_size if _is_stdlib(self.data) else (
-            self.vocab_size or _TOKEN_VOCAB)
+        if _is_stdlib(self.data):
+            return ByteCorpus.vocab_size
+        if self.vocab_size:
+            return self.vocab_size
+        try:  # the data's own (meta.json); check_node refuses a bad file by name
+            return read_meta(self.data).get("vocab_size") or _TOKEN_VOCAB
+        except (OSError, ValueError):
+            return _TOKEN_VOCAB
 
     def check_node(self) -> None:
         if _is_stdlib(self.data):
@@ -93,14 +112,35 @@ class DataOptions(Options):
         if not train.is_file():
             what = "has no train.bin" if Path(self.data).is_dir() else "is no directory"
             raise PathOptionError(f"--data {self.data} {what}; expected 'stdlib' or a "
-                                  "directory of nanoGPT train.bin/val.bin (uint16 token ids)")
+                                  "directory of train.bin/val.bin token ids")
+        try:
+            meta, width = read_meta(self.data), token_dtype(self.data).itemsize
+        except (OSError, ValueError) as e:
+            raise PathOptionError(f"--data {self.data}: unreadable {META} ({e}); rewrite it "
+                                  "with 'python -m training.data prepare'") from None
+        known = meta.get("vocab_size")
+        if self.vocab_size and known and self.vocab_size < known:
+            raise PathOptionError(f"--vocab-size {self.vocab_size} is below the vocabulary "
+                                  f"of --data {self.data} ({known}, its {META}); give at "
+                                  "least that or leave --vocab-size out")
         model = self.model_config()
-        tokens = train.stat().st_size // 2  # Batches' rule: a sequence and its next token
+        tokens = train.stat().st_size // width  # Batches' rule: a sequence and its next token
         if model is not None and tokens <= model.block_size + 1:
             raise PathOptionError(f"--data {self.data}: train.bin holds {tokens} tokens; "
                                   f"expected more than block_size + 1 = "
                                   f"{model.block_size + 1}; give more tokens or a smaller "
                                   "--block-size")
+        windows = getattr(self, "eval_windows", None)
+        if model is not None and getattr(self, "eval_interval", 0):
+            val = Path(self.data) / "val.bin"
+            held = val.stat().st_size // width if val.is_file() else 0
+            fit = max(0, (held - 1) // model.block_size)
+            if fit < (windows or 1):
+                raise PathOptionError(f"--eval-interval: --data {self.data}'s val.bin holds "
+                                      f"{held} tokens, {fit} windows of block_size "
+                                      f"{model.block_size} + 1; --eval-windows "
+                                      f"{windows or 1} needs "
+                                      f"{(windows or 1) * model.block_size + 1}")
 
 
 
@@ -202,6 +242,11 @@ class RunOptions(Options):
                                    "checkpoint's weights)")
     trust_checkpoint: bool = option(False, TRUST_HELP)
     log_interval: int = option(1, "steps between log lines", minimum=1)
+    eval_interval: int = option(0, "steps between validation losses on --data's val split "
+                                "(0: none)", minimum=0)
+    eval_windows: int | None = option(None, "windows of block_size tokens the validation "
+                                      "loss covers (default: the whole val split); window i "
+                                      "is tokens [i*T, i*T+T+1)", minimum=1)
     plot: bool = option(True, "save the loss curve as <out-dir>/loss.png")
     progress: bool = option(True, "progress bar on a terminal")
     quiet: bool = option(False, "no start line, step lines or breakdown (benchmarks)")
@@ -233,6 +278,9 @@ class RunOptions(Options):
             raise ValueError("--checkpoint-every/--stop-after need --checkpoint-dir")
         if self.resume == "latest" and not self.checkpoint_dir:
             raise ValueError("--resume without a path needs --checkpoint-dir")
+        if self.eval_windows and not self.eval_interval:
+            raise ValueError("--eval-windows needs --eval-interval N (steps between "
+                             "validation losses)")
 
     def check_node(self) -> None:
         if self.backends:

@@ -27,6 +27,7 @@ from mcrdl.launch import detect as detect_launch
 
 from . import report
 from .checkpoint import CheckpointError, resume_path
+from .data import eval_windows
 from .options import PathOptionError, UsageError
 from .report import MetricsFile, ProgressLog, TrainResult
 from .sigterm import SigtermGuard
@@ -124,7 +125,27 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
     what to change). The first step is warm-up: the timers restart after it
     (``on_warmup_end`` runs then). ``on_step`` runs after every step, on every rank.
     SIGTERM (a batch system's end of the job) ends the rank, never inside a checkpoint
-    save (training/core/sigterm.py). Returns (wall seconds, steps) of the timed steps."""
+    save (training/core/sigterm.py). With --goldfish-k the trainer's batches drop the
+    Goldfish targets (every engine draws its batches from core.data.Batches) and the
+    records hold the fraction kept (``goldfish_kept``); with --eval-interval N every rank
+    calls ``trainer.evaluate`` on the val split's windows after every N-th step and the
+    last (``val_loss``, in the record, the log line and ``result.val_losses``); the
+    evaluation is outside the step's time. Returns (wall seconds, steps) of the timed
+    steps."""
+    goldfish = cfg.goldfish() if hasattr(cfg, "goldfish") else None
+    if goldfish is not None and trainer.batches.goldfish is None:
+        trainer.batches.goldfish = goldfish
+    elif goldfish != trainer.batches.goldfish:
+        raise ValueError(f"the trainer's batches use {trainer.batches.goldfish}, the options "
+                         f"{goldfish}: build its Batches with goldfish=cfg.goldfish()")
+    val = None
+    if getattr(cfg, "eval_interval", 0):
+        if not hasattr(trainer, "evaluate"):
+            raise ValueError(f"--eval-interval: {type(trainer).__name__} has no evaluate(); "
+                             "drop --eval-interval and run 'python -m training.evaluate' on "
+                             "a checkpoint")
+        val = eval_windows(trainer.dataset.splits["val"], cfg.eval_windows,
+                           trainer.model_cfg.block_size, "--eval-windows")
     if cfg.resume:
         result.start_step = trainer.load_checkpoint(cfg.resume)
     is_rank0 = trainer.world_rank == 0
@@ -154,10 +175,20 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
             step_time = time.perf_counter() - step_start
             result.losses.append((trainer.step, loss))
             on_step()
+            val_loss = None
+            if val is not None and (trainer.step % cfg.eval_interval == 0
+                                    or trainer.step == cfg.last_step):
+                val_loss = trainer.evaluate(val)
+                result.val_losses.append((trainer.step, val_loss))
             if is_rank0:
                 record = trainer.metrics_record(loss, step_time, tokens_per_step, applied)
+                if goldfish is not None:
+                    record["goldfish_kept"] = trainer.batches.kept_fraction(trainer.step - 1)
+                if val_loss is not None:
+                    record["val_loss"] = val_loss
                 metrics.write(record)
-                if trainer.step % cfg.log_interval == 0 or trainer.step == cfg.last_step:
+                if (trainer.step % cfg.log_interval == 0 or trainer.step == cfg.last_step
+                        or val_loss is not None):
                     progress.log(report.step_line(record, cfg.steps) + line_suffix(record))
                 progress.advance()
             if not math.isfinite(loss):
