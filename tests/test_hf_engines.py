@@ -117,7 +117,8 @@ def test_engines_import_evaluate_train_export(hf_dirs, mixtral_dir):
     loss within 1e-5; export at step 0 is bitwise; after 3 steps, resumed (also at
     G_data 1) and exported, transformers' loss equals our evaluation within 1e-5; the
     same through the 4D engine (G_x 2, G_data 2); TED checkpoints of a Mixtral export
-    bitwise (at step 0: the imported tensors; after 3 steps: the checkpoint's); a
+    bitwise (at step 0: the imported tensors; after 3 steps: the checkpoint's); a tied
+    Llama through SAMO's compressed checkpoints, resume and export; a
     4-stage import's peak RSS growth per rank stays within 1.5 x its share."""
     out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
                         os.path.join(HERE, "check_hf_engines.py")],
@@ -139,6 +140,7 @@ def test_engines_import_evaluate_train_export(hf_dirs, mixtral_dir):
         assert m and float(m.group(1)) <= 1e-5 and float(m.group(3)) <= 1e-5, out
     assert re.search(r"hf ted mixtral: export at step 0 bitwise \(\d+ tensors\); after 3 "
                      r"steps the export holds the checkpoint's \d+ tensors bitwise", out), out
+    assert re.search(r"hf tied llama SAMO G_data 4: .*exported tied", out), out
     assert re.search(r"hf pipeline llama: .*carried over: generation_config.json, "
                      r"tokenizer.json", out), out
 

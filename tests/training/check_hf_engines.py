@@ -25,7 +25,11 @@ byte corpus) and context T. For each, on the pipeline 2 x 2 grid (G_inter 2, G_d
    MixtralForCausalLM, 4 experts, top-2): its checkpoint at step 0, exported, is bitwise
    the directory; after 3 steps the export holds the consolidated checkpoint's tensors
    bit for bit (training.models.hf.load_hf of it) and loads in transformers.
-7. Memory of an import: a LlamaForCausalLM of ~50 MB (fp32) on 4 pipeline stages. Each
+7. A Llama whose LM head is tied to its embedding (tie_word_embeddings), pruned by SAMO
+   (sparsity 0.5, compressed shards store the shared matrix once) on G_data 4: a step,
+   a checkpoint, a resumed trainer evaluating to the same loss, an export that
+   transformers loads tied, with its loss equal to ours within 1e-5.
+8. Memory of an import: a LlamaForCausalLM of ~50 MB (fp32) on 4 pipeline stages. Each
    rank's peak resident set (VmHWM, reset before through /proc/self/clear_refs) grows
    during read_init + load_into by at most 1.5 x its stage's share of the weights
    beyond the stage itself (built before, as the trainer does): the reader holds one
@@ -193,6 +197,41 @@ def ted(directory: str, windows: torch.Tensor, root: Path) -> None:
     mcrdl.barrier("auto")
 
 
+def tied(root: Path, windows: torch.Tensor) -> None:
+    """Check 7: a tied Llama through SAMO's checkpoints and export-hf."""
+    directory = root / "hf"
+    if mcrdl.get_rank() == 0:
+        import transformers
+        torch.manual_seed(4)
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            tie_word_embeddings=True)).save_pretrained(directory)
+    mcrdl.barrier("auto")
+    opts = dict(init_from=f"hf:{directory}", block_size=windows.size(1) - 1, G_data=4,
+                micro_batch_size=1, global_batch_size=4, steps=2, seed=5, lr=1e-3,
+                warmup_steps=1, samo=True, prune_sparsity=0.5, plot=False, progress=False,
+                quiet=True, out_dir=str(root), checkpoint_dir=str(root / "ck"))
+    trainer = Trainer(TrainConfig(**opts))
+    trainer.train_step()
+    ours = trainer.evaluate(windows)
+    step = trainer.save_checkpoint()
+    again = Trainer(TrainConfig(**opts, resume=str(step)))
+    again.load_checkpoint(str(step))
+    assert again.evaluate(windows) == ours
+    if mcrdl.get_rank() == 0:
+        import transformers
+        checkpoint_tool.export_hf(step, root / "out")
+        model = transformers.AutoModelForCausalLM.from_pretrained(root / "out")
+        assert model.config.tie_word_embeddings
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        theirs = hf_loss(str(root / "out"), windows)
+        assert rel(theirs, ours) <= TOL, (theirs, ours)
+        print(f"hf tied llama SAMO G_data 4: resumed evaluate {ours:.6f}, exported tied, "
+              f"transformers {theirs:.6f} (rel {rel(theirs, ours):.1e})", flush=True)
+    mcrdl.barrier("auto")
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
@@ -264,6 +303,7 @@ def main():
         four_d(name, directory, dict(base, G_inter=1, G_data=2, G_x=2), windows,
                root / name / "4d")
     ted(os.environ["HF_MIXTRAL"], windows, root / "ted")
+    tied(root / "tied", windows)
     import_memory(root)
     if rank == 0:
         print(f"hf pipeline OK: {', '.join(sorted(models))}", flush=True)

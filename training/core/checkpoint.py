@@ -657,7 +657,8 @@ def load_serial_part(module: torch.nn.Module, state_dict: dict[str, torch.Tensor
 
 def shard_model(shard: dict) -> dict[str, torch.Tensor]:
     """A shard's model state as dense tensors: SAMO shards (``shard["pruning"]["compressed"]``)
-    store each tensor's values at its index, expanded here with zeros elsewhere."""
+    store each tensor's values at its index, expanded here with zeros elsewhere, and
+    each parameter once (``shard["aliases"]``: the other names of a tied one)."""
     pruning = shard.get("pruning")
     if not pruning or not pruning["compressed"]:
         return shard["model"]
@@ -666,6 +667,8 @@ def shard_model(shard: dict) -> dict[str, torch.Tensor]:
         t = torch.zeros(pruning["shapes"][name], dtype=values.dtype)
         t.view(-1)[pruning["index"][name].long()] = values
         dense[name] = t
+    for alias, name in (shard.get("aliases") or {}).items():  # a tied head: the embedding
+        dense.setdefault(alias, dense[name])
     return dense
 
 

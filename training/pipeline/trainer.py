@@ -40,6 +40,21 @@ def p2p_backend(cfg: Options, device: torch.device) -> str:
     return "mpi" if "mpi" in have else "gloo"
 
 
+def tied_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """The names of `state` (a module's state_dict) whose tensor is an earlier name's
+    (a tied LM head: the embedding), mapped to that name: SAMO's compressed shards store
+    each parameter once, and the shard's reader puts the other names back."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in state.items():
+        key = t.data_ptr()
+        if key in first and t.numel():
+            out[name] = first[key]
+        else:
+            first.setdefault(key, name)
+    return out
+
+
 def check_tied(model_cfg, stages: list[tuple[int, int]]) -> None:
     """ValueError unless the embedding (unit 0) and the LM head (the last unit) of a
     model that ties them (``tie_embeddings``) are on one stage: they are one matrix."""
@@ -251,8 +266,9 @@ class Trainer:
         def write_shard(directory: Path) -> dict | None:
             if self.data_rank != 0:
                 return None
-            state = {"model": {k: v.detach().clone()
-                               for k, v in self.model_stage.state_dict().items()},
+            own = self.model_stage.state_dict()
+            state = {"model": {k: v.detach().clone() for k, v in own.items()},
+                     "aliases": tied_names(own),
                      "optimizer": self.optimizer.state_dict(), "stage": self.stage_index,
                      "units": self.partition[self.stage_index], "step": self.step}
             if self.pruning is not None:
