@@ -24,6 +24,7 @@ from ..core.data import Batches, load_dataset
 from ..core.dtypes import torch_dtype
 from ..core.optim import applied_lr, storage_bytes
 from ..core.timers import PhaseTimers
+from ..models import families
 from ..models.init_source import read_init
 from ..models.mixtral import Mixtral, MixtralConfig
 from ..models.moe import MoEGPT, moe_loss
@@ -32,12 +33,6 @@ from .model import TEDGPT, TEDGroups, count_parameters
 from .zero import ParamSet, ZeroAdamW
 
 ENGINE = "ted"
-
-
-def describe_model(cfg) -> dict:
-    """The model as a manifest records it (training/models/families.py's form): the
-    config's fields and ``"arch"``."""
-    return {**cfg.as_dict(), "arch": "mixtral" if isinstance(cfg, MixtralConfig) else "gpt"}
 
 
 class MoETrainer:
@@ -252,7 +247,7 @@ class MoETrainer:
                 "format": ckpt.FORMAT, "engine": ENGINE, "layers": LAYERS, "step": self.step,
                 "grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
                          "G_data": self.layout.g_data},
-                "model": describe_model(self.model_cfg), "moe": self.moe_cfg.as_dict(),
+                "model": families.describe(self.model_cfg), "moe": self.moe_cfg.as_dict(),
                 "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
                 "shards": entries})
 
@@ -261,7 +256,7 @@ class MoETrainer:
         A missing, damaged or mismatched checkpoint raises CheckpointError everywhere."""
         want = {"grid": {"G_tensor": self.layout.g_tensor, "G_expert": self.layout.g_expert,
                          "G_data": self.layout.g_data},
-                "model": describe_model(self.model_cfg), "moe": self.moe_cfg.as_dict()}
+                "model": families.describe(self.model_cfg), "moe": self.moe_cfg.as_dict()}
 
         def check(manifest: dict, path: Path) -> None:
             check_layers(manifest, path)
