@@ -120,7 +120,7 @@ class Trainer:
         self.model_stage.to(device=self.device, dtype=dtype)
         self.batches = Batches(self.dataset, self.model_cfg.block_size, cfg.global_batch_size,
                                cfg.micro_batch_size, self.data_rank, self.n_replicas,
-                               seed=cfg.seed)
+                               seed=cfg.seed, goldfish=cfg.goldfish())
         self.timers = PhaseTimers()
         comm = dict(data_group=self.data_group, pipe_group=self.pipe_group,
                     world_reduce=self.world_size > 1, world_group=self.world_group,
