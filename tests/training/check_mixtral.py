@@ -197,6 +197,11 @@ def hf_import(data, rank):
         width = cut.stop - cut.start
         assert cut.start == t * width and width in (8, 16, 24), (name, index)
     halves = sum(1 for index in read.values() if index is not None)
+    # the cost model's exact count of a rank's parameters, Llama-shaped (no biases)
+    from training.ted.cost_model import rank_params
+    from training.ted.model import count_parameters
+    counted = count_parameters(trainer.model)
+    assert counted == rank_params(trainer.model_cfg, trainer.moe_cfg, trainer.layout), counted
     got = trainer.evaluate(windows)
     if rank == 0:
         assert rel(got, want) <= TOL, (got, want)

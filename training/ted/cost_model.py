@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from ..core.arguments import dtype, positive_float, positive_int
 from ..core.dtypes import BYTES, dtype_name
 from ..models.gpt import GPTConfig
+from ..models.llama import LlamaConfig
 from ..models.moe import MoEConfig, base_config
 from .model import TEDLayout, buffer_capacity
 from .zero import shard_range
@@ -47,7 +48,10 @@ DTYPES = ("fp32", "bf16")
 
 
 def rank_params(cfg: GPTConfig, moe: MoEConfig, layout: TEDLayout) -> dict[str, int]:
-    """Exact parameter elements of one rank: {"nonexpert": ..., "expert": ...}."""
+    """Exact parameter elements of one rank: {"nonexpert": ..., "expert": ...} (a GPT,
+    or a Llama-shaped Mixtral: no biases, no position table, SwiGLU FFNs)."""
+    if isinstance(cfg, LlamaConfig):
+        return _llama_rank_params(cfg, moe, layout)
     c, v, t, g = cfg.n_embd, cfg.vocab_size, cfg.block_size, layout.g_tensor
     b = 1 if cfg.bias else 0
     ln = 2 * c if cfg.bias else c
@@ -57,6 +61,22 @@ def rank_params(cfg: GPTConfig, moe: MoEConfig, layout: TEDLayout) -> dict[str, 
     exp = 0
     for block in range(cfg.n_layer):
         nonexp += 2 * ln + attn
+        if moe.is_moe(block):
+            nonexp += moe.experts * c                             # the router
+            exp += moe.experts // layout.g_expert * ffn
+        else:
+            nonexp += ffn
+    return {"nonexpert": nonexp, "expert": exp}
+
+
+def _llama_rank_params(cfg: LlamaConfig, moe: MoEConfig, layout: TEDLayout) -> dict[str, int]:
+    c, v, g, d = cfg.n_embd, cfg.vocab_size, layout.g_tensor, cfg.head_dim
+    attn = (2 * cfg.n_head * d * c + 2 * cfg.n_kv_head * d * c) // g
+    ffn = 3 * c * cfg.intermediate_size // g                      # gate, up, down slices
+    nonexp = v * c + c + (0 if cfg.tie_embeddings else c * v)     # embedding, head
+    exp = 0
+    for block in range(cfg.n_layer):
+        nonexp += 2 * c + attn
         if moe.is_moe(block):
             nonexp += moe.experts * c                             # the router
             exp += moe.experts // layout.g_expert * ffn
