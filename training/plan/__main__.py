@@ -70,8 +70,14 @@ def load_model(spec: str, experts: int | None) -> tuple[GPTConfig, MoEConfig | N
         try:
             d = json.loads(Path(spec).read_text())
             moe_fields = d.pop("moe", None)
+            arch = d.pop("arch", "gpt")  # a manifest's or consolidated .json's family
+            if arch != "gpt":
+                raise PlanError(f"--model {spec!r}: a {arch} model; the planner's memory "
+                                "and communication models describe GPT shapes")
             cfg = GPTConfig(**d)
             moe = None if moe_fields is None else MoEConfig(**moe_fields)
+        except PlanError:
+            raise
         except (OSError, ValueError, TypeError) as e:
             raise PlanError(f"--model {spec!r}: not a model description ({e}); expected a "
                             "JSON object of GPTConfig fields with an optional \"moe\" "
