@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mcrdl.launch import detect as detect_launch
 
-from .core import options, report
+from .core import options, report, runtime
 from .core.report import TrainResult
 from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from .core.runner import run_command, train_loop
@@ -40,14 +40,15 @@ from .models.llama import LlamaConfig
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
 from .pipeline.trainer import Trainer
+from .plan.auto import LayoutOptions, choose_layout
 from .samo.options import SamoOptions
 
 
 @dataclass
-class TrainConfig(SamoOptions, RunOptions, OptimizerOptions, TensorOptions, PipelineOptions,
-                  DataOptions, ModelOptions):
+class TrainConfig(LayoutOptions, SamoOptions, RunOptions, OptimizerOptions, TensorOptions,
+                  PipelineOptions, DataOptions, ModelOptions):
     """The options of ``python -m training.train_gpt`` (the last base's fields come
-    first: model, data, parallel, tensor, optimizer, run, samo)."""
+    first: model, data, parallel, tensor, optimizer, run, samo, layout)."""
 
     def model_config(self) -> GPTConfig | LlamaConfig:
         """The model's shape (training/models/families.py), ValueError naming --arch,
@@ -76,12 +77,16 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     every rank of a group, with ``grid=ProcessGrid(..., world=group)``); `trainer_options`
     go to Trainer."""
     cfg.validate()
-    if cfg.uses_4d():
-        from .parallel4d.trainer import Trainer4D
-        trainer = Trainer4D(cfg, **trainer_options)
-    else:
-        trainer = Trainer(cfg, **trainer_options)
+    choice = None
+    if cfg.layout == "auto":
+        runtime.init_comm(cfg.backends.split(",") if cfg.backends else [],
+                          runtime.pick_device(cfg.device), cfg.timeout)
+        engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine, ("pipeline", "4d"))
+        cfg, choice = choose_layout(cfg, engines=engines,
+                                    build=lambda c: _trainer(c, trainer_options))
+    trainer = _trainer(cfg, trainer_options)
     result = TrainResult(grid=cfg.describe_grid())
+    result.layout = choice
     wall, steps_timed = train_loop(trainer, cfg, result,
                                    nan_hint="lower --lr or use --dtype fp32/bf16")
     tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
@@ -106,6 +111,14 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
         report.plot_loss(cfg.metrics_path, Path(cfg.out_dir) / "loss.png",
                          f"{'GPT' if arch == 'gpt' else arch.capitalize()}, {result.grid}")
     return result
+
+
+def _trainer(cfg: TrainConfig, trainer_options: dict):
+    """The engine's trainer for `cfg`: 4D when a tensor axis is used, else the pipeline."""
+    if cfg.uses_4d():
+        from .parallel4d.trainer import Trainer4D
+        return Trainer4D(cfg, **trainer_options)
+    return Trainer(cfg, **trainer_options)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,22 +34,30 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mcrdl
 from mcrdl.launch import detect as detect_launch
 
-from .core import options, report
+from .core import options, report, runtime
+from .core.backends import Backends
 from .core.report import TrainResult
 from .core.runner import run_command, train_loop
+from .plan.auto import LayoutOptions, choose_layout
 from .ted.options import MoETrainConfig
 
 
+@dataclass
+class MoECommandConfig(LayoutOptions, MoETrainConfig):
+    """The command's options: the engine's (MoETrainConfig) and the layout section."""
+
+
 def parse_args(argv: Sequence[str] | None = None, *,
-               world_size: int | None = None) -> MoETrainConfig:
+               world_size: int | None = None) -> MoECommandConfig:
     """The run's validated options (ValueError naming a bad option); with `world_size`,
     also checked against a world of that many ranks."""
-    return options.parse_args(MoETrainConfig, argv, prog="python -m training.train_moe",
+    return options.parse_args(MoECommandConfig, argv, prog="python -m training.train_moe",
                              description=__doc__, world_size=world_size)
 
 
@@ -90,8 +98,15 @@ def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
     from .ted.trainer import MoETrainer
 
     cfg.validate()
+    choice = None
+    if getattr(cfg, "layout", "manual") == "auto":
+        runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
+                          cfg.timeout, nccl_with_given=True)
+        cfg, choice = choose_layout(cfg, engines=("ted",),
+                                    build=lambda c: MoETrainer(c, **trainer_options))
     trainer = MoETrainer(cfg, **trainer_options)
     result = TrainResult(grid=trainer.layout.describe())
+    result.layout = choice
     result.aux, result.dropped, result.comm = [], [], []
     logging = cfg.comm_log and mcrdl.configure().logging is None  # not already on
     if logging:

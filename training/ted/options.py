@@ -112,7 +112,7 @@ class TEDOptions(Options):
     comm_log: bool = option(True, "log every collective (mcrdl's logger) for the end-of-run "
                             "communication breakdown")
 
-    def layout(self, world_size: int) -> TEDLayout:
+    def ted_layout(self, world_size: int) -> TEDLayout:
         g_data = self.G_data
         if g_data is None:
             if world_size % self.G_tensor:
@@ -161,7 +161,7 @@ class TEDOptions(Options):
             raise GridError(f"--G-tensor {self.G_tensor} does not divide the world of "
                             f"{world_size} ranks (G_data defaults to world / G_tensor); "
                             f"launch a multiple of {self.G_tensor} ranks or change --G-tensor")
-        layout = self.layout(world_size)
+        layout = self.ted_layout(world_size)
         try:
             layout.check(world_size=world_size)
         except ValueError as e:

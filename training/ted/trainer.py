@@ -50,7 +50,7 @@ class MoETrainer:
         self.dataset = dataset or load_dataset(cfg.data, cfg.vocab_size)
         self.model_cfg = cfg.model_config(vocab_size=self.dataset.vocab_size)
         self.moe_cfg = cfg.moe_config()
-        self.layout = cfg.layout(self.world_size)
+        self.layout = cfg.ted_layout(self.world_size)
         self.layout.check(self.model_cfg, self.moe_cfg, self.world_size)
         self.groups = TEDGroups(self.layout, self.backends)
         serial = Mixtral if isinstance(self.model_cfg, MixtralConfig) else MoEGPT
