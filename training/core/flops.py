@@ -40,23 +40,26 @@ GPU_PEAKS: tuple[tuple[str, float], ...] = (
 )
 
 
-def matmul_weights(cfg: Any) -> tuple[int, int]:
+def matmul_weights(cfg: Any, moe: Any = None) -> tuple[int, int]:
     """(weights one token multiplies by in the blocks, in the LM head) of a GPT or Llama
     config (``n_layer``, ``n_embd``, ``vocab_size``; Llama also ``n_head``, ``n_kv_head``,
-    ``head_dim``, ``intermediate_size``)."""
+    ``head_dim``, ``intermediate_size``). With `moe` (an MoEConfig) a token of an MoE
+    block passes through ``top_k`` experts' MLPs (the router's few weights aside)."""
     c, L = cfg.n_embd, cfg.n_layer
     if hasattr(cfg, "intermediate_size"):  # Llama family
         q = cfg.n_head * cfg.head_dim
         kv = cfg.n_kv_head * cfg.head_dim
-        block = c * q + 2 * c * kv + q * c + 3 * c * cfg.intermediate_size
+        attention, mlp = c * q + 2 * c * kv + q * c, 3 * c * cfg.intermediate_size
     else:  # GPT: c_attn 3h^2, c_proj h^2, MLP 8h^2
-        block = 12 * c * c
-    return L * block, cfg.vocab_size * c
+        attention, mlp = 4 * c * c, 8 * c * c
+    moe_blocks = 0 if moe is None else sum(1 for j in range(L) if (j + 1) % moe.moe_every == 0)
+    mlps = L + moe_blocks * (moe.top_k - 1 if moe is not None else 0)
+    return L * attention + mlps * mlp, cfg.vocab_size * c
 
 
-def model_flops_per_token(cfg: Any) -> float:
+def model_flops_per_token(cfg: Any, moe: Any = None) -> float:
     """Model FLOPs of one trained token (forward and backward; module docstring)."""
-    blocks, head = matmul_weights(cfg)
+    blocks, head = matmul_weights(cfg, moe)
     width = cfg.n_head * getattr(cfg, "head_dim", cfg.n_embd // cfg.n_head)
     return 6 * (blocks + head) + 12 * cfg.n_layer * cfg.block_size * width
 

@@ -36,6 +36,7 @@ class TrainResult:
     grid: str = ""                               # "G_inter=2 x G_data=2"
     stage: int = 0                               # this rank's pipeline stage
     events: list = field(default_factory=list)   # the last step's pipeline events (record=True)
+    layout: dict | None = None                   # --layout auto's choice (training/plan/auto.py)
 
 
 class MetricsFile:
@@ -72,6 +73,8 @@ def step_line(record: dict, total_steps: int) -> str:
     line = (f"step {record['step']:5d}/{total_steps} | loss {record['loss']:.5f} | lr "
             f"{record['lr']:.2e} | {record['time_s'] * 1e3:7.1f} ms | "
             f"{record['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in record:
+        line += f" | MFU {100 * record['mfu']:.2f}%"
     if "val_loss" in record:
         line += f" | val loss {record['val_loss']:.5f}"
     return line if record.get("applied", True) else line + " | skipped"
@@ -165,7 +168,8 @@ def plot_loss(metrics: Path, png: Path, title: str) -> None:
     except ImportError:
         print("(matplotlib not installed: no loss curve; pip install matplotlib)")
         return
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = [r for r in (json.loads(line) for line in metrics.read_text().splitlines()
+                           if line.strip()) if "loss" in r]  # not --layout auto's record
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2,
             label="training")

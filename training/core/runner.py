@@ -28,6 +28,7 @@ from mcrdl.launch import detect as detect_launch
 from . import report
 from .checkpoint import CheckpointError, resume_path
 from .data import eval_windows
+from .flops import model_flops_per_token, peak_flops
 from .options import PathOptionError, UsageError
 from .report import MetricsFile, ProgressLog, TrainResult
 from .sigterm import SigtermGuard
@@ -161,6 +162,17 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
     progress = ProgressLog(cfg.last_step - result.start_step, lines=verbose,
                            bar=verbose and cfg.progress)
     tokens_per_step = cfg.global_batch_size * trainer.model_cfg.block_size
+    # model flop/s and MFU (training/core/flops.py): rank 0 writes the records
+    flops_per_step, peak = 0.0, None
+    if is_rank0:
+        flops_per_step = tokens_per_step * model_flops_per_token(
+            trainer.model_cfg, cfg.moe_config() if hasattr(cfg, "moe_config") else None)
+        peak, peak_source = peak_flops(trainer.device, getattr(cfg, "peak_flops", None))
+        if verbose:
+            print(f"MFU against {peak / 1e9:,.1f} GFLOP/s per rank ({peak_source}) x "
+                  f"{trainer.world_size} ranks", flush=True)
+    if is_rank0 and getattr(result, "layout", None):
+        metrics.write({"step": result.start_step, "layout_choice": result.layout})
     timed_since, timed_from_step = time.perf_counter(), result.start_step
     sigterm = SigtermGuard(trainer.world_rank, lambda: trainer.step)
     sigterm.install()
@@ -182,6 +194,8 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
                 result.val_losses.append((trainer.step, val_loss))
             if is_rank0:
                 record = trainer.metrics_record(loss, step_time, tokens_per_step, applied)
+                record["model_flops_per_s"] = flops_per_step / step_time
+                record["mfu"] = record["model_flops_per_s"] / (peak * trainer.world_size)
                 if goldfish is not None:
                     record["goldfish_kept"] = trainer.batches.kept_fraction(trainer.step - 1)
                 if val_loss is not None:
