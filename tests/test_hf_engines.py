@@ -4,8 +4,8 @@ import, evaluation, checkpoint and export (tests/training/check_hf_engines.py, o
 4-rank launch), ``python -m training.checkpoint export-hf`` and their errors.
 
 Tiny random models are made locally by transformers (nothing downloaded): a
-LlamaForCausalLM with 4 heads and 2 key/value heads, and a GPT2LMHeadModel with the
-exact GELU (``activation_function: "gelu"``, the GELU of training/models/gpt.py), both of
+LlamaForCausalLM with 4 heads and 2 key/value heads, and a GPT2LMHeadModel with GPT-2's
+own tanh-approximated GELU (``activation_function: "gelu_new"``), both of
 vocabulary 256 so that the byte corpus is their data.
 """
 
@@ -48,7 +48,7 @@ def llama(**overrides):
 
 def gpt2(**overrides):
     kw = dict(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=T,
-              activation_function="gelu", bos_token_id=0, eos_token_id=0)
+              activation_function="gelu_new", bos_token_id=0, eos_token_id=0)
     kw.update(overrides)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**kw))
 
@@ -152,7 +152,8 @@ def test_shape_comes_from_config_json(hf_dirs):
     assert (type(cfg).__name__, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.n_embd,
             cfg.block_size, cfg.vocab_size) == ("LlamaConfig", 2, 4, 2, 32, T, 256)
     gpt = families.model_shape(options(f"hf:{hf_dirs['gpt2']}"), 256)
-    assert gpt == GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=256)
+    assert gpt == GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=T, vocab_size=256,
+                            activation="gelu_tanh")
 
 
 @pytest.mark.parametrize("given, words", [

@@ -52,6 +52,9 @@ MODELS = {
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
         rope_theta=50.0)),
     "gpt2": lambda: transformers.GPT2LMHeadModel(gpt2_config()),
+    # GPT-2's own activation, the tanh approximation (GPTConfig.activation "gelu_tanh")
+    "gpt2-new": lambda: transformers.GPT2LMHeadModel(gpt2_config(
+        activation_function="gelu_new")),
 }
 
 
@@ -156,7 +159,7 @@ def test_unknown_architecture_names_the_supported(tmp_path):
 
 
 @pytest.mark.parametrize("model, field", [
-    (lambda: transformers.GPT2LMHeadModel(gpt2_config(activation_function="gelu_new")),
+    (lambda: transformers.GPT2LMHeadModel(gpt2_config(activation_function="relu")),
      "activation_function"),
     (lambda: transformers.LlamaForCausalLM(llama_config(attention_bias=True)),
      "attention_bias"),

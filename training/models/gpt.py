@@ -23,6 +23,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+#: GPTConfig.activation -> F.gelu's ``approximate``.
+ACTIVATIONS = {"gelu": "none", "gelu_tanh": "tanh"}
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -32,8 +35,14 @@ class GPTConfig:
     block_size: int
     vocab_size: int = 256
     bias: bool = True
+    # the MLP's GELU: "gelu" exact (erf), "gelu_tanh" the tanh approximation that GPT-2
+    # was trained with (Hugging Face's "gelu_new")
+    activation: str = "gelu"
 
     def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"GPTConfig: activation {self.activation!r}; expected one of "
+                             f"{', '.join(ACTIVATIONS)}")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -115,9 +124,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.approximate = ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class Block(nn.Module):

@@ -5,8 +5,8 @@ A Hugging Face directory holds ``config.json`` and the weights in safetensors, e
 architectures (``config.json``'s ``architectures[0]``):
 
 - ``LlamaForCausalLM`` <-> :class:`training.models.llama.LlamaStage`
-- ``GPT2LMHeadModel``  <-> :class:`training.models.gpt.GPTStage` (whose MLP uses the
-  exact GELU: an HF GPT-2 must say ``"activation_function": "gelu"``)
+- ``GPT2LMHeadModel``  <-> :class:`training.models.gpt.GPTStage` (GPT-2's own
+  ``gelu_new``, the tanh approximation, as ``activation="gelu_tanh"``; ``gelu`` exact)
 - ``MixtralForCausalLM`` <-> :class:`training.models.mixtral.Mixtral` (train_moe's
   ``--arch mixtral``): the shape is a MixtralConfig (``config``), the experts and their
   routing a MoEConfig (``moe``: every block sparse, Mixtral's gating, dropless as HF
@@ -152,9 +152,17 @@ def _llama_tensors(cfg: LlamaConfig, moe: MoEConfig | None = None) -> list[Tenso
 
 # ---------------------------------------------------------------------------- GPT-2
 
+#: transformers' GPT-2 activations -> GPTConfig.activation ("gelu_new", "gelu_fast" and
+#: "gelu_pytorch_tanh" are one formula, the tanh approximation, computed three ways).
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+                     "gelu_pytorch_tanh": "gelu_tanh"}
+
+
 def _gpt2_from_hf(hf: dict) -> GPTConfig:
-    _need(hf, "activation_function", hf.get("activation_function", "gelu_new") == "gelu",
-          "'gelu' (the exact GELU of training/models/gpt.py)")
+    act = hf.get("activation_function", "gelu_new")
+    _need(hf, "activation_function", act in _GPT2_ACTIVATIONS,
+          f"one of {', '.join(_GPT2_ACTIVATIONS)} (GPTConfig.activation: the exact GELU "
+          "or its tanh approximation)")
     n_embd = hf.get("n_embd", 768)
     _need(hf, "n_inner", hf.get("n_inner") in (None, 4 * n_embd), f"4 x n_embd = {4 * n_embd}")
     _need(hf, "layer_norm_epsilon", hf.get("layer_norm_epsilon", 1e-5) == 1e-5,
@@ -165,7 +173,8 @@ def _gpt2_from_hf(hf: dict) -> GPTConfig:
     _need(hf, "add_cross_attention", not hf.get("add_cross_attention", False), "false")
     return GPTConfig(n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12),
                      n_embd=n_embd, block_size=hf.get("n_positions", 1024),
-                     vocab_size=hf.get("vocab_size", 50257), bias=True)
+                     vocab_size=hf.get("vocab_size", 50257), bias=True,
+                     activation=_GPT2_ACTIVATIONS[act])
 
 
 def _gpt2_to_hf(cfg: GPTConfig) -> dict:
@@ -174,7 +183,8 @@ def _gpt2_to_hf(cfg: GPTConfig) -> dict:
                             "GPT2LMHeadModel equivalent")
     return {"model_type": "gpt2", "n_layer": cfg.n_layer, "n_head": cfg.n_head,
             "n_embd": cfg.n_embd, "n_positions": cfg.block_size, "n_inner": None,
-            "vocab_size": cfg.vocab_size, "activation_function": "gelu",
+            "vocab_size": cfg.vocab_size,
+            "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
             "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
             "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..core.sharding import Split
 from ..models import llama as llama_model
 from ..models.families import family_of
-from ..models.gpt import GPTConfig, lm_loss
+from ..models.gpt import ACTIVATIONS, GPTConfig, lm_loss
 from ..models.llama import LlamaConfig
 from ..tensor_parallel.comm import TensorComms
 from ..tensor_parallel.layers import (
@@ -79,7 +79,8 @@ class Block4D(nn.Module):
                                           f"{prefix}.attn")
         self.ln_2 = ParallelLayerNorm(get("ln_2.weight"), get("ln_2.bias"), comms,
                                       name=f"{prefix}.ln_2")
-        self.mlp = ParallelMLP(_scoped(get, "mlp"), comms, f"{prefix}.mlp")
+        self.mlp = ParallelMLP(_scoped(get, "mlp"), comms, f"{prefix}.mlp",
+                               approximate=ACTIVATIONS[cfg.activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))

@@ -70,7 +70,7 @@ from ..core.sharding import Split, split_of
 from ..core.topology import Axis, ProcessGrid
 from ..models import llama
 from ..models import mixtral as mixtral_model
-from ..models.gpt import MLP, Block, Embedding, GPTConfig, Head
+from ..models.gpt import ACTIVATIONS, MLP, Block, Embedding, GPTConfig, Head
 from ..models.init_source import SerialSource
 from ..models.moe import (
     MoEBlock,
@@ -224,7 +224,7 @@ class ExpertFFN(ParallelMLP):
         a = self.c_fc.partial(h)
         if self.c_fc.bias is not None:
             a = a + self.c_fc.bias
-        return self.c_proj.partial(F.gelu(a))
+        return self.c_proj.partial(F.gelu(a, approximate=self.approximate))
 
     @property
     def out_bias(self) -> torch.Tensor | None:
@@ -313,7 +313,8 @@ class ParallelMoE(nn.Module):
         self.experts = nn.ModuleDict({
             str(e): (ParallelSwiGLU(mlp, comms, f"{prefix}.experts.{e}")
                      if isinstance(mlp, llama.MLP)
-                     else ExpertFFN(mlp, comms, f"{prefix}.experts.{e}"))
+                     else ExpertFFN(mlp, comms, f"{prefix}.experts.{e}",
+                                    approximate=ACTIVATIONS[cfg.activation]))
             for e, mlp in experts.items()})
         for p in self.experts.parameters():
             p.expert = True
@@ -421,7 +422,8 @@ class ParallelBlock(nn.Module):
             self.moe = ParallelMoE(cfg, moe, serial.moe.router, experts, groups, dtd=dtd,
                                    debug_checks=debug_checks, prefix=f"{prefix}.moe")
         else:
-            self.mlp = ParallelMLP(serial.mlp, comms, f"{prefix}.mlp")
+            self.mlp = ParallelMLP(serial.mlp, comms, f"{prefix}.mlp",
+                                   approximate=ACTIVATIONS[cfg.activation])
 
     def norms(self):
         return self.ln_1, self.ln_2

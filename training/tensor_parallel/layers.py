@@ -492,10 +492,13 @@ class ParallelSelfAttention(nn.Module):
 
 class ParallelMLP(nn.Module):
     """The GPT MLP: c_fc an N-layer, c_proj a T-layer (Megatron-LM's column- and
-    row-parallel pair where only X has degree > 1)."""
+    row-parallel pair where only X has degree > 1). `approximate`: F.gelu's (the
+    config's activation); None takes the serial module's."""
 
-    def __init__(self, serial: nn.Module | Weights, comms: TensorComms, prefix: str):
+    def __init__(self, serial: nn.Module | Weights, comms: TensorComms, prefix: str,
+                 approximate: str | None = None):
         super().__init__()
+        self.approximate = approximate or getattr(serial, "approximate", "none")
         get = serial_weights(serial)
         self.c_fc = ParallelLinear(get("c_fc.weight"), get("c_fc.bias"), comms,
                                    name=f"{prefix}.c_fc")
@@ -503,7 +506,7 @@ class ParallelMLP(nn.Module):
                                      transposed=True, name=f"{prefix}.c_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 # -- the Llama family (training/models/llama.py) -------------------------------------------
