@@ -241,8 +241,8 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
         source = read_source(spec, trust="--trust-checkpoint" in argv)
     except (FileNotFoundError, ckpt.CheckpointError, ValueError) as e:
         raise PathOptionError(str(e)) from None
-    if source.kind == "checkpoint":
-        argv = _without_flag(argv, "--init-from")
+    if source.kind == "checkpoint":  # loaded as a resume: the manifest gives the shape
+        argv = [*_without_flag(argv, "--init-from"), "--resume", spec]
     # --block-size is the windows' length here, not a shape option checked against the
     # source's (a model evaluates windows up to its context)
     window = _flag_value(argv, "--block-size")

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch.nn as nn
@@ -102,9 +103,18 @@ def model_shape(options: Any, vocab_size: int) -> Any:
     `vocab_size`; ValueError naming the options (``options.model_error``).
     With ``--init-from hf:DIR`` the shape is the Hugging Face config.json's
     (:func:`hf_shape`)."""
+    resume = getattr(options, "resume", None)
+    resumed = resumed_config(resume, getattr(options, "checkpoint_dir", None)) \
+        if resume else None
+    if resumed is not None:  # the checkpoint's manifest has the shape
+        return source_shape(options, f"--resume {resume}", vocab_size, resumed, "manifest")
     init_from = getattr(options, "init_from", None)
     if init_from and init_from.startswith(HF_PREFIX):
         return hf_shape(options, init_from, vocab_size)
+    described = described_config(init_from) if init_from else None
+    if described is not None:  # a consolidated .pt: the .json beside it has the shape
+        return source_shape(options, f"--init-from {init_from}", vocab_size, described,
+                            ".json")
     try:
         return family(options.arch).config(
             options.model, vocab_size=vocab_size, n_layer=options.n_layer,
@@ -147,20 +157,72 @@ def read_hf_config(directory: str | os.PathLike) -> Any:
         raise ValueError(f"{path}: {e}") from None
 
 
+def _config_of(d: dict) -> Any:
+    if "arch" not in d and "n_kv_head" in d:  # written before the "arch" field
+        d = {**d, "arch": "llama"}
+    return config_from_dict(d)
+
+
+def resumed_config(spec: str, root: str | None) -> Any:
+    """The model config of the checkpoint ``--resume`` `spec` names (its manifest's),
+    None where there is none to read or it is TED's (train_moe's options resolve those):
+    the resume itself then reports the problem."""
+    from ..core.checkpoint import latest_checkpoint
+
+    path = latest_checkpoint(root) if spec == "latest" and root else Path(spec)
+    try:
+        manifest = json.loads((Path(path) / "manifest.json").read_text())
+        if manifest.get("engine") == "ted" or not isinstance(manifest.get("model"), dict):
+            return None
+        return _config_of(manifest["model"])
+    except (OSError, TypeError, ValueError):
+        return None
+
+
+def described_config(path: str) -> Any:
+    """The config in the ``.json`` that ``python -m training.checkpoint consolidate``
+    writes beside a serial state_dict `path` (:func:`describe`'s form; one without
+    "arch" but with n_kv_head is a llama's), None when there is none or it describes an
+    MoE (train_moe's own options resolve those); ValueError naming a .json that does not
+    describe a model."""
+    sidecar = Path(path).with_suffix(".json")
+    if not Path(path).is_file() or not sidecar.is_file():
+        return None
+    try:
+        d = json.loads(sidecar.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{sidecar}: cannot be read ({e})") from None
+    if not isinstance(d, dict) or "moe" in d:
+        return None
+    try:
+        return _config_of(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{sidecar}: not a model description beside --init-from {path} "
+                         f"({e}); consolidate's .json holds the model's config") from None
+
+
 def hf_shape(options: Any, spec: str, vocab_size: int) -> Any:
-    """The model of ``--init-from hf:DIR`` (`spec`): config.json's shape. Options given
-    beside it (``--arch`` and ``--model`` away from their defaults, a shape option set)
-    must agree with it: ValueError naming both. ``--block-size`` may be shorter than
-    config.json's context when the weights do not depend on it (rotary positions, not
-    a position table). `vocab_size`, the data's vocabulary when the options give it
-    (the byte corpus, or ``--vocab-size``), must not exceed the model's."""
-    cfg = read_hf_config(spec.removeprefix(HF_PREFIX))
+    """The model of ``--init-from hf:DIR`` (`spec`): config.json's shape
+    (:func:`source_shape`)."""
+    return source_shape(options, f"--init-from {spec}", vocab_size,
+                        read_hf_config(spec.removeprefix(HF_PREFIX)), "config.json")
+
+
+def source_shape(options: Any, where: str, vocab_size: int, cfg: Any, document: str) -> Any:
+    """The model of the source `where` names (``--init-from hf:DIR``, ``--init-from
+    M.pt``, ``--resume STEP``), whose `document` (config.json, the .pt's .json, the
+    checkpoint's manifest) gives `cfg`. Options given beside it (``--arch`` and
+    ``--model`` away from their defaults, a shape option set) must agree with it:
+    ValueError naming both.
+    ``--block-size`` may be shorter than the source's context when the weights do not
+    depend on it (rotary positions, not a position table). `vocab_size`, the data's
+    vocabulary when the options give it (the byte corpus, or ``--vocab-size``), must
+    not exceed the model's."""
     fam = family_of(cfg)
-    where = f"--init-from {spec}"
 
     def disagree(option: str, theirs: str, fix: str = "") -> ValueError:
-        return ValueError(f"{option} disagrees with {where}, whose config.json "
-                          f"gives {theirs}; drop {option.split()[0]} (the Hugging Face "
+        return ValueError(f"{option} disagrees with {where}, whose {document} "
+                          f"gives {theirs}; drop {option.split()[0]} (the source's "
                           f"config sets the model){fix}")
 
     arch = getattr(options, "arch", _DEFAULT_ARCH)
