@@ -45,7 +45,9 @@ with ``OMP_NUM_THREADS=1``, so none inherits another's process state.
    ``--steps`` steps, and its figure is the median over the timed steps of the slowest
    rank's step. Reported per contender: median tokens/s over rounds, spread (min-max),
    ratio to the best peer, peak RSS per rank (ru_maxrss), bytes per step; a PNG bar
-   chart; one final line per engine ``engines: <engine> <ratio>x best peer (<peer>)``.
+   chart; one final line per engine ``engines: <engine> <ratio>x best peer (<peer>)``
+   followed by the engine's ratio to the best peer of each round and their median (the
+   contenders of a round ran minutes apart: on a loaded machine the steadier figure).
 
 Peers are optional: ``pip install .[bench]`` (DeepSpeed: ``DS_BUILD_OPS=0 pip install
 deepspeed``); a row whose peer is not installed says so and runs without it. DeepSpeed's
@@ -520,7 +522,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"engines: {row.engine} has no installed peer")
         else:
             ratio = results[row.engine]["median"] / results[best]["median"]
-            lines.append(f"engines: {row.engine} {ratio:.2f}x best peer ({best})")
+            # within a round the contenders ran minutes apart, under the same load
+            per_round = [e / max(results[p]["rounds"][r] for p in ok)
+                         for r, e in enumerate(results[row.engine]["rounds"])]
+            results[row.engine]["per_round_vs_best_peer"] = per_round
+            lines.append(f"engines: {row.engine} {ratio:.2f}x best peer ({best}); per "
+                         f"round vs that round's best peer "
+                         f"{'/'.join(f'{x:.2f}' for x in per_round)}, median "
+                         f"{statistics.median(per_round):.2f}")
     plot(results, rows, Path(args.png), args.ranks)
     print(f"chart: {args.png}")
     if args.json:
