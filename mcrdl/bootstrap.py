@@ -167,6 +167,8 @@ def _abort_if_mpi_busy(grace: float = 1.0) -> None:
         "collective that a rank never joined (its wait raised CommTimeoutError). MPI cannot "
         "be finalized under it; ending the job with MPI_Abort\n")
     sys.stderr.flush()
+    sys.stdout.flush()
+    time.sleep(0.3)  # the launcher forwards what was printed before the abort's kill
     mpi.COMM_WORLD.Abort(1)
 
 

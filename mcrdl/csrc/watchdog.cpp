@@ -42,6 +42,9 @@ Registry& registry() {
                "ending the job with MPI_Abort\n%s",
                msg.c_str(), gil);
   std::fflush(stderr);
+  // The launcher relays this rank's stderr through a pipe that MPI_Abort's teardown may
+  // close before it is read: give it a moment, so the job's output says why it ended.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::abort();  // MPI_Abort does not return
 }
