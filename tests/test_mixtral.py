@@ -238,8 +238,9 @@ def test_mixtral_ted_layouts(token_dir, tmp_path):
     """One launch of 4 ranks (tests/training/check_mixtral.py): six --arch mixtral
     layouts (DTD, CAC, the tiled optimizer; capacity 1.0 and dropless) train 8 steps with
     every LM and aux loss within 1e-5 of the serial Mixtral's (a Goldfish run's too);
-    the dropless ones drop nothing and agree across layouts; a MixtralForCausalLM imported into (2, 2, 2), each
-    rank reading only its experts, evaluates to HF's loss within 1e-5."""
+    the dropless ones drop nothing and agree across layouts; a MixtralForCausalLM
+    imported into (2, 2, 2), each rank reading only its experts, evaluates to HF's loss
+    within 1e-5."""
     env = dict(os.environ, MCRDL_TIMEOUT="120", OMP_NUM_THREADS="1",
                PYTHONPATH=pythonpath(ROOT), MOE_DATA=str(token_dir))
     out = run_launcher([mpiexec_or_skip(), "-n", "4", sys.executable,
