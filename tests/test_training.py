@@ -734,7 +734,8 @@ def test_option_errors_printed_once_per_job(capsys, plain_process, tmp_path):
         missing = "/nonexistent/w.pt"
         assert run_command(parse, lambda cfg: None, ["--init-from", missing], **kw) == 2
         assert capsys.readouterr().err == (f"error (rank {rank}): --init-from {missing}: no "
-                                           "such file\n")
+                                           "such file; expected a serial state_dict (.pt) "
+                                           "or hf:DIR\n")
     monkeypatch.delenv("PMI_RANK")
     monkeypatch.delenv("PMI_SIZE")  # a plain process: no rank named
     assert run_command(parse, lambda cfg: None, ["--config", "/nonexistent.toml"], **kw) == 2
