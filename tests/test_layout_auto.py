@@ -92,3 +92,27 @@ def test_layout_auto_trials_resume_and_records(tmp_path):
                        timeout=400)
     assert "layout auto OK" in out, out
     assert "resume: G_inter=2 x G_data=2 from step 2" in out, out
+
+
+def test_memory_per_rank_drops_the_layouts_that_need_more():
+    """With the memory per rank between the least and the most any layout needs, the
+    layouts above it are rejected for memory and never among the runnable ones; the
+    unbounded first choice, when it needs more, is not chosen."""
+    from training.plan import auto
+
+    cfg = train_gpt.parse_args(["--layout", "auto", "--model", "mini", "--global-batch-size",
+                                "8", "--micro-batch-size", "1"], world_size=4)
+    cpu = torch.device("cpu")
+    everything = auto.plan(auto._problem(cfg, 4, cpu, float(1 << 50)))
+    unbounded = auto._runnable(cfg, everything, 4, ("pipeline", "4d"))
+    needs = sorted(c.memory["total"] for c, _ in unbounded)
+    assert needs[0] < needs[-1]
+    limit = (needs[0] + needs[-1]) / 2
+    result = auto.plan(auto._problem(cfg, 4, cpu, limit))
+    runnable = auto._runnable(cfg, result, 4, ("pipeline", "4d"))
+    assert runnable and all(c.memory["total"] <= limit for c, _ in runnable)
+    dropped = {r.label for r in result.rejected if r.constraint == "memory"}
+    assert dropped == {c.label for c in everything.ranked if c.memory["total"] > limit}
+    first = unbounded[0][0]
+    if first.memory["total"] > limit:
+        assert runnable[0][0].label != first.label
