@@ -58,7 +58,7 @@ class LayoutOptions(Options):
                          choices=("manual", "auto"))
     layout_trials: int = option(0, "with --layout auto: train the K best predicted layouts "
                                 "a few steps each and keep the fastest", minimum=0)
-    layout_trial_steps: int = option(3, "steps per trial (the first is not timed)",
+    layout_trial_steps: int = option(6, "steps per trial (the first is not timed)",
                                      minimum=2)
     memory_per_rank: str | None = option(None, "memory per rank for --layout auto, e.g. "
                                          "16GiB (default: this GPU's memory, or the host's "
