@@ -292,7 +292,9 @@ def test_pccl_blocking_phase_gets_what_is_left_of_the_timeout(tmp_path):
                     done_dir=tmp_path)
     called = float(re.search(r"rank 1: calling at ([\d.]+)", out).group(1))
     joined = float(re.search(r"rank 0: joined the first phase at ([\d.]+)", out).group(1))
-    assert joined - called >= late, out  # the first phase did wait
+    # the first phase did wait: rank 0 sleeps `late` from the end of the healthy op before,
+    # which rank 1 may leave up to a scheduling slice after it
+    assert joined - called >= late - 1, out
     assert end - called < limit + late / 2, (end - called, out)
     text = _C.timeout_message("all_reduce", "pccl", "world", 2, limit)
     assert f"mcrdl: CommTimeoutError: {text}" in out and "MPI_Abort" in out, out
@@ -649,7 +651,7 @@ def test_async_cost_per_op_does_not_grow_with_ops_in_flight(order, mode):
 
 
 WINDOW = r"""
-import torch, mcrdl
+import sys, torch, mcrdl
 from mcrdl import _C
 mcrdl.init(['mpi'])
 b = mcrdl.api.current_runtime().backend('mpi')
@@ -678,7 +680,9 @@ except ValueError as e:
 else:
     raise AssertionError('window 0 accepted')
 _C.set_mpi_window(32)
-print('window ok', rank, seen)
+# one write: the launcher interleaves the ranks' output chunk by chunk
+sys.stdout.write(f'window ok {rank} {seen}\n')
+sys.stdout.flush()
 mcrdl.finalize()
 """
 

@@ -1,9 +1,10 @@
 """benchmarks/engines.py: the parity step of every engine against its peers (the `tiny`
 GPT, 2 ranks, 2 steps, one mpiexec job per contender, ``--parity-only``): equal losses
 from the same initial weights, or the test fails with the script's reason. By default the
-torch peers over the "mcrdl" backend and the optional peers (DeepSpeed's MoE: skipped,
-saying how to install it, where it is not installed); with MCRDL_TEST_FULL=1 also the
-torch peers over Gloo and a reduced timed run (table, chart, per-engine lines)."""
+optional peers (DeepSpeed's MoE: skipped, saying how to install it, where it is not
+installed); with MCRDL_TEST_FULL=1 also the torch peers over the "mcrdl" backend and over
+Gloo (about 1-2 minutes each on 2 cores) and a reduced timed run (table, chart,
+per-engine lines)."""
 
 import importlib.util
 import os
@@ -52,6 +53,7 @@ def _check_parity(rows, backends, tmp_path):
 TORCH_ROWS = [r for r in ROWS if r not in NEEDS]
 
 
+@FULL
 def test_parity_of_each_torch_pair_over_mcrdl(tmp_path):
     """Every engine against its torch peers over the "mcrdl" backend (one job each)."""
     mpiexec_or_skip()

@@ -62,7 +62,7 @@ CASES = [
      "divisible by G_tensor=2", True),
     (GPT, 2, ["--n-head", "3"], "--model tiny --n-head 3: n_embd=32 is not divisible by "
      "n_head=3", True),
-    (GPT, 2, ["--model", "gpt9"], "--model gpt9: unknown model 'gpt9'", True),
+    (GPT, 2, ["--model", "gpt9"], "--model gpt9: unknown gpt model 'gpt9'", True),
     # layer splits
     (GPT, 2, ["--G-inter", "2", "--layers-per-stage", "3,3"], "--layers-per-stage 3,3 "
      "places 6 transformer blocks but the model has 4", True),
@@ -205,7 +205,8 @@ def test_refused_under_mpiexec(case, workdir):
 
 
 @pytest.mark.parametrize("ranks,argv,line", [
-    (4, ["--init-from", "w.pt"], "error (ranks 2, 3 of 4): --init-from w.pt: no such file"),
+    (4, ["--init-from", "w.pt"], "error (ranks 2, 3 of 4): --init-from w.pt: no such file; "
+                                 "expected a serial state_dict (.pt) or hf:DIR"),
     pytest.param(2, ["--config", "run.json"], "error (rank 1 of 2): --lr is -1; expected > 0",
                  marks=FULL)])
 def test_refusal_of_some_ranks_is_gathered(ranks, argv, line, workdir):

@@ -184,6 +184,9 @@ def suite_outcomes(backend: str, world: int, tmp_path, tests=()) -> dict[str, st
     out = run_launcher([sys.executable, SUITE, "-v", *names], env=env, timeout=1800,
                        expect_rc=None)
     starts = list(re.finditer(r"(?m)^(test_\w+) \(__main__\.TestDistBackendWithSpawn", out))
+    if not starts:
+        pytest.fail(f"torch's suite on {backend} at world size {world} ran no test; its "
+                    f"output:\n{out[-5000:]}")
     outcomes = {}
     for i, start in enumerate(starts):
         chunk = out[start.start():starts[i + 1].start() if i + 1 < len(starts) else len(out)]

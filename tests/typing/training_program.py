@@ -24,6 +24,7 @@ from training.ted.trainer import MoETrainer
 from training.train_gpt import TrainConfig
 from training.train_gpt import parse_args as gpt_args
 from training.train_gpt import run as train_gpt
+from training.train_moe import MoECommandConfig
 from training.train_moe import parse_args as moe_args
 from training.train_moe import run as train_moe
 
@@ -51,7 +52,7 @@ def main() -> None:
     assert_type(cfg.G_inter, int)
     assert_type(cfg.uses_4d(), bool)
     moe = moe_args(["--experts", "2", "--steps", "1"])
-    assert_type(moe, MoETrainConfig)
+    assert_type(moe, MoECommandConfig)
     assert isinstance(moe, (MoEOptions, TEDOptions)) and moe.experts == 2
 
     gpt_config = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)
