@@ -27,11 +27,10 @@ from dataclasses import replace
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from . import llama
 from .llama import RMSNorm
-from .moe import MoEConfig, MoEStats, SerialMoE, expert_generator, run_units, serial_segment
+from .moe import MoEConfig, MoEGPT, SerialMoE, expert_generator
 
 __all__ = ["CONFIGS", "Mixtral", "MixtralBlock", "MixtralConfig", "get_config",
            "init_expert", "make_unit"]
@@ -127,27 +126,13 @@ def make_unit(cfg: MixtralConfig, moe: MoEConfig, index: int, seed: int,
     return unit
 
 
-class Mixtral(nn.Module):
-    """The serial Mixtral: token ids in, (logits, MoEStats) out (as MoEGPT)."""
+class Mixtral(MoEGPT):
+    """The serial Mixtral: token ids in, (logits, MoEStats) out; MoEGPT's forward over
+    Mixtral's units."""
 
     def __init__(self, cfg: MixtralConfig, moe: MoEConfig, seed: int = 0,
                  activation_checkpointing: bool = False):
-        super().__init__()
         if cfg.tie_embeddings:
             raise ValueError("Mixtral: tie_embeddings is not supported (Mixtral's LM head "
                              "is its own matrix)")
-        self.cfg, self.moe_cfg = cfg, moe
-        self.units = nn.ModuleDict({str(i): make_unit(cfg, moe, i, seed)
-                                    for i in range(cfg.n_units)})
-        self.activation_checkpointing = activation_checkpointing
-
-    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
-        recompute = None
-        if self.activation_checkpointing and torch.is_grad_enabled():
-            def recompute(segment, x, *blocks):
-                return checkpoint(segment, x, *blocks, use_reentrant=False)
-        return run_units(list(self.units.values()), idx, serial_segment, recompute,
-                         self.moe_cfg)
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        super().__init__(cfg, moe, seed, activation_checkpointing, unit=make_unit)

@@ -373,10 +373,12 @@ class MoEGPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, moe: MoEConfig, seed: int = 0,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, *,
+                 unit: Callable[..., nn.Module] | None = None):
         super().__init__()
         self.cfg, self.moe_cfg = cfg, moe
-        self.units = nn.ModuleDict({str(i): make_moe_unit(cfg, moe, i, seed)
+        make = make_moe_unit if unit is None else unit  # unit(cfg, moe, index, seed)
+        self.units = nn.ModuleDict({str(i): make(cfg, moe, i, seed)
                                     for i in range(cfg.n_units)})
         self.activation_checkpointing = activation_checkpointing
 
