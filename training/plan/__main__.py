@@ -6,11 +6,16 @@
     python -m training.plan --model my.json --world-size 8 --gpus-per-node 4 \\
         --memory-per-gpu 24GiB --network 5,100:10,25 --peak-flops 100e12
 
---model: a GPT shape (training.models.gpt.CONFIGS, or an MoE base with --experts) or a
-JSON file of GPTConfig fields (n_layer, n_head, n_embd, block_size, vocab_size, bias),
-with an optional "moe" object of MoEConfig fields. --network: a shipped description
-(perlmutter, frontier, alps: training/plan/networks/, with their sources), a JSON file
-in that form, or ALPHA_US,GBPS:ALPHA_US,GBPS (inside a node, between nodes).
+--model: a GPT shape (training.models.gpt.CONFIGS, or an MoE base with --experts), a
+Llama shape (training.models.llama.CONFIGS: llama3-70b, also spelled llama-3-70b, ...),
+a Mixtral shape (mixtral-8x7b: every block 8 experts, top 2; --experts changes the
+count), or a JSON file of a family's config fields (GPTConfig: n_layer, n_head, n_embd,
+block_size, vocab_size, bias; with "arch": "llama" or "mixtral", LlamaConfig's, as a
+checkpoint manifest records them) with an optional "moe" object of MoEConfig fields.
+--network: a shipped description (perlmutter, frontier, alps: training/plan/networks/,
+with their sources), a JSON file in that form, or ALPHA_US,GBPS:ALPHA_US,GBPS (inside
+a node, between nodes). --sequence-length: the training sequence (default the shape's
+block_size).
 
 Prints the top layouts (engine and degrees, memory per GPU, communication per step,
 predicted compute, communication and step time), then how many layouts were dropped
@@ -21,13 +26,17 @@ the models in training/plan (see training/plan/planner.py), not a measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..core.arguments import dtype, positive_float, positive_int
-from ..models.gpt import GPTConfig
+from ..models import llama, mixtral
+from ..models.families import config_from_dict, family, family_of
+from ..models.gpt import CONFIGS
 from ..models.moe import MOE_BASES, MoEConfig, base_config
 from .memory import gib, parse_bytes
 from .network import PlanError, load_machine, shipped
@@ -37,7 +46,11 @@ from .planner import Plan, Problem, explain_infeasible, plan
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m training.plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="GPT or MoE base name, or CONFIG.json")
+    p.add_argument("--model", required=True,
+                   help="a GPT, MoE base, Llama (llama-3-70b) or Mixtral shape, or CONFIG.json")
+    p.add_argument("--sequence-length", type=positive_int, default=None, metavar="TOKENS",
+                   help="tokens per training sequence (default: the model's block_size; "
+                        "the Llama 3 shapes' is their 131072-token context)")
     p.add_argument("--experts", type=positive_int, default=None,
                    help="make the model an MoE with this many experts (TED layouts)")
     p.add_argument("--world-size", type=positive_int, required=True, help="GPUs (ranks)")
@@ -63,32 +76,47 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(spec: str, experts: int | None) -> tuple[GPTConfig, MoEConfig | None]:
+#: Spellings of the Llama 3 shapes as their publications write them.
+_ALIASES = {f"llama-3-{size}": f"llama3-{size}" for size in ("8b", "70b", "405b")}
+
+
+def _named(spec: str) -> Any:
+    """The shape a --model name gives: a GPT or MoE base, then a Llama or Mixtral shape."""
+    name = _ALIASES.get(spec, spec)
+    for arch in ("llama", "mixtral"):
+        configs = family(arch).configs
+        if name in configs and name not in CONFIGS and name not in MOE_BASES:
+            return configs[name]
+    try:
+        return base_config(name)
+    except ValueError:
+        known = [*CONFIGS, *MOE_BASES, *llama.CONFIGS, *_ALIASES, *mixtral.CONFIGS]
+        raise PlanError(f"--model {spec!r}: unknown shape; expected one of "
+                        f"{', '.join(dict.fromkeys(known))} or a CONFIG.json") from None
+
+
+def load_model(spec: str, experts: int | None) -> tuple[Any, MoEConfig | None]:
     """The model of --model/--experts (see the module docstring)."""
     moe = None
     if spec.endswith(".json") or Path(spec).is_file():
         try:
             d = json.loads(Path(spec).read_text())
             moe_fields = d.pop("moe", None)
-            arch = d.pop("arch", "gpt")  # a manifest's or consolidated .json's family
-            if arch != "gpt":
-                raise PlanError(f"--model {spec!r}: a {arch} model; the planner's memory "
-                                "and communication models describe GPT shapes")
-            cfg = GPTConfig(**d)
+            cfg = config_from_dict(d)  # "arch": a manifest's or consolidated .json's family
             moe = None if moe_fields is None else MoEConfig(**moe_fields)
-        except PlanError:
-            raise
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, AttributeError) as e:
             raise PlanError(f"--model {spec!r}: not a model description ({e}); expected a "
-                            "JSON object of GPTConfig fields with an optional \"moe\" "
-                            "object of MoEConfig fields") from None
+                            "JSON object of a family's config fields (GPTConfig, or "
+                            "LlamaConfig with \"arch\": \"llama\" or \"mixtral\") with an "
+                            "optional \"moe\" object of MoEConfig fields") from None
     else:
-        try:
-            cfg = base_config(spec)
-        except ValueError as e:
-            raise PlanError(f"--model: {e}") from None
+        cfg = _named(spec)
         if spec in MOE_BASES and experts is None:
             raise PlanError(f"--model {spec} is an MoE base: give --experts")
+    if isinstance(cfg, mixtral.MixtralConfig) and moe is None:
+        # Mixtral's routing: every block an MoE, the top 2 experts by probability
+        moe = MoEConfig(experts=experts or 8, top_k=2, moe_every=1, gating="mixtral",
+                        router_group_tokens=cfg.block_size)
     if experts is not None:
         moe = MoEConfig(**{**({} if moe is None else moe.as_dict()), "experts": experts,
                            "router_group_tokens": cfg.block_size})
@@ -99,6 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         cfg, moe = load_model(args.model, args.experts)
+        if args.sequence_length is not None:
+            cfg = dataclasses.replace(cfg, block_size=args.sequence_length)
+            if moe is not None:
+                moe = dataclasses.replace(moe, router_group_tokens=args.sequence_length)
         machine = load_machine(args.network)
         gpus = args.gpus_per_node or machine.gpus_per_node
         if gpus is None:
@@ -131,7 +163,10 @@ def print_plan(result: Plan, name: str, top: int, show_rejected: bool = False,
     p = result.problem
     m = p.model
     moe = "" if p.moe is None else f", {p.moe.experts} experts every {p.moe.moe_every} blocks"
-    print(f"# {name}: n_layer {m.n_layer}, n_embd {m.n_embd}, n_head {m.n_head}, vocab "
+    arch = family_of(m).name
+    shape = "" if arch == "gpt" else \
+        f" ({arch}: n_kv_head {m.n_kv_head}, intermediate {m.intermediate_size})"
+    print(f"# {name}{shape}: n_layer {m.n_layer}, n_embd {m.n_embd}, n_head {m.n_head}, vocab "
           f"{m.vocab_size}, sequence {m.block_size}{moe}; {p.dtype}, batch {p.sequences} "
           f"sequences, micro-batch {p.micro_batch_size}", file=out)
     print(f"# {p.world_size} GPUs, {p.gpus_per_node} per node, {gib(p.memory_per_gpu)} GiB "

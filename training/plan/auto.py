@@ -147,10 +147,6 @@ def _machine(device: torch.device) -> Machine:
 
 def _problem(cfg: Any, world_size: int, device: torch.device, memory: float) -> Problem:
     model = cfg.model_config()
-    if not hasattr(model, "bias"):
-        raise ValueError(f"--layout auto: the planner's memory and communication models "
-                         f"describe GPT shapes; --arch {cfg.arch} needs its layout given "
-                         "(--G-* options)")
     moe = cfg.moe_config() if hasattr(cfg, "moe_config") else None
     peak, source = peak_flops(device, cfg.peak_flops)
     efficiency = DATASHEET_EFFICIENCY if "datasheet" in source else 1.0

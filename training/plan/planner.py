@@ -1,11 +1,12 @@
 """Enumerate every layout the engines support for a world and a model, drop those that
 cannot run it, and rank the rest by predicted step time.
 
-Layouts: a dense GPT runs on the pipeline engine (G_inter x G_data, the engine's even
+Layouts: a dense GPT or Llama runs on the pipeline engine (G_inter x G_data, the engine's even
 layer split) and the 4D engine (G_x, G_y, G_z, G_data); an MoE GPT on TED (G_tensor,
-G_expert, G_data_nonexp). A layout is dropped, with its reason, when it breaks a
+G_expert, G_data_nonexp), as does a Mixtral. A layout is dropped, with its reason, when it breaks a
 divisibility rule of its engine (``"heads"``, ``"width"``, ``"vocab"``, ``"weight
-shard"``, ``"layers"``, ``"experts"``, ``"batch"``) or needs more than the memory per GPU
+shard"``, ``"layers"``, ``"experts"``, ``"batch"``; a Llama's ``"kv heads"``,
+``"intermediate"``, ``"tied"``) or needs more than the memory per GPU
 (``"memory"``, ``memory.py``'s models).
 
 **Step time** = compute + communication (no overlap assumed: an upper bound).
@@ -38,6 +39,7 @@ from mcrdl.tuning.model import coefficients
 
 from ..core.flops import model_flops_per_token
 from ..models.gpt import GPTConfig
+from ..models.llama import LlamaConfig
 from ..models.moe import MoEConfig
 from ..parallel4d.perf_model import Grid4D, TrainingStep, constraint_violations, grids, predict
 from ..ted.cost_model import step_comm
@@ -54,7 +56,7 @@ BUCKET_BYTES = 4 << 20
 class Problem:
     """What is planned: the model, the world and the machine."""
 
-    model: GPTConfig
+    model: GPTConfig | LlamaConfig      # (a MixtralConfig is a LlamaConfig)
     world_size: int
     gpus_per_node: int
     memory_per_gpu: float
@@ -190,6 +192,12 @@ def _pipeline(p: Problem, network, compute: float):
             yield Rejected("pipeline", label, "layers",
                            f"{cfg.n_layer} transformer blocks cannot fill {g_inter} stages")
             continue
+        if g_inter > 1 and getattr(cfg, "tie_embeddings", False):
+            yield Rejected("pipeline", label, "tied",
+                           "tie_embeddings: the embedding and the LM head share one matrix, "
+                           "so the first and last units must sit on one stage; untie them "
+                           "or use one stage")
+            continue
         n_micro = _shards(p, "pipeline", label, g_data, "G_data")
         if isinstance(n_micro, Rejected):
             yield n_micro
@@ -277,7 +285,10 @@ def explain_infeasible(result: Plan) -> str:
                        "count, or another --experts",
             "heads": "choose a world size with divisors that divide the head count",
             "batch": "give a --batch that is a multiple of the world size",
-            "layers": "use fewer pipeline stages (a deeper model)"}.get(
+            "layers": "use fewer pipeline stages (a deeper model)",
+            "kv heads": "choose a world size with divisors that divide the key/value head "
+                        "count",
+            "tied": "untie the embedding and the LM head (tie_word_embeddings false)"}.get(
                 top, "choose a world size that the model's shapes divide")
     every = ", ".join(f"{c} {n}" for c, n in sorted(counts.items(), key=lambda i: (-i[1], i[0])))
     return (f"no layout of {p.world_size} GPUs fits: the tightest constraint is {top} "
