@@ -8,6 +8,7 @@
 3. --resume with --layout auto keeps the checkpoint's layout (saved on G_inter=2 x
    G_data=2, not the planner's first choice).
 4. train_moe --layout auto trains on a TED layout the planner ranked.
+5. train_gpt --arch llama --layout auto: the planner's first runnable Llama layout.
 Prints "layout auto OK" last on rank 0."""
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ def main() -> None:
         choice = _records(tmp / "moe.jsonl")[0]["layout_choice"]
         assert set(choice["degrees"]) == {"G_tensor", "G_expert", "G_data"}, choice
         print(f"moe: {result.grid}", flush=True)
+
+    # 5. a Llama
+    cfg = train_gpt.parse_args([*base, "--arch", "llama", "--layout", "auto", "--steps", "1",
+                                "--metrics", str(tmp / "llama.jsonl")], world_size=4)
+    result = train_gpt.run(cfg)
+    if rank == 0:
+        problem = auto._problem(cfg, 4, __import__("torch").device("cpu"), 1 << 40)
+        first = auto._runnable(cfg, auto.plan(problem), 4, ("pipeline", "4d"))[0][1]
+        assert result.grid == first.describe_grid(), (result.grid, first.describe_grid())
+        assert _records(tmp / "llama.jsonl")[0]["layout_choice"]["grid"] == result.grid
+        print(f"llama: {result.grid}", flush=True)
         print("layout auto OK", flush=True)
     mcrdl.finalize()
 
