@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ._launch import clean_env
+from ._launch import clean_env, mpiexec_or_skip, run_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, T, W = 256, 16, 5
@@ -118,3 +118,9 @@ def test_eval_interval_and_checkpoint_sources(tmp_path):
         got = _last_json(_command(["training.evaluate", "--init-from", str(source), *base,
                                    *extra]).stdout)
         assert got["loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-6), (source, extra)
+    # --layout auto at 2 ranks: the planner's layout, the same loss
+    r = run_launcher([mpiexec_or_skip(), "-n", "2", sys.executable, "-m", "training.evaluate",
+                      "--init-from", str(tmp_path / "m.pt"), *base, "--layout", "auto"],
+                     env={**clean_env(), "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert "--layout auto:" in r and "chosen (predicted fastest)" in r, r
+    assert _last_json(r)["loss"] == pytest.approx(records[-1]["val_loss"], rel=1e-6), r

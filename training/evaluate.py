@@ -17,9 +17,10 @@ beside it, else from the model options) or a checkpoint's step directory (which 
 have been saved on this layout; consolidate it for another). The engine is train_gpt's
 (pipeline x data, or 4D with ``--G-x/--G-y/--G-z``) or, with ``--trainer train_moe`` (the
 default for a Mixtral directory or a train_moe checkpoint), train_moe's TED, built with
-the layout options as the trainers take them; its ``evaluate`` spreads the windows
-over the data-parallel shards. ``--serial`` instead runs the whole serial model in
-every process (the reference the engines are checked against).
+the layout options as the trainers take them (or ``--layout auto``: the layout their
+planner chooses, training/plan/auto.py; a checkpoint keeps its own); its ``evaluate``
+spreads the windows over the data-parallel shards. ``--serial`` instead runs the whole
+serial model in every process (the reference the engines are checked against).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from mcrdl.launch import detect as detect_launch
 
 from .core import checkpoint as ckpt
-from .core import options
+from .core import options, runtime
+from .core.backends import Backends
 from .core.data import eval_windows, load_dataset
 from .core.goldfish import IGNORE_INDEX
 from .core.options import Options, PathOptionError, option
@@ -46,6 +48,7 @@ from .core.topology import GridError
 from .models import families
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
+from .plan.auto import LayoutOptions, choose_layout
 from .samo.options import SamoOptions
 from .ted.options import MoETrainConfig
 
@@ -67,8 +70,8 @@ class EvalOptions(Options):
 
 
 @dataclass
-class EvalConfig(EvalOptions, SamoOptions, RunOptions, OptimizerOptions, TensorOptions,
-                 PipelineOptions, DataOptions, ModelOptions):
+class EvalConfig(LayoutOptions, EvalOptions, SamoOptions, RunOptions, OptimizerOptions,
+                 TensorOptions, PipelineOptions, DataOptions, ModelOptions):
     """train_gpt's options and the evaluation's."""
 
     def model_config(self):
@@ -76,7 +79,7 @@ class EvalConfig(EvalOptions, SamoOptions, RunOptions, OptimizerOptions, TensorO
 
 
 @dataclass
-class MoEEvalConfig(EvalOptions, MoETrainConfig):
+class MoEEvalConfig(LayoutOptions, EvalOptions, MoETrainConfig):
     """train_moe's options and the evaluation's."""
 
 
@@ -263,11 +266,32 @@ def parse_args(argv: Sequence[str] | None = None, *, world_size: int | None = No
     cfg.window = window
     if source.kind == "checkpoint" and hasattr(cfg, "dtype"):
         cfg.dtype = (source.manifest.get("train_config") or {}).get("dtype", cfg.dtype)
+    if cfg.layout == "auto" and (cfg.serial or cfg.layout_trials):
+        raise ValueError("--layout auto chooses the engine's layout: not with --serial (one "
+                         "whole model per process) nor --layout-trials (trials train)")
     cfg.validate()
     if world_size is not None:
         cfg.check_world(world_size)
     cfg.validate_node()
     return cfg
+
+
+def auto_layout(cfg):
+    """--layout auto: the options with the layout the trainers' planner chooses (a
+    checkpoint source, loaded as a resume, keeps the layout it was saved on).
+    Collective over the world."""
+    if isinstance(cfg, MoETrainConfig):
+        runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
+                          cfg.timeout, nccl_with_given=True)
+        engines: tuple[str, ...] = ("ted",)
+    else:
+        runtime.init_comm(cfg.backends.split(",") if cfg.backends else [],
+                          runtime.pick_device(cfg.device), cfg.timeout)
+        engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine,
+                                                                  ("pipeline", "4d"))
+    chosen, _ = choose_layout(cfg, engines=engines)
+    chosen.source, chosen.window = cfg.source, cfg.window
+    return chosen
 
 
 def _without_flag(argv: list[str], name: str) -> list[str]:
@@ -321,6 +345,8 @@ def run(cfg) -> dict:
         loss, tokens = serial_loss(model, windows)
         rank = detect_launch().rank
     else:
+        if cfg.layout == "auto":
+            cfg = auto_layout(cfg)
         trainer = build_trainer(cfg)
         windows = eval_windows(trainer.dataset.splits[cfg.split], cfg.windows,
                                cfg.window or trainer.model_cfg.block_size)
