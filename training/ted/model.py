@@ -19,9 +19,11 @@ tensor ranks of one data rank hold the same tokens.
 **MoE layer**, per router group (training/models/moe.py routes): the slots of every expert
 (dispatch buffer ``(E, groups, C_buf, C)``) go by all_to_all over the expert group to
 the rank holding the expert, the local experts run (tensor-parallel FFNs, one
-all_reduce for all of them), and the reverse all_to_all brings the results back to be
-combined with the gates. Per MoE layer: 2 all_to_alls and 2 all_reduces (attention,
-experts) forward, the same backward; no all_to_all when G_expert = 1.
+all_reduce for all of them) on the filled slots only (``run_occupied``: the empty ones
+are zero rows, with capacity factor c about 1 - 1/c of the buffer), and the reverse
+all_to_all brings the results back to be combined with the gates (the filled slots
+only). Per MoE layer: 2 all_to_alls and 2 all_reduces (attention, experts) forward,
+the same backward; no all_to_all when G_expert = 1.
 
 **DTD.** After a tensor-parallel block every tensor rank holds the same dispatch buffer,
 so without DTD each token crosses the all_to_all G_tensor times. With DTD each tensor
@@ -214,6 +216,14 @@ def mark_replicated(module: nn.Module) -> None:
             p.split = Split(tuple(p.shape))
 
 
+def local_weight(layer: ParallelLinear) -> torch.Tensor:
+    """`layer`'s block [out, in] on this rank, a view of its parameter (gradients reach
+    it through torch's autograd). An expert's ``partial`` is its local matmuls: TED's
+    tensor comms have X only (TEDGroups), so no Y or Z collective and no weight to
+    gather, and ``partial`` leaves X's to the MoE layer (ParallelLinear.partial)."""
+    return layer.weight.view(layer.weight.split.block_shape(layer.comms.sizes()))
+
+
 class ExpertFFN(ParallelMLP):
     """One expert's FFN on this tensor rank (c_fc an N-layer, c_proj a T-layer over the
     tensor group: Megatron's column/row pair), run by ``partial``: the MoE layer reduces
@@ -221,14 +231,24 @@ class ExpertFFN(ParallelMLP):
     before and one ``reduce_from`` after, and adds c_proj's bias itself."""
 
     def partial(self, h: torch.Tensor) -> torch.Tensor:
-        a = self.c_fc.partial(h)
-        if self.c_fc.bias is not None:
-            a = a + self.c_fc.bias
-        return self.c_proj.partial(F.gelu(a, approximate=self.approximate))
+        a = F.linear(h, local_weight(self.c_fc), self.c_fc.bias)
+        return F.linear(F.gelu(a, approximate=self.approximate), local_weight(self.c_proj))
 
     @property
     def out_bias(self) -> torch.Tensor | None:
         return self.c_proj.bias
+
+    def input_grad_at_zero(self, g: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the gradient of ``partial`` at zero input rows, for the
+        output gradient rows `g`: the FFN's Jacobian at 0 is c_proj's weight times
+        gelu'(c_fc's bias) times c_fc's weight (run_occupied)."""
+        w1, w2 = (local_weight(layer).detach() for layer in (self.c_fc, self.c_proj))
+        b = (self.c_fc.bias.detach().clone() if self.c_fc.bias is not None
+             else w1.new_zeros(w1.shape[0])).reshape(-1)
+        with torch.enable_grad():
+            b.requires_grad_(True)
+            slope, = torch.autograd.grad(F.gelu(b, approximate=self.approximate).sum(), b)
+        return ((g @ w2) * slope) @ w1
 
 
 class ParallelSwiGLU(nn.Module):
@@ -247,8 +267,14 @@ class ParallelSwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def partial(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.partial(F.silu(self.gate_proj.partial(h))
-                                      * self.up_proj.partial(h))
+        gate, up, down = (local_weight(getattr(self, n))
+                          for n in ("gate_proj", "up_proj", "down_proj"))
+        return F.linear(F.silu(F.linear(h, gate)) * F.linear(h, up), down)
+
+    def input_grad_at_zero(self, g: torch.Tensor) -> torch.Tensor:
+        """Zero (run_occupied): without biases silu(gate x) * (up x) and its derivative
+        silu'(gate x) (gate dx) (up x) + silu(gate x) (up dx) vanish at x = 0."""
+        return g.new_zeros(g.shape[0], self.gate_proj.in_features)
 
 
 class ParallelLlamaAttention(nn.Module):
@@ -364,19 +390,22 @@ class ParallelMoE(nn.Module):
         pad = C - r.capacity
         slot_token = F.pad(r.slot_token, (0, pad), value=-1)         # (G, E, C)
         slot_weight = F.pad(r.slot_weight, (0, pad))
-        # token S of each group is a zero row: empty slots read it and write to it
+        # token S of each group is a zero row: the empty slots read it
         flat = (torch.arange(n_groups, device=x.device).view(-1, 1, 1) * (S + 1)
                 + torch.where(slot_token >= 0, slot_token, S)).view(-1)
         xpad = F.pad(xg, (0, 0, 0, 1)).view(-1, d)
-        disp = xpad.index_select(0, flat).view(n_groups, E, C, d).transpose(0, 1)
-        disp = disp.contiguous()                                     # (E, G, C, d)
+        disp = xpad.index_select(0, flat.view(n_groups, E, C).transpose(0, 1).reshape(-1))
+        disp = disp.view(E, n_groups, C, d)                          # (E, G, C, d)
         if self.debug_checks:
             self._check_replicated(disp, "dispatch buffer")
         h = self._experts(self._exchange(disp, dim=2), n_groups)     # (E, G, C, d)
-        out = h.transpose(0, 1) * slot_weight.unsqueeze(-1).to(h.dtype)  # (G, E, C, d)
-        y = torch.zeros(n_groups * (S + 1), d, dtype=x.dtype, device=x.device)
-        y = y.index_add(0, flat, out.reshape(-1, d).to(x.dtype))
-        return y.view(n_groups, S + 1, d)[:, :S].reshape(x.shape), r
+        # combine the filled slots only, in (group, expert, slot) order
+        g_i, e_i, c_i = (slot_token >= 0).nonzero(as_tuple=True)
+        out = h.reshape(-1, d).index_select(0, (e_i * n_groups + g_i) * C + c_i)
+        out = out * slot_weight[g_i, e_i, c_i].unsqueeze(-1).to(h.dtype)
+        y = torch.zeros(n_groups * S, d, dtype=x.dtype, device=x.device)
+        y = y.index_add(0, g_i * S + slot_token[g_i, e_i, c_i], out.to(x.dtype))
+        return y.view(x.shape), r
 
     def _exchange(self, buf: torch.Tensor, dim: int) -> torch.Tensor:
         """`buf` (experts or blocks of experts first) through the all_to_all over the
@@ -395,16 +424,69 @@ class ParallelMoE(nn.Module):
         g = self.groups
         g_e, n_local = g.layout.g_expert, len(self.experts)
         C, d = recv.shape[2], recv.shape[3]
-        h = recv.view(g_e, n_local, n_groups * C, d).transpose(0, 1).reshape(n_local, -1, d)
-        h = copy_to(h, g.tensor)
+        h = copy_to(recv.view(g_e, n_local, n_groups * C, d), g.tensor)
         experts = list(self.experts.values())
-        partial = torch.stack([ex.partial(h[i]) for i, ex in enumerate(experts)])
-        y = reduce_from(partial, g.tensor)                           # one all_reduce for all
+        y = reduce_from(run_occupied(experts, h), g.tensor)          # one all_reduce for all
         if experts[0].out_bias is not None:
-            y = y + torch.stack([ex.out_bias for ex in experts]).unsqueeze(1)
-        y = y.view(n_local, g_e, n_groups, C, d).transpose(0, 1)     # (G_e, E_l, G, C, d)
-        y = y.reshape(g_e * n_local, n_groups, C, d)
-        return self._exchange(y, dim=2)
+            y = y + torch.stack([ex.out_bias for ex in experts]).view(1, n_local, 1, d)
+        return self._exchange(y.view(g_e * n_local, n_groups, C, d), dim=2)
+
+
+def run_occupied(experts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``experts[i].partial`` of the slot rows ``x[:, i]`` ((sources, local experts,
+    slots, d), the all_to_all's order, kept for the results), run on the rows that are
+    not all zeros only. The empty slots of a dispatch buffer are zero rows (with
+    capacity factor c, about 1 - 1/c of the slots), and every zero row of an expert has
+    the same output, the expert's at 0: it is computed once, on one zero row put first,
+    and read by every zero row. Forward values and parameter gradients are those of the
+    whole buffer (the zero rows' output gradients sum into that one row); the input
+    gradient of a zero row is the expert's Jacobian at 0 applied to its output gradient
+    (``input_grad_at_zero``), nonzero only for a token whose row is all zeros (an empty
+    slot's output gradient is zero: its gate is 0). Communication is unchanged."""
+    sources, n_local, slots, d = x.shape
+    flat = x.reshape(-1, d)
+    zero = flat.eq(0).all(dim=-1)                                   # (rows,)
+    ids = torch.arange(flat.shape[0], device=x.device).view(sources, n_local, slots)
+    filled = ~zero.view(sources, n_local, slots)
+    where = torch.empty(flat.shape[0], dtype=torch.long, device=x.device)
+    outs, offset = [], 0
+    for i, expert in enumerate(experts):
+        mine, full = ids[:, i].reshape(-1), filled[:, i].reshape(-1)
+        compact = torch.cat([flat.new_zeros(1, d), flat.index_select(0, mine[full])])
+        outs.append(expert.partial(compact))
+        where[mine] = offset + torch.cumsum(full, 0) * full          # offset: its zero row
+        offset += compact.shape[0]
+    y = torch.cat(outs).index_select(0, where)
+    if x.requires_grad:
+        y = _ZeroRowsInputGrad.apply(y, flat, zero, experts, n_local * slots, slots)
+    return y.view(x.shape)
+
+
+class _ZeroRowsInputGrad(torch.autograd.Function):
+    """Identity on `y`; backward, the input gradient of the zero rows of `x` that have
+    an output gradient (run_occupied): row r belongs to expert (r mod per_source) //
+    slots."""
+
+    @staticmethod
+    def forward(ctx, y, x, zero, experts, per_source, slots):
+        ctx.save_for_backward(zero)
+        ctx.experts, ctx.per_source, ctx.slots = experts, per_source, slots
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, g):
+        (zero,) = ctx.saved_tensors
+        rows = (zero & g.ne(0).any(dim=-1)).nonzero().squeeze(1)
+        gx = None
+        if rows.numel():
+            gx = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=g.device)
+            owner = rows % ctx.per_source // ctx.slots
+            for i, expert in enumerate(ctx.experts):
+                r = rows[owner == i]
+                if r.numel():
+                    gx[r] = expert.input_grad_at_zero(g[r]).to(ctx.x_dtype)
+        return g, gx, None, None, None, None
 
 
 class ParallelBlock(nn.Module):
