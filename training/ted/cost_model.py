@@ -140,7 +140,8 @@ def step_comm(cfg: GPTConfig, moe: MoEConfig, layout: TEDLayout, *, micro_batch:
     `recompute`: activation checkpointing without CAC repeats every forward collective
     of the blocks (torch's checkpoint with early_stop=False); with CAC pass False.
     `optimizer`: include ZeRO-1's gradient all_reduce and parameter all_gather (not the
-    two small all_reduces of the loss and the gradient norm)."""
+    step's small all_reduce of the loss sums and expert loads, which also carries the
+    gradient norm's squares without clipping, nor the norm's own one with clipping)."""
     w = BYTES[dtype_name(dtype)]
     g_t, g_e = layout.g_tensor, layout.g_expert
     tokens = micro_batch * cfg.block_size

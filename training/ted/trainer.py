@@ -140,14 +140,21 @@ class MoETrainer:
                 acc[i] += v
             here = torch.stack([torch.stack(pair) for pair in stats.load]).double()
             load = here if load is None else load + here
-        self.optimizer.step()
+        # without clipping the norm is only reported: its sum of squares rides on the
+        # all_reduce of the step's sums below
+        defer = not self.optimizer.cfg.grad_clip > 0
+        self.optimizer.step(defer_norm=defer)
         self.step += 1
-        # on the model's device: the world's all_reduce may be pinned to a GPU backend
-        sums = torch.tensor(acc, dtype=torch.float64, device=self.device)
-        load = load.to(self.device)
+        # one all_reduce of the sums, the load and (deferred) the squared norm, on the
+        # model's device: the world's all_reduce may be pinned to a GPU backend
+        acc.append(self.optimizer.local_sumsq if defer else 0.0)
+        packed = torch.cat([torch.tensor(acc, dtype=torch.float64, device=load.device),
+                            load.reshape(-1)]).to(self.device)
         with self.timers("collective"):
-            self.groups.world.all_reduce(sums)
-            self.groups.world.all_reduce(load)
+            self.groups.world.all_reduce(packed)
+        sums, load = packed[:len(acc)], packed[len(acc):].view(load.shape)
+        if defer:
+            self.optimizer.set_norm(float(sums[4]))
         g_t = self.layout.g_tensor  # every tensor rank holds the same copy
         n = self.world_size * len(micro)
         self.last = {"lm": float(sums[0]) / g_t / (denominator * self.layout.g_data),

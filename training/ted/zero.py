@@ -90,6 +90,7 @@ class ZeroAdamW:
         self.step_count = 0
         self.scaler = LossScaler(False)
         self.last_grad_norm = float("nan")
+        self.local_sumsq = 0.0  # this rank's part of the last step's squared norm
         self.peak_temp_bytes: dict[str, int] = {s.name: 0 for s in sets}  # per set
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         for s in sets:
@@ -176,6 +177,8 @@ class ZeroAdamW:
         """Squares of this rank's shard, each parameter weighted 1/its tensor copies."""
         total = torch.zeros((), dtype=torch.float64, device=flat.device)
         lo, hi = s.shard
+        if s.tensor_copies == 1:  # every element weighs 1: the shard at once
+            return total + flat[lo:hi].double().pow(2).sum()
         for p, a, b, _ in self._pieces(s, lo, hi):
             sq = flat[a:b].double().pow(2).sum()
             if s.tensor_copies > 1 and not tensor_split(p):
@@ -183,7 +186,11 @@ class ZeroAdamW:
             total += sq
         return total
 
-    def step(self) -> bool:
+    def step(self, defer_norm: bool = False) -> bool:
+        """One update. `defer_norm` (only without clipping, which needs the norm before
+        the update): leave the world's sum of the squares to the caller, who reduces
+        this rank's ``local_sumsq`` with its own values and calls ``set_norm``: one
+        collective fewer per step."""
         lr = self.cfg.lr_at(self.step_count)
         flats = {}
         for s in self.sets:
@@ -195,11 +202,16 @@ class ZeroAdamW:
                                 device=next(iter(flats.values())).device if flats else None)
             for s in self.sets:
                 local += self._sumsq(s, flats[s.name])
-        if self.world.active:
-            with self.timers("collective"):
-                self.world.all_reduce(local)
-        sumsq = float(local)
-        self.last_grad_norm = math.sqrt(sumsq)
+        if defer_norm and self.cfg.grad_clip > 0:
+            raise ValueError("ZeroAdamW.step(defer_norm=True) with grad_clip "
+                             f"{self.cfg.grad_clip}: clipping needs the norm before the "
+                             "update; defer it only with --grad-clip 0")
+        self.local_sumsq = float(local)
+        if not defer_norm:
+            if self.world.active:
+                with self.timers("collective"):
+                    self.world.all_reduce(local)
+            self.set_norm(float(local))
         coef = 1.0
         if self.cfg.grad_clip > 0:
             coef = min(1.0, self.cfg.grad_clip / (self.last_grad_norm + 1e-6))
@@ -210,6 +222,10 @@ class ZeroAdamW:
             self._gather(s)
         self.step_count += 1
         return True
+
+    def set_norm(self, sumsq: float) -> None:
+        """The global gradient norm from the world's sum of squares."""
+        self.last_grad_norm = math.sqrt(sumsq)
 
     def _update(self, s: ParamSet, flat: torch.Tensor, coef: float, lr: float) -> None:
         """AdamW on this rank's shard of `s`, tile by tile through one buffer."""
