@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 import mcrdl
 from training import train_gpt, train_moe
 from training.core.flops import model_flops_per_token
@@ -25,6 +27,16 @@ from training.plan import auto
 
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _first_runnable(cfg, record: dict):
+    """The planner's first runnable layout of `cfg` on the network and compute rate the
+    job measured (its layout_choice record), computed here independently."""
+    net = record["network"]
+    machine = auto._one_level(net["name"], net["alpha_s"], net["bandwidth_bytes_per_s"])
+    problem = auto._problem(cfg, 4, torch.device("cpu"), 1 << 40, machine,
+                            (record["peak_flops"], record["peak_source"]))
+    return auto._runnable(cfg, auto.plan(problem), 4, ("pipeline", "4d"))[0][1]
 
 
 def main() -> None:
@@ -39,10 +51,12 @@ def main() -> None:
     result = train_gpt.run(cfg)
     rank = mcrdl.get_rank()
     if rank == 0:
-        problem = auto._problem(cfg, 4, __import__("torch").device("cpu"), 1 << 40)
-        first = auto._runnable(cfg, auto.plan(problem), 4, ("pipeline", "4d"))[0][1]
         records = _records(tmp / "auto.jsonl")
         choice = records[0]["layout_choice"]
+        first = _first_runnable(cfg, choice)
+        assert choice["network"]["name"] in ("this machine's tuning table",
+                                             "this world's all_reduce, measured at start")
+        assert choice["peak_source"] == "measured GEMM rate, every rank at once", choice
         assert choice["source"] == "model" and choice["grid"] == result.grid, (choice, result)
         assert result.grid == first.describe_grid(), (result.grid, first.describe_grid())
         flops = model_flops_per_token(cfg.model_config()) * 8 * cfg.model_config().block_size
@@ -94,10 +108,9 @@ def main() -> None:
                                 "--metrics", str(tmp / "llama.jsonl")], world_size=4)
     result = train_gpt.run(cfg)
     if rank == 0:
-        problem = auto._problem(cfg, 4, __import__("torch").device("cpu"), 1 << 40)
-        first = auto._runnable(cfg, auto.plan(problem), 4, ("pipeline", "4d"))[0][1]
-        assert result.grid == first.describe_grid(), (result.grid, first.describe_grid())
-        assert _records(tmp / "llama.jsonl")[0]["layout_choice"]["grid"] == result.grid
+        choice = _records(tmp / "llama.jsonl")[0]["layout_choice"]
+        first = _first_runnable(cfg, choice)
+        assert result.grid == first.describe_grid() == choice["grid"], (result.grid, choice)
         print(f"llama: {result.grid}", flush=True)
         print("layout auto OK", flush=True)
     mcrdl.finalize()

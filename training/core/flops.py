@@ -68,12 +68,13 @@ _measured: dict[str, float] = {}
 
 
 def measured_peak(device: torch.device | str = "cpu", size: int = 1024,
-                  seconds: float = 0.3) -> float:
+                  seconds: float = 0.3, cached: bool = True) -> float:
     """Flop/s of the best of repeated ``size`` x ``size`` fp32 matmuls on `device` for
-    about `seconds` (bf16 on a GPU), cached per device for the process."""
+    about `seconds` (bf16 on a GPU), cached per device for the process (``cached``
+    False: measured anew, and not kept)."""
     device = torch.device(device)
     key = str(device)
-    if key in _measured:
+    if cached and key in _measured:
         return _measured[key]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(size, size, device=device, dtype=dtype)
@@ -87,8 +88,10 @@ def measured_peak(device: torch.device | str = "cpu", size: int = 1024,
         a @ b
         sync()
         best = min(best, time.perf_counter() - t0)
-    _measured[key] = 2 * size ** 3 / best
-    return _measured[key]
+    rate = 2 * size ** 3 / best
+    if cached:
+        _measured[key] = rate
+    return rate
 
 
 def peak_flops(device: torch.device | str, given: float | None = None) -> tuple[float, str]:

@@ -1,18 +1,19 @@
 """``--layout auto`` and ``--layout-trials K``: the layout chosen for the user.
 
-The planner (``planner.plan``) enumerates every layout of the command's engines for
-the world and the model, drops those that break a divisibility rule or exceed the
-memory per rank (the engines' memory models), and ranks the rest by predicted step
-time: compute at this machine's rate (``--peak-flops``, else a known GPU's bf16 peak
-at the planner's efficiency, else a measured GEMM rate taken as reached) plus
-communication from the tuning table "auto" routes by (alpha and beta of its fastest
-all_reduce backend). The first candidate whose options pass the command's own rules
-is taken; with ``--layout-trials K`` the first K are each trained for
-``--layout-trial-steps`` steps inside the job (the first step untimed), the one with
-the least median step time (each step's slowest rank) wins, and training starts afresh
-on it (the trials' updates are discarded: the engine rebuilds the model from
-``--seed``). Every rank agrees: rank 0 plans, the choice is broadcast, the trial
-times are reduced.
+The planner (``planner.plan``) enumerates every layout of the command's engines for the
+world and the model, drops those that break a divisibility rule or exceed the memory per
+rank (the engines' memory models), and ranks the rest by predicted step time: compute at
+this machine's rate (``--peak-flops``, else a known GPU's bf16 peak at the planner's
+efficiency, else the GEMM rate the slowest rank reaches while every rank multiplies at
+once, taken as reached) plus communication from the tuning table "auto" routes by (alpha
+and beta of its fastest all_reduce backend) or, with no table in force, from this
+world's all_reduce measured when the job starts (8 bytes and 1 MiB, a fraction of a
+second; ``measure_machine``). The first candidate whose options pass the command's own
+rules is taken; with ``--layout-trials K`` the first K are each trained for
+``--layout-trial-steps`` steps inside the job (the first step untimed), the one with the
+least median step time (each step's slowest rank) wins, and training starts afresh on it
+(the trials' updates are discarded: the engine rebuilds the model from ``--seed``).
+Every rank agrees: rank 0 plans, the choice is broadcast, the trial times are reduced.
 
 ``--resume`` keeps the checkpoint's layout (its manifest's degrees) unless trials are
 asked for. The choice is printed as a table on rank 0 and returned as a record that
@@ -35,9 +36,10 @@ import torch
 import mcrdl
 from mcrdl.api import current_runtime
 from mcrdl.launch import detect as detect_launch
+from mcrdl.tuning.model import coefficients
 
 from ..core.checkpoint import resume_path
-from ..core.flops import peak_flops
+from ..core.flops import measured_peak, peak_flops
 from ..core.options import Options, flag, option
 from ..core.topology import GridError
 from .memory import gib, parse_bytes
@@ -127,32 +129,82 @@ def _local_memory(device: torch.device, local_ranks: int) -> float:
     return total_kib * 1024 / max(1, local_ranks)
 
 
-def _machine(device: torch.device) -> Machine:
-    """This machine for the planner: latency and bandwidth of the fastest all_reduce of
-    the tuning table in force (one level: the planner's world spans nodes only where
-    the launch says so), the defaults of a GPU node without a table."""
+def _table_machine() -> Machine | None:
+    """This machine for the planner from the tuning table in force: latency and
+    bandwidth of its fastest all_reduce (one level: the planner's world spans nodes
+    only where the launch says so); None without a table."""
     runtime = current_runtime()
     table = runtime.auto_table if runtime is not None else None
     fits = [table.model("all_reduce", b) for b in table.backends("all_reduce")] if table else []
     fits = [f for f in fits if f is not None and f.beta > 0]
-    if fits:
-        alpha = min(f.alpha for f in fits)
-        bandwidth = max(1 / f.beta for f in fits)
-        name = "this machine's tuning table"
-    else:
-        alpha, bandwidth, name = 5e-6, 100e9, "defaults (no tuning table in force)"
+    if not fits:
+        return None
+    return _one_level("this machine's tuning table", min(f.alpha for f in fits),
+                      max(1 / f.beta for f in fits))
+
+
+def _one_level(name: str, alpha: float, bandwidth: float) -> Machine:
     levels = ("intra_node", "inter_node")
     return Machine(name, None, dict.fromkeys(levels, alpha), dict.fromkeys(levels, bandwidth))
 
 
-def _problem(cfg: Any, world_size: int, device: torch.device, memory: float) -> Problem:
+#: Message sizes and calls of the start-up all_reduce measurement (bytes, calls each).
+PROBE_BYTES, PROBE_CALLS = (8, 1 << 20), 5
+
+
+def measure_machine() -> Machine:
+    """Collective over the world: the alpha-beta of this world's all_reduce measured
+    now, for a machine without a tuning table in force (the shipped tables describe
+    other CPUs and networks): the median over PROBE_CALLS calls of the slowest rank's
+    time at 8 bytes gives alpha (over the op's latency steps), the 1 MiB calls less
+    that give the bandwidth (over the op's bus factor). Ranks sharing cores, loopback
+    transports and busy waits are all in the figures, as they are in the steps."""
+    world = mcrdl.get_size()
+    if world == 1:
+        return _one_level("one rank (no communication)", 5e-6, 100e9)
+    seconds = []
+    for nbytes in PROBE_BYTES:
+        t = torch.zeros(max(1, nbytes // 4))
+        mcrdl.all_reduce("auto", t)  # warm-up: connections, buffers
+        times = torch.zeros(PROBE_CALLS, dtype=torch.float64)
+        for i in range(PROBE_CALLS):
+            mcrdl.barrier("auto")
+            t0 = time.perf_counter()
+            mcrdl.all_reduce("auto", t)
+            times[i] = time.perf_counter() - t0
+        mcrdl.all_reduce("auto", times, op=mcrdl.ReduceOp.MAX)
+        seconds.append(float(times.median()))
+    a, b = coefficients("all_reduce", world)
+    alpha = seconds[0] / a
+    per_byte = max(seconds[1] - seconds[0], 1e-12) / (b * PROBE_BYTES[1])
+    return _one_level("this world's all_reduce, measured at start", alpha, 1 / per_byte)
+
+
+def world_gemm_rate(device: torch.device) -> float:
+    """Collective: the GEMM rate of the slowest rank while every rank multiplies at once
+    (ranks sharing cores share them, as they do in the steps)."""
+    mcrdl.barrier("auto")
+    rate = torch.tensor([measured_peak(device, cached=False)], dtype=torch.float64)
+    if mcrdl.get_size() > 1:
+        mcrdl.all_reduce("auto", rate, op=mcrdl.ReduceOp.MIN)
+    return float(rate)
+
+
+def _problem(cfg: Any, world_size: int, device: torch.device, memory: float,
+             machine: Machine | None = None, peak: tuple[float, str] | None = None
+             ) -> Problem:
+    """The planner's problem of the command `cfg`; `machine`: the network (default: the
+    tuning table's, else a GPU node's defaults); `peak`: the compute rate and its source
+    (default: ``peak_flops``)."""
     model = cfg.model_config()
     moe = cfg.moe_config() if hasattr(cfg, "moe_config") else None
-    peak, source = peak_flops(device, cfg.peak_flops)
+    rate, source = peak or peak_flops(device, cfg.peak_flops)
     efficiency = DATASHEET_EFFICIENCY if "datasheet" in source else 1.0
     launch = detect_launch()
     per_node = launch.local_size if 0 < launch.local_size < world_size else world_size
-    return Problem(model, world_size, per_node, memory, _machine(device), peak, efficiency,
+    machine = machine or _table_machine() or _one_level(
+        "defaults (no tuning table in force)", 5e-6, 100e9)
+    return Problem(model, world_size, per_node, memory, machine, rate, efficiency,
                    cfg.global_batch_size, cfg.micro_batch_size,
                    "fp32" if cfg.dtype == "fp32" else "bf16", moe)
 
@@ -229,10 +281,15 @@ def choose_layout(cfg: Any, *, engines: tuple[str, ...],
     least = torch.tensor([memory], dtype=torch.float64)
     if world > 1:  # the smallest node's memory bounds every rank
         mcrdl.all_reduce("auto", least, op=mcrdl.ReduceOp.MIN)
+    # without a tuning table, the network as this world measures it now; on a CPU without
+    # --peak-flops, the GEMM rate with every rank multiplying (the ranks may share cores)
+    machine = _table_machine() or measure_machine()
+    peak = (world_gemm_rate(device), "measured GEMM rate, every rank at once") \
+        if cfg.peak_flops is None and device.type != "cuda" else None
     error, picked = None, None
     if rank == 0:
         try:
-            result = plan(_problem(cfg, world, device, float(least)))
+            result = plan(_problem(cfg, world, device, float(least), machine, peak))
             runnable = _runnable(cfg, result, world, engines)
             if not runnable:
                 raise PlanError(explain_infeasible(result) if not result.ranked else
@@ -260,7 +317,12 @@ def choose_layout(cfg: Any, *, engines: tuple[str, ...],
     if rank == 0:
         c = runnable[best][0]
         record.update(predicted_step_s=c.step_seconds, predicted_memory_bytes=c.memory["total"],
-                      predicted_comm_bytes=c.comm_bytes)
+                      predicted_comm_bytes=c.comm_bytes,
+                      network={"name": machine.name,
+                               "alpha_s": machine.latency["intra_node"],
+                               "bandwidth_bytes_per_s": machine.bandwidth["intra_node"]},
+                      peak_flops=result.problem.peak_flops,
+                      peak_source=peak[1] if peak else "default")
         if measured:
             record["trials"] = [{"grid": _with_degrees(cfg, d).describe_grid(),
                                  "measured_step_s": measured[i]}
