@@ -180,7 +180,11 @@ class Trainer:
         if self.pruning is not None:
             self.pruning.prune_if_due(self.step)
         self.engine.loss_scale = self.optimizer.scaler.scale
-        local_loss = self.engine.run(self.batches.microbatches(self.step))
+        microbatches = self.batches.microbatches(self.step)
+        # every gradient of the stage accumulates once per microbatch: the optimizer
+        # posts each bucket's all-reduce from the backward once the last one has
+        self.optimizer.begin_step(len(microbatches))
+        local_loss = self.engine.run(microbatches)
         applied = self.optimizer.step()
         self.step += 1
         on_last_stage = self.stage_index == self.n_stages - 1

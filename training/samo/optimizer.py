@@ -61,6 +61,7 @@ from ..core.optim import (
     decays,
     make_buckets,
     storage_bytes,
+    update_bucket_elements,
 )
 from ..core.timers import PhaseTimers
 from .pruning import full_index, pruned_mask
@@ -201,7 +202,7 @@ class SamoAdamW(BucketedAdamW):
         self._fresh = [True] * len(self.params)  # no gradient of this step gathered yet
         spans = [(*self.slots[k], self.cfg.weight_decay if decays(self.params[k]) else 0.0)
                  for k in self.layout]
-        self.buckets = make_buckets(spans, max(1, int(self.cfg.bucket_mib * 2**20) // 4))
+        self.buckets = make_buckets(spans, update_bucket_elements(self.cfg))
         # the tensors of each bucket, by the bucket's start
         self._bucket_tensors = {start: [k for k in self.layout if start <= self.slots[k][0] < end]
                                 for start, end, _ in self.buckets}
