@@ -178,7 +178,8 @@ class ZeroAdamW:
         total = torch.zeros((), dtype=torch.float64, device=flat.device)
         lo, hi = s.shard
         if s.tensor_copies == 1:  # every element weighs 1: the shard at once
-            return total + flat[lo:hi].double().pow(2).sum()
+            shard = flat[lo:hi].double()
+            return total + torch.dot(shard, shard)
         for p, a, b, _ in self._pieces(s, lo, hi):
             sq = flat[a:b].double().pow(2).sum()
             if s.tensor_copies > 1 and not tensor_split(p):
