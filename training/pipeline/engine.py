@@ -13,6 +13,19 @@ model's units. Nothing follows a fixed schedule; every stage reacts to messages:
   time a backward pass of an earlier one completes on it.
 - The last stage runs the loss and the backward pass right after each forward.
 
+Waiting for the next message: when only one posted receive can complete next (the
+first stage waits only for gradients, the last only for activations, an inner stage
+when one of its queues is empty) the stage waits on it with the backend's own wait,
+except on mcrdl's lanes (``mcrdl._C.Work``: mpi, cray-mpich, pccl), whose waits poll
+(spin, then yield; docs/api.md): those, and any wait for whichever of two receives
+completes first, are polled here with sleeps, so that a waiting stage leaves the core
+to the stage it waits for. Gloo's wait blocks in the kernel and NCCL's orders the
+compute stream after the receive without holding the CPU.
+
+Receive buffers come from a pool kept across steps (an activation's buffer returns to
+it after that microbatch's backward pass, a gradient's after the backward that used
+it): no allocation per message.
+
 Per (source, direction) messages arrive in issue order (MPI's non-overtaking rule holds
 per communicator, source and tag, and every stage forwards in arrival order), so each
 posted receive names the microbatch it expects through its tag
@@ -119,10 +132,25 @@ class PipelineEngine:
         self.record = record
         self.events: list[Event] = []
         self.loss_scale = 1.0
+        self._free: list[torch.Tensor] = []  # receive buffers not in use (act_shape)
 
     # --- messages ------------------------------------------------------------------------
+    def _buffer(self) -> torch.Tensor:
+        """A receive buffer from the pool (a new one when every one is in use)."""
+        if self._free:
+            return self._free.pop()
+        return torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+
+    def _release(self, buf: torch.Tensor, sent: torch.Tensor | None) -> None:
+        """Return `buf` to the pool once its microbatch is done with it, unless the
+        gradient `sent` (still in flight) shares its memory (a stage whose output is its
+        input passes the received gradient through)."""
+        if sent is None or sent.untyped_storage().data_ptr() != \
+                buf.untyped_storage().data_ptr():
+            self._free.append(buf)
+
     def _post_recv(self, queue: deque, mb: int, direction: int) -> None:
-        buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+        buf = self._buffer()
         peer = self.stage_index - 1 if direction == FWD else self.stage_index + 1
         with self.timers("p2p"):
             w = mcrdl.recv(self.backend, buf, src=peer, tag=2 * mb + direction,
@@ -139,9 +167,30 @@ class PipelineEngine:
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
+    def _waiting_for(self, fwd_q: deque, bwd_q: deque) -> str:
+        return ", ".join(
+            [f"activation of microbatch {fwd_q[0][0]} from stage {self.stage_index - 1}"] *
+            bool(fwd_q) +
+            [f"gradient of microbatch {bwd_q[0][0]} from stage {self.stage_index + 1}"] *
+            bool(bwd_q))
+
     def _next_message(self, fwd_q: deque, bwd_q: deque):
         """Block until the first of the posted receives completes; return it."""
         t0 = time.perf_counter()
+        if not (fwd_q and bwd_q):  # one receive can complete next
+            kind, q = ("B", bwd_q) if bwd_q else ("F", fwd_q)
+            if not isinstance(q[0][2], mcrdl._C.Work):  # its wait does not poll
+                mb, buf, w = q[0]
+                try:
+                    w.wait()  # bounded by the op's own timeout (init's)
+                except mcrdl.CommTimeoutError as e:
+                    raise PipelineError(f"pipeline stage {self.stage_index}: no message "
+                                        f"within the timeout; waiting for "
+                                        f"{self._waiting_for(fwd_q, bwd_q)}") from e
+                q.popleft()
+                now = time.perf_counter()
+                self.timers.add("bubble", now - t0)
+                return kind, mb, buf, now
         delay = 1e-5
         while True:
             for kind, q in (("B", bwd_q), ("F", fwd_q)):
@@ -152,12 +201,9 @@ class PipelineEngine:
                     self.timers.add("bubble", now - t0)
                     return kind, mb, buf, now
             if time.perf_counter() - t0 > self.timeout:
-                want = [f"activation of microbatch {q[0][0]} from stage {self.stage_index - 1}"
-                        for q in (fwd_q,) if q] + \
-                       [f"gradient of microbatch {q[0][0]} from stage {self.stage_index + 1}"
-                        for q in (bwd_q,) if q]
                 raise PipelineError(f"pipeline stage {self.stage_index}: no message within "
-                                    f"{self.timeout:.0f} s; waiting for {', '.join(want)}")
+                                    f"{self.timeout:.0f} s; waiting for "
+                                    f"{self._waiting_for(fwd_q, bwd_q)}")
             time.sleep(delay)
             delay = min(2 * delay, 2e-4)
 
@@ -172,7 +218,7 @@ class PipelineEngine:
             if not self.last:
                 return out, None
             loss = lm_loss(out, target) / self.n_micro
-            (loss * self.loss_scale).backward()
+            (loss if self.loss_scale == 1.0 else loss * self.loss_scale).backward()
             return out, loss.detach()
 
     def run(self, microbatches) -> float:
@@ -199,17 +245,19 @@ class PipelineEngine:
             nonlocal loss_sum, done
             if self.record:
                 self.events.append(Event(kind, mb, ready, time.perf_counter()))
-            x_dev = x.to(self.device) if self.first else x
+            # a received activation: a leaf of its own over the pooled buffer `x`
+            x_dev = x.to(self.device) if self.first else x.detach()
             out, loss = self._forward(mb, x_dev, microbatches[mb][1].to(self.device)
                                       if self.last else None)
             if self.last:
                 loss_sum += loss.float().cpu()
                 if not self.first:
-                    self._send(x.grad, mb, BWD)
+                    self._send(x_dev.grad, mb, BWD)
+                    self._release(x, x_dev.grad)  # its backward pass has run
                 done += 1
             else:
                 self._send(out, mb, FWD)
-                stored[mb] = (None if self.first else x, out)
+                stored[mb] = (None if self.first else (x, x_dev), out)
                 self._post_recv(bwd_q, mb, BWD)
 
         while done < n_micro:
@@ -234,8 +282,11 @@ class PipelineEngine:
                     if self.compute_delay:
                         time.sleep(self.compute_delay)
                     out.backward(buf)
+                grad = None if self.first else x[1].grad
                 if not self.first:
-                    self._send(x.grad, mb, BWD)
+                    self._send(grad, mb, BWD)
+                    self._release(x[0], grad)
+                self._release(buf, grad)
                 done += 1
         with self.timers("p2p"):
             while self._sends:
