@@ -158,7 +158,12 @@ class OptimizerOptions(Options):
     grad_clip: float = option(1.0, "global gradient norm bound (0: no clipping)", minimum=0)
     offload_optimizer: bool = option(False, "fp32 master weights and Adam states in host "
                                      "memory (always on for bf16/fp16)")
-    bucket_mib: float = option(4.0, "offloaded optimizer's bucket size in MiB", above=0)
+    bucket_mib: float | None = option(None, "gradient bucket size in MiB: the fp32 data-"
+                                      "parallel all-reduce buckets (default from the "
+                                      "stage's size, up to 25 MiB, the first smaller) and "
+                                      "the 4D engine's fused all-reduces (default 4); the "
+                                      "offloaded and SAMO optimizers' update buckets "
+                                      "(default 4)", above=0)
     coarsening: int = option(2, "buckets per all-reduce chunk", minimum=1)
 
     def check(self) -> None:

@@ -146,7 +146,8 @@ class Trainer4D:
         self.engine = _NoEvents()
         #: elements per fused gradient all_reduce (--bucket-mib)
         element_bytes = torch.finfo(dtype).bits // 8
-        self.bucket_elements = max(1, int(cfg.bucket_mib * 2**20) // element_bytes)
+        mib = 4.0 if cfg.bucket_mib is None else cfg.bucket_mib
+        self.bucket_elements = max(1, int(mib * 2**20) // element_bytes)
         self.step = 0
 
     def describe(self) -> str:

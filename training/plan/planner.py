@@ -16,14 +16,14 @@ shard"``, ``"layers"``, ``"experts"``, ``"batch"``; a Llama's ``"kv heads"``,
   attention) over ``world x peak x efficiency``; the pipeline's bubble multiplies it by
   ``(M + G_inter - 1) / M`` (M micro-batches per replica).
 - Communication, per rank and step: 4D from ``training.parallel4d.perf_model.predict``;
-  TED from ``training.ted.cost_model.step_comm`` (the model's collectives on the tensor
-  and expert groups, ZeRO-1's on the data group); the pipeline's data-parallel gradient
-  all_reduce of its fullest stage (in the engine's 4 MiB buckets) and its point-to-point
-  activations, ``2 (M + G_inter - 2)`` messages of one micro-batch's activations on the
-  critical path. Each collective costs ``alpha A(op, p) + B(op, p) n / beta(axis)``
-  (``mcrdl.tuning.model`` coefficients, Eq. 5.7 bandwidths of ``Network``), the ranks
-  of each engine nested as it nests them (4D: X innermost; pipeline: stages inside
-  replicas; TED: tensor, expert, data).
+  TED from ``training.ted.cost_model.step_comm`` (the model's collectives on the
+  tensor and expert groups, ZeRO-1's on the data group); the pipeline's data-parallel
+  gradient all_reduce of its fullest stage (in the engine's buckets, sized from the
+  stage) and its point-to-point activations, ``2 (M + G_inter - 2)`` messages of one
+  micro-batch's activations on the critical path. Each collective costs ``alpha A(op,
+  p) + B(op, p) n / beta(axis)`` (``mcrdl.tuning.model`` coefficients, Eq. 5.7
+  bandwidths of ``Network``), the ranks of each engine nested as it nests them (4D: X
+  innermost; pipeline: stages inside replicas; TED: tensor, expert, data).
 
 **Order**: predicted step time (12 significant digits), then predicted communication,
 then engine (4d, pipeline, ted), then the layout's degrees ascending: deterministic.
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from mcrdl.tuning.model import coefficients
 
 from ..core.flops import model_flops_per_token
+from ..core.optim import bucket_bytes
 from ..models.gpt import GPTConfig
 from ..models.llama import LlamaConfig
 from ..models.moe import MoEConfig
@@ -48,7 +49,7 @@ from . import memory
 from .network import Machine, PlanError
 
 ENGINES = ("4d", "pipeline", "ted")
-#: The engines' gradient all_reduce buckets (--bucket-mib 4).
+#: The 4D engine's fused gradient all_reduce buckets (4 MiB without --bucket-mib).
 BUCKET_BYTES = 4 << 20
 
 
@@ -206,7 +207,9 @@ def _pipeline(p: Problem, network, compute: float):
         stage = max(memory.stage_params(cfg, g_inter))
         bw = network.axis_bandwidths(Grid4D(g_inter, 1, 1, g_data))
         grad = stage * w
-        ar = _seconds(p, "all_reduce", g_data, math.ceil(grad / BUCKET_BYTES), grad, bw["data"],
+        first, later = bucket_bytes(grad, None)  # the data-parallel engine's buckets
+        calls = 1 + math.ceil(max(0, grad - first) / later)
+        ar = _seconds(p, "all_reduce", g_data, calls, grad, bw["data"],
                       lat)
         messages = 2 * (n_micro + g_inter - 2) if g_inter > 1 else 0
         act = p.micro_batch_size * cfg.block_size * cfg.n_embd * w
