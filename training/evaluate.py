@@ -48,6 +48,7 @@ from .core.topology import GridError
 from .models import families
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
+from .pipeline.trainer import comm_backends
 from .plan.auto import LayoutOptions, choose_layout
 from .samo.options import SamoOptions
 from .ted.options import MoETrainConfig
@@ -285,8 +286,8 @@ def auto_layout(cfg):
                           cfg.timeout, nccl_with_given=True)
         engines: tuple[str, ...] = ("ted",)
     else:
-        runtime.init_comm(cfg.backends.split(",") if cfg.backends else [],
-                          runtime.pick_device(cfg.device), cfg.timeout)
+        device = runtime.pick_device(cfg.device)
+        runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
         engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine,
                                                                   ("pipeline", "4d"))
     chosen, _ = choose_layout(cfg, engines=engines)

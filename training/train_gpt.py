@@ -39,7 +39,7 @@ from .models.gpt import GPTConfig
 from .models.llama import LlamaConfig
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
-from .pipeline.trainer import Trainer
+from .pipeline.trainer import Trainer, comm_backends
 from .plan.auto import LayoutOptions, choose_layout
 from .samo.options import SamoOptions
 
@@ -79,8 +79,8 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     cfg.validate()
     choice = None
     if cfg.layout == "auto":
-        runtime.init_comm(cfg.backends.split(",") if cfg.backends else [],
-                          runtime.pick_device(cfg.device), cfg.timeout)
+        device = runtime.pick_device(cfg.device)
+        runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
         engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine, ("pipeline", "4d"))
         cfg, choice = choose_layout(cfg, engines=engines,
                                     build=lambda c: _trainer(c, trainer_options))
