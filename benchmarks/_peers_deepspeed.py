@@ -108,7 +108,7 @@ def moe(backend: str) -> Callable:
                 lm = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
                 engine.backward(lm + moe_cfg.aux_loss_coef * aux)
                 engine.step()  # applies the update at the accumulation boundary
-                total += float(lm)
+                total += float(lm.detach())
             t = torch.tensor([total], dtype=torch.float64)
             dist.all_reduce(t)
             return float(t) / (world * batches.n_micro)
