@@ -74,9 +74,10 @@ def measure(args, degrees: dict[str, int], tmp: Path) -> float:
     return statistics.median(r["time_s"] for r in records if r.get("step", 0) >= 2)
 
 
-def chosen(args, extra: list[str], tmp: Path) -> dict[str, int]:
-    records = _job(args, ["--layout", "auto", *extra], tmp / "auto.jsonl", 1)
-    return {k: v for k, v in records[0]["layout_choice"]["degrees"].items()}
+def chosen(args, extra: list[str], tmp: Path) -> dict:
+    """The layout_choice record of a --layout auto job (degrees, and with trials the
+    trials' own measured step times)."""
+    return _job(args, ["--layout", "auto", *extra], tmp / "auto.jsonl", 1)[0]["layout_choice"]
 
 
 def one_run(args, index: int, candidates: list[dict[str, int]], tmp: Path) -> dict:
@@ -85,8 +86,11 @@ def one_run(args, index: int, candidates: list[dict[str, int]], tmp: Path) -> di
     for degrees in order:
         times[_grid(degrees)] = measure(args, degrees, tmp)
         print(f"  {_grid(degrees):<28} {times[_grid(degrees)] * 1e3:8.2f} ms", flush=True)
-    trials = _grid(chosen(args, ["--layout-trials", "3"], tmp))
-    model = _grid(chosen(args, [], tmp))
+    trial_record = chosen(args, ["--layout-trials", "3"], tmp)
+    trials = _grid(trial_record["degrees"])
+    for t in trial_record.get("trials", []):  # the trials' times, measured inside the job
+        print(f"    trial {t['grid']:<26} {t['measured_step_s'] * 1e3:8.2f} ms", flush=True)
+    model = _grid(chosen(args, [], tmp)["degrees"])
     best = min(times.values())
     ranked = sorted(times, key=times.get)
     result = {"times_s": times, "trials_choice": trials, "model_choice": model,
