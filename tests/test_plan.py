@@ -108,14 +108,19 @@ def test_grid_params_match_the_4d_engines_splits(bias):
     model fits: the engine's GPT4D declares each parameter's Split; its block on a grid
     (``Split.block_shape``, over Z when split) is what a rank stores. At 1x1x1x1 the
     model is built for real and its storage measured."""
-    cfg = dataclasses.replace(CONFIGS["tiny"], bias=bias)
+    _check_grid_params(dataclasses.replace(CONFIGS["tiny"], bias=bias), least_grids=6)
+
+
+def _check_grid_params(cfg, least_grids: int) -> None:
+    """grid_params of `cfg` against the 4D engine's declared splits on every grid of 8
+    the model fits (at least `least_grids` of them), and its storage at 1x1x1x1."""
     model = GPT4D(cfg, TensorComms.single())
     splits = [split_of(p) for p in model.parameters()]
     assert all(splits)
     assert storage_bytes(model.parameters()) == 4 * grid_params(cfg, Grid4D(1, 1, 1, 1))
     step = TrainingStep(cfg, 8)
     fitted = [g for g in grids(8) if not constraint_violations(step, g)]
-    assert len(fitted) > 5
+    assert len(fitted) >= least_grids
     for grid in fitted:
         sizes = grid.sizes()
         local = sum(math.prod(s.block_shape(sizes)) // (grid.z if s.z else 1) for s in splits)
@@ -207,17 +212,7 @@ def test_block_activations_are_what_autograd_saves(arch, dtype):
 
 def test_llama_grid_params_match_the_4d_engines_splits():
     """grid_params of a Llama against the splits the 4D engine declares (as the GPT's)."""
-    cfg = LLAMAS["tiny"]
-    model = GPT4D(cfg, TensorComms.single())
-    splits = [split_of(p) for p in model.parameters()]
-    assert storage_bytes(model.parameters()) == 4 * grid_params(cfg, Grid4D(1, 1, 1, 1))
-    step = TrainingStep(cfg, 8)
-    fitted = [g for g in grids(8) if not constraint_violations(step, g)]
-    assert len(fitted) > 3
-    for grid in fitted:
-        sizes = grid.sizes()
-        local = sum(math.prod(s.block_shape(sizes)) // (grid.z if s.z else 1) for s in splits)
-        assert grid_params(cfg, grid) == local, grid
+    _check_grid_params(LLAMAS["tiny"], least_grids=4)
 
 
 def test_llama_and_mixtral_shapes_plan():

@@ -27,6 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from tests.training import _failfast as failfast  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import bf16_loss_rtol, serial_losses  # noqa: E402
 from training.core.data import TokenFile  # noqa: E402
@@ -553,11 +554,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # fail fast: a rank left waiting would hold the launch to its timeout
-        import traceback
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    failfast.run(main)

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import torch  # noqa: E402
 
 import mcrdl  # noqa: E402
+from tests.training import _failfast as failfast  # noqa: E402
 from tests.training._scratch import scratch_dir  # noqa: E402
 from tests.training.reference import torch_adamw, whole_model  # noqa: E402
 from training.core.data import Batches  # noqa: E402
@@ -201,11 +202,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:  # fail fast: a rank left waiting would hold the launch
-        import traceback
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    failfast.run(main)

@@ -32,6 +32,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from tests.training import _failfast as failfast  # noqa: E402
+
 #: the model: 4 blocks of width 512, 8 query / 4 key-value heads, vocabulary 4096
 #: (about 13.6 M parameters, 54 MB in float32), untied
 SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -290,11 +292,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--make"]:
         make(sys.argv[2])
         sys.exit(0)
-    try:
-        main()
-    except BaseException:  # fail fast: a rank left waiting would hold the launch
-        import traceback
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    failfast.run(main)
