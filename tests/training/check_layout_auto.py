@@ -2,8 +2,9 @@
 
 1. train_gpt --layout auto: every rank trains on the planner's first runnable layout
    (computed here independently on rank 0 from the same Problem), and the metrics
-   file's first record holds the choice; every step record carries model flop/s and MFU
-   consistent with the model's FLOPs and the step time.
+   file's first record and the checkpoint's manifest hold the choice; every step record
+   carries model flop/s and MFU consistent with the model's FLOPs and the step time; a
+   --resume of it keeps the layout and records the earlier choice in its manifest.
 2. --layout-trials 3: three distinct grids timed, the chosen one the least measured.
 3. --resume with --layout auto keeps the checkpoint's layout (saved on G_inter=2 x
    G_data=2, not the planner's first choice).
@@ -21,12 +22,17 @@ import torch
 
 import mcrdl
 from training import train_gpt, train_moe
+from training.core.checkpoint import step_dir
 from training.core.flops import model_flops_per_token
 from training.plan import auto
 
 
 def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _manifest(root: str, step: int) -> dict:
+    return json.loads((step_dir(root, step) / "manifest.json").read_text())
 
 
 def _first_runnable(cfg, record: dict):
@@ -46,8 +52,9 @@ def main() -> None:
     rank = None
 
     # 1. the planner's first runnable layout, and the records
-    cfg = train_gpt.parse_args([*base, "--layout", "auto", "--steps", "2",
-                                "--metrics", str(tmp / "auto.jsonl")], world_size=4)
+    auto_ckpt = str(tmp / "auto_ckpt")
+    cfg = train_gpt.parse_args([*base, "--layout", "auto", "--steps", "2", "--checkpoint-dir",
+                                auto_ckpt, "--metrics", str(tmp / "auto.jsonl")], world_size=4)
     result = train_gpt.run(cfg)
     rank = mcrdl.get_rank()
     if rank == 0:
@@ -63,7 +70,16 @@ def main() -> None:
         for r in records[1:]:
             assert abs(r["model_flops_per_s"] * r["time_s"] / flops - 1) < 1e-9, r
             assert 0 < r["mfu"] < 1, r
+        assert _manifest(auto_ckpt, 2)["layout_choice"] == choice, _manifest(auto_ckpt, 2)
         print(f"auto: {result.grid} (the planner's first runnable)", flush=True)
+    # ... and a resume of it keeps that layout and carries the record into its checkpoints
+    cfg = train_gpt.parse_args([*base, "--layout", "auto", "--resume", "--steps", "3",
+                                "--checkpoint-dir", auto_ckpt], world_size=4)
+    again = train_gpt.run(cfg)
+    assert again.grid == result.grid and again.start_step == 2, (again, result)
+    if rank == 0:
+        resumed = _manifest(auto_ckpt, 3)["layout_choice"]
+        assert resumed["source"] == "checkpoint" and resumed["chosen"] == choice, resumed
 
     # 2. trials
     cfg = train_gpt.parse_args([*base, "--layout", "auto", "--layout-trials", "3",
@@ -94,13 +110,15 @@ def main() -> None:
         print(f"resume: {result.grid} from step {result.start_step}", flush=True)
 
     # 4. TED
+    moe_ckpt = str(tmp / "moe_ckpt")
     cfg = train_moe.parse_args(["--quiet", "--no-plot", "--no-progress", "--steps", "1",
-                                "--layout", "auto", "--metrics", str(tmp / "moe.jsonl")],
-                               world_size=4)
+                                "--layout", "auto", "--metrics", str(tmp / "moe.jsonl"),
+                                "--checkpoint-dir", moe_ckpt], world_size=4)
     result = train_moe.run(cfg)
     if rank == 0:
         choice = _records(tmp / "moe.jsonl")[0]["layout_choice"]
         assert set(choice["degrees"]) == {"G_tensor", "G_expert", "G_data"}, choice
+        assert _manifest(moe_ckpt, 1)["layout_choice"] == choice, _manifest(moe_ckpt, 1)
         print(f"moe: {result.grid}", flush=True)
 
     # 5. a Llama

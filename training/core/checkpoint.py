@@ -300,15 +300,17 @@ def save_shard(directory: Path, stage: int, state: dict, prefix: str = "stage") 
 
 def build_manifest(*, step: int, grid: dict[str, int], partition: list[tuple[int, int]],
                    model: dict, optimizer: str, train_config: dict, shards: list[dict],
-                   engine: str = "pipeline") -> dict:
+                   engine: str = "pipeline", layout_choice: dict | None = None) -> dict:
     """The manifest of a checkpoint: `grid` maps the degree options to their values
     (``{"G_inter": 2, "G_data": 2}``), `partition` gives each stage's unit range, and
     `shards` holds one ``save_shard`` entry per stage; `engine` "4d": one shard per
-    tensor rank (x + G_x*(y + G_y*z)) of data replica 0."""
+    tensor rank (x + G_x*(y + G_y*z)) of data replica 0. `layout_choice`: the record of
+    ``--layout auto`` (training/plan/auto.py) when it chose the grid."""
     return {"format": FORMAT, "engine": engine, "step": step, "grid": dict(grid),
             "partition": [list(r) for r in partition], "model": model,
             "optimizer": optimizer, "train_config": train_config,
-            "shards": sorted(shards, key=lambda s: s["stage"])}
+            "shards": sorted(shards, key=lambda s: s["stage"]),
+            **({"layout_choice": layout_choice} if layout_choice else {})}
 
 
 #: The command that writes and resumes each engine's checkpoints (manifest "engine").

@@ -147,6 +147,7 @@ def train_loop(trainer, cfg, result: TrainResult, *, nan_hint: str,
                              "a checkpoint")
         val = eval_windows(trainer.dataset.splits["val"], cfg.eval_windows,
                            trainer.model_cfg.block_size, "--eval-windows")
+    trainer.layout_choice = getattr(result, "layout", None)  # into its checkpoints
     if cfg.resume:
         result.start_step = trainer.load_checkpoint(cfg.resume)
     is_rank0 = trainer.world_rank == 0

@@ -149,6 +149,8 @@ class Trainer4D:
         mib = 4.0 if cfg.bucket_mib is None else cfg.bucket_mib
         self.bucket_elements = max(1, int(mib * 2**20) // element_bytes)
         self.step = 0
+        #: the record of --layout auto (set by train_loop), kept in checkpoint manifests
+        self.layout_choice: dict | None = None
 
     def describe(self) -> str:
         cfg, c = self.cfg, self.comms
@@ -280,7 +282,8 @@ class Trainer4D:
             manifest=lambda shards: ckpt.build_manifest(
                 step=self.step, grid=self.cfg.degree_options(), partition=[],
                 model=describe(self.model_cfg), optimizer=type(self.optimizer).__name__,
-                train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d"),
+                train_config=dataclasses.asdict(self.cfg), shards=shards, engine="4d",
+                layout_choice=self.layout_choice),
             group=self.world)
 
     def load_checkpoint(self, spec: str) -> int:

@@ -177,6 +177,8 @@ class Trainer:
                                      record=record,
                                      backward_group=self.grid.twin_group(Axis.PIPE))
         self.step = 0  # steps completed
+        #: the record of --layout auto (set by train_loop), kept in checkpoint manifests
+        self.layout_choice: dict | None = None
 
     def describe(self) -> str:
         """The run's start line: model, grid, partition, batches, backend, data."""
@@ -308,7 +310,8 @@ class Trainer:
             manifest=lambda shards: ckpt.build_manifest(
                 step=self.step, grid=self.cfg.degree_options(), partition=self.partition,
                 model=describe(self.model_cfg), optimizer=type(self.optimizer).__name__,
-                train_config=dataclasses.asdict(self.cfg), shards=shards),
+                train_config=dataclasses.asdict(self.cfg), shards=shards,
+                layout_choice=self.layout_choice),
             group=self.world_group)
 
     def load_checkpoint(self, spec: str) -> int:

@@ -17,8 +17,8 @@ Every rank agrees: rank 0 plans, the choice is broadcast, the trial times are re
 
 ``--resume`` keeps the checkpoint's layout (its manifest's degrees) unless trials are
 asked for. The choice is printed as a table on rank 0 and returned as a record that
-the command writes to the metrics file; the checkpoint manifest's ``train_config``
-holds the degrees the run used.
+the command writes to the metrics file and to every checkpoint's manifest
+(``layout_choice``, beside ``train_config``, which holds the degrees the run used).
 """
 
 from __future__ import annotations
@@ -248,12 +248,17 @@ def _print_choice(result: Plan, runnable: list, chosen: int, measured: dict[int,
     print(f"  * chosen ({how})", flush=True)
 
 
-def _resumed_degrees(cfg: Any) -> dict[str, int] | None:
-    """The degrees of the checkpoint ``--resume`` names, from its manifest."""
+def _resumed_layout(cfg: Any) -> tuple[dict[str, int] | None, dict | None]:
+    """The degrees of the checkpoint ``--resume`` names, from its manifest, and the
+    ``layout_choice`` record that chose them (None: the run that wrote it had its
+    layout given)."""
     path = resume_path(cfg.resume, cfg.checkpoint_dir)
     manifest = json.loads((path / "manifest.json").read_text())
     train = manifest.get("train_config") or {}
-    return {k: train[k] for k in _degree_names(cfg) if k in train} or None
+    earlier = manifest.get("layout_choice")
+    return ({k: train[k] for k in _degree_names(cfg) if k in train} or None,
+            (earlier.get("chosen") if earlier.get("source") == "checkpoint" else earlier)
+            if isinstance(earlier, dict) else None)
 
 
 def choose_layout(cfg: Any, *, engines: tuple[str, ...],
@@ -265,7 +270,8 @@ def choose_layout(cfg: Any, *, engines: tuple[str, ...],
     world = mcrdl.get_size()
     rank = mcrdl.get_rank()
     if cfg.resume and not cfg.layout_trials:
-        degrees = mcrdl.broadcast_object(_resumed_degrees(cfg) if rank == 0 else None)
+        degrees, earlier = mcrdl.broadcast_object(_resumed_layout(cfg) if rank == 0
+                                                  else None)
         if degrees:
             chosen = _with_degrees(cfg, degrees)
             chosen.validate()
@@ -273,7 +279,10 @@ def choose_layout(cfg: Any, *, engines: tuple[str, ...],
             if rank == 0:
                 print(f"--layout auto: resuming on the checkpoint's layout "
                       f"{chosen.describe_grid()}", flush=True)
-            return chosen, {"layout": "auto", "source": "checkpoint", "degrees": degrees}
+            record = {"layout": "auto", "source": "checkpoint", "degrees": degrees}
+            if earlier:  # the choice that made the checkpoint's layout
+                record["chosen"] = earlier
+            return chosen, record
     device = torch.device("cuda", torch.cuda.current_device()) \
         if cfg.device != "cpu" and torch.cuda.is_available() else torch.device("cpu")
     memory = parse_bytes(cfg.memory_per_rank) if cfg.memory_per_rank else \

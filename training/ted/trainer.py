@@ -89,6 +89,8 @@ class MoETrainer:
         if fp32 is not None:
             self.optimizer.seed_masters(dict(zip(self.model.parameters(), fp32, strict=True)))
         self.step = 0
+        #: the record of --layout auto (set by train_loop), kept in checkpoint manifests
+        self.layout_choice: dict | None = None
         self.last = {}
 
     def describe(self) -> str:
@@ -256,7 +258,8 @@ class MoETrainer:
                          "G_data": self.layout.g_data},
                 "model": families.describe(self.model_cfg), "moe": self.moe_cfg.as_dict(),
                 "optimizer": "ZeroAdamW", "train_config": dataclasses.asdict(self.cfg),
-                "shards": entries})
+                "shards": entries,
+                **({"layout_choice": self.layout_choice} if self.layout_choice else {})})
 
     def load_checkpoint(self, spec: str) -> int:
         """Collective: load `spec` ("latest" or a path) on every rank; returns its step.
