@@ -25,8 +25,9 @@ class PipelineOptions(Options):
     pipeline_limit: int | None = option(None, "microbatches in flight at stage 0 (default "
                                         "2 x G_inter)", minimum=1)
     p2p_backend: str | None = option(None, "mcrdl backend of the pipeline's messages "
-                                     "(default nccl on GPUs; on CPUs gloo beside mpi, "
-                                     "whose collectives stay on mpi; else mpi, else gloo)")
+                                     "(default nccl on GPUs; on CPUs whose ranks outnumber "
+                                     "the cores gloo beside mpi, whose collectives stay on "
+                                     "mpi; else mpi, else gloo)")
 
     def axis_order(self) -> list[Axis]:
         """--grid-order as axes, each axis of the grid once; axes of degree 1 that it
