@@ -36,9 +36,9 @@ import torch.nn.functional as F
 
 from mcrdl.launch import detect as detect_launch
 
+from . import train_gpt, train_moe
 from .core import checkpoint as ckpt
-from .core import options, runtime
-from .core.backends import Backends
+from .core import options
 from .core.data import eval_windows, load_dataset
 from .core.goldfish import IGNORE_INDEX
 from .core.options import Options, PathOptionError, option
@@ -48,8 +48,7 @@ from .core.topology import GridError
 from .models import families
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
-from .pipeline.trainer import comm_backends
-from .plan.auto import LayoutOptions, choose_layout
+from .plan.auto import LayoutOptions
 from .samo.options import SamoOptions
 from .ted.options import MoETrainConfig
 
@@ -281,16 +280,8 @@ def auto_layout(cfg):
     """--layout auto: the options with the layout the trainers' planner chooses (a
     checkpoint source, loaded as a resume, keeps the layout it was saved on).
     Collective over the world."""
-    if isinstance(cfg, MoETrainConfig):
-        runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
-                          cfg.timeout, nccl_with_given=True)
-        engines: tuple[str, ...] = ("ted",)
-    else:
-        device = runtime.pick_device(cfg.device)
-        runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
-        engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine,
-                                                                  ("pipeline", "4d"))
-    chosen, _ = choose_layout(cfg, engines=engines)
+    command = train_moe if isinstance(cfg, MoETrainConfig) else train_gpt
+    chosen, _ = command.auto_layout(cfg)
     chosen.source, chosen.window = cfg.source, cfg.window
     return chosen
 

@@ -23,9 +23,10 @@ stage and saves the loss curve as a PNG.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mcrdl.launch import detect as detect_launch
 
@@ -71,6 +72,17 @@ def parse_args(argv: Sequence[str] | None = None, *,
                              description=__doc__, world_size=world_size)
 
 
+def auto_layout(cfg: Any, build: Callable[[Any], Any] | None = None) -> tuple[Any, dict]:
+    """Collective over the world: mcrdl initialized as this command does, then the
+    options `cfg` (``--layout auto``; train_gpt's or evaluate's) with the layout the
+    planner chose among the --engine's, and the record of the choice; `build(cfg)`: a
+    trainer, for ``--layout-trials``."""
+    device = runtime.pick_device(cfg.device)
+    runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
+    engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine, ("pipeline", "4d"))
+    return choose_layout(cfg, engines=engines, build=build)
+
+
 def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     """Train per `cfg` on this rank; returns the per-step losses (and, on rank 0, the
     phase breakdown). Every rank of the world must call it with the same config (or
@@ -79,11 +91,7 @@ def run(cfg: TrainConfig, **trainer_options) -> TrainResult:
     cfg.validate()
     choice = None
     if cfg.layout == "auto":
-        device = runtime.pick_device(cfg.device)
-        runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
-        engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine, ("pipeline", "4d"))
-        cfg, choice = choose_layout(cfg, engines=engines,
-                                    build=lambda c: _trainer(c, trainer_options))
+        cfg, choice = auto_layout(cfg, build=lambda c: _trainer(c, trainer_options))
     trainer = _trainer(cfg, trainer_options)
     result = TrainResult(grid=cfg.describe_grid())
     result.layout = choice

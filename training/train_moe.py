@@ -33,9 +33,10 @@ moe.pt`` starts a run of any layout from it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import mcrdl
 from mcrdl.launch import detect as detect_launch
@@ -92,6 +93,16 @@ def print_comm(rows: list[dict], steps: int) -> None:
               f"{r['calls_per_step']:>9.1f} {r['bytes_per_step']:>14,.0f}")
 
 
+def auto_layout(cfg: Any, build: Callable[[Any], Any] | None = None) -> tuple[Any, dict]:
+    """Collective over the world: mcrdl initialized as this command does, then the
+    options `cfg` (``--layout auto``; train_moe's or evaluate's) with the TED layout the
+    planner chose, and the record of the choice; `build(cfg)`: a trainer, for
+    ``--layout-trials``."""
+    runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
+                      cfg.timeout, nccl_with_given=True)
+    return choose_layout(cfg, engines=("ted",), build=build)
+
+
 def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
     """Train per `cfg` on this rank; every rank calls it with the same config. Returns
     the per-step losses; ``result.comm`` holds the communication rows on rank 0."""
@@ -100,10 +111,7 @@ def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:
     cfg.validate()
     choice = None
     if getattr(cfg, "layout", "manual") == "auto":
-        runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
-                          cfg.timeout, nccl_with_given=True)
-        cfg, choice = choose_layout(cfg, engines=("ted",),
-                                    build=lambda c: MoETrainer(c, **trainer_options))
+        cfg, choice = auto_layout(cfg, build=lambda c: MoETrainer(c, **trainer_options))
     trainer = MoETrainer(cfg, **trainer_options)
     result = TrainResult(grid=trainer.layout.describe())
     result.layout = choice
