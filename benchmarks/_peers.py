@@ -23,10 +23,18 @@ class Setup:
     def __init__(self, args, backend: str, world: int, extra: list[str]):
         from engines import model_config, train_argv
 
-        import mcrdl  # noqa: F401  (registers the "mcrdl" torch backend and its store)
+        import mcrdl  # (registers the "mcrdl" torch backend and its store)
         from training.core.data import load_dataset
         from training.train_gpt import parse_args
         self.cfg = parse_args(train_argv(args) + extra, world_size=world)
+        #: this rank's GPU over NCCL (--device cuda), else the CPU
+        self.device = torch.device("cpu")
+        if backend == "nccl":
+            self.device = torch.device("cuda", mcrdl.launch.detect().local_rank
+                                       % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        #: bf16 compute over fp32 weights (--dtype bf16): autocast, or FSDP2's policy
+        self.bf16 = self.cfg.dtype in ("bf16", "bfloat16")
         dist.init_process_group(backend)
         torch.manual_seed(self.cfg.seed)
         self.dataset = load_dataset(self.cfg.data, self.cfg.vocab_size)
@@ -44,7 +52,16 @@ class Setup:
         from training.models.gpt import GPT
         model = GPT(self.mcfg, seed=self.cfg.seed)
         model.load_state_dict(torch.load(self.init, weights_only=True))
-        return model
+        return model.to(self.device)
+
+    def microbatches(self, batches, i: int) -> list:
+        """Step `i`'s (inputs, targets) microbatches on this rank's device."""
+        return [(x.to(self.device), y.to(self.device)) for x, y in batches.microbatches(i)]
+
+    def autocast(self):
+        """bf16 compute with --dtype bf16 (the weights stay fp32), else nothing."""
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16
+                else contextlib.nullcontext())
 
     def adamw(self, params, **kw) -> torch.optim.AdamW:
         from training.core.optim import param_groups
@@ -60,7 +77,7 @@ class Setup:
         from engines import Contender
 
         def reduce(values, op):
-            t = torch.tensor(values, dtype=torch.float64)
+            t = torch.tensor(values, dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=op)
             return t.tolist()
 
@@ -76,7 +93,7 @@ class Setup:
     def mean_loss(self, local_sum: float, counted: int) -> float:
         """The global batch's mean loss: SUM over the world of each rank's `local_sum`,
         over `counted` (the number of addends)."""
-        t = torch.tensor([local_sum], dtype=torch.float64)
+        t = torch.tensor([local_sum], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t) / counted
 
@@ -134,19 +151,21 @@ def ddp(backend: str, *, masked: bool = False) -> Callable:
         if masked:
             model.load_state_dict(torch.load(args.init_pruned, weights_only=True))
             masks = [(p, p.detach() != 0) for p in model.parameters()]
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[s.device] if s.device.type == "cuda" else None)
         opt = s.adamw(model.parameters())
         batches = s.batches(rank, world)
         from training.models.gpt import lm_loss
 
         def step(i: int) -> float:
             s.set_lr(opt, i)
-            mbs = batches.microbatches(i)
+            mbs = s.microbatches(batches, i)
             total = 0.0
             for k, (x, y) in enumerate(mbs):
                 sync = net.no_sync() if k < len(mbs) - 1 else contextlib.nullcontext()
                 with sync:
-                    loss = lm_loss(net(x), y) / len(mbs)
+                    with s.autocast():
+                        loss = lm_loss(net(x), y) / len(mbs)
                     loss.backward()
                 total += float(loss.detach())
             if masked:
@@ -279,7 +298,7 @@ def dtensor(backend: str, layout: str) -> Callable:
         over the pairs (init_device_mesh("cpu", (world // 2, 2))). AdamW(foreach=False)
         wherever DTensors of different meshes or plain tensors meet."""
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         from training.models.gpt import lm_loss
         tp = {"fsdp2": 1, "tp": world, "2d": 2}[layout]
@@ -288,26 +307,31 @@ def dtensor(backend: str, layout: str) -> Callable:
                  "2d": ["--G-x", "2", "--G-z", str(dp)]}[layout]
         s = Setup(args, backend, world, extra)
         model = s.gpt()
+        kind = s.device.type
         if layout == "2d":
-            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            mesh = init_device_mesh(kind, (dp, tp), mesh_dim_names=("dp", "tp"))
             _tensor_parallel(model, mesh["tp"])
             dp_mesh = mesh["dp"]
         elif layout == "tp":
-            _tensor_parallel(model, init_device_mesh("cpu", (world,)))
+            _tensor_parallel(model, init_device_mesh(kind, (world,)))
             dp_mesh = None
         else:
-            dp_mesh = init_device_mesh("cpu", (world,))
+            dp_mesh = init_device_mesh(kind, (world,))
         if dp_mesh is not None:
+            # bf16: FSDP2's mixed precision (bf16 compute and gathers, fp32 gradients)
+            policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                           reduce_dtype=torch.float32)
+                      if s.bf16 else MixedPrecisionPolicy())
             for unit in model.units.values():
-                fully_shard(unit, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
+                fully_shard(unit, mesh=dp_mesh, mp_policy=policy)
+            fully_shard(model, mesh=dp_mesh, mp_policy=policy)
         opt = s.adamw(model.parameters(), foreach=layout == "fsdp2")
         dp_rank = rank // tp
         batches = s.batches(dp_rank, dp)
 
         def step(i: int) -> float:
             s.set_lr(opt, i)
-            mbs = batches.microbatches(i)
+            mbs = s.microbatches(batches, i)
             total = 0.0
             for k, (x, y) in enumerate(mbs):
                 if dp_mesh is not None:  # reduce-scatter once, after the last microbatch

@@ -49,6 +49,17 @@ with ``OMP_NUM_THREADS=1``, so none inherits another's process state.
    followed by the engine's ratio to the best peer of each round and their median (the
    contenders of a round ran minutes apart: on a loaded machine the steadier figure).
 
+On a GPU (``--device cuda``, R GPUs of one node, default ``--dtype bf16`` and the
+``gpt2-xl`` model, 1.6 B parameters, 8 x 1024 tokens per rank and step) the rows are
+``dp`` against DDP and ``4d-z`` against FSDP2, the peers over NCCL with bf16 compute and
+fp32 master weights (DDP under ``torch.autocast``, FSDP2 with a ``MixedPrecisionPolicy``),
+the engines with ``--dtype bf16``. Every contender's model flop/s (Narayanan et al.'s
+formula, training/core/flops.py) is reported as a fraction of the device's bf16
+datasheet peak (MFU; on a CPU, of the GEMM rate one rank measures). ``--device cpu
+--dtype bf16`` runs the same path on a CPU (the tests do). One command for a GPU node::
+
+    python benchmarks/engines.py --device cuda --ranks 1 --rounds 2
+
 Peers are optional: ``pip install .[bench]`` (DeepSpeed: ``DS_BUILD_OPS=0 pip install
 deepspeed``); a row whose peer is not installed says so and runs without it. DeepSpeed's
 first ``init_distributed`` on a CPU compiles a shared-memory op (~70 s, once per
@@ -81,6 +92,13 @@ HERE = Path(__file__).resolve().parent
 # A different step shows above it within a few steps: a global norm 1% small (a sharded
 # gradient counted as a copy) moved the clipped losses 1e-6 by step 3 and 3e-5 by step 5.
 FP32_RTOL = 1e-6
+# bf16 compute (8 significant bits, 3.9e-3 relative rounding per element): the engine
+# computes with bf16 weights cast from its fp32 masters, DDP under autocast and FSDP2 with
+# its mixed-precision policy, each rounding in other places: over 3 steps of the tiny GPT
+# on a CPU the losses differ by 1.1e-5 (DDP) and 3.6e-5 (FSDP2) relative. 5e-3 leaves
+# room for larger models; a gradient off by a factor or a skipped update shows above it,
+# a norm off by 1% (which the fp32 rows catch) does not.
+BF16_RTOL = 5e-3
 SAMO_SPARSITY = 0.9
 
 
@@ -118,8 +136,14 @@ MOE_ARGV = ("--experts", "4", "--top-k", "1", "--capacity-factor", "4.0", "--moe
 DEEPSPEED_INSTALL = "DS_BUILD_OPS=0 pip install deepspeed (or pip install .[bench])"
 
 
-def rows_for(ranks: int, micro_batch: int, block_size: int) -> list[Row]:
-    """The rows at `ranks` ranks (module doc)."""
+def rows_for(ranks: int, micro_batch: int, block_size: int, device: str = "cpu",
+             dtype: str = "fp32") -> list[Row]:
+    """The rows at `ranks` ranks on `device` with `dtype` compute (module doc)."""
+    rtol, why = ((BF16_RTOL, "bf16 compute, fp32 masters: the two round to bf16 in "
+                  "different places") if dtype == "bf16" else (FP32_RTOL, Row.why))
+    if device == "cuda":  # one node's GPUs: the dense rows, their peers over NCCL
+        return [Row("dp", "dp", ("ddp-nccl",), rtol=rtol, why=why),
+                Row("4d-z", "4d-z", ("fsdp2-nccl",), rtol=rtol, why=why)]
     both = ("gloo", "mcrdl")
     rows = [
         Row("dp", "dp", tuple(f"ddp-{b}" for b in both)),
@@ -151,7 +175,14 @@ def rows_for(ranks: int, micro_batch: int, block_size: int) -> list[Row]:
                     why="fp32; SAMO updates the unpruned entries of the same AdamW "
                         "(compressed states), the dense peer all entries with the pruned "
                         "gradients zeroed"))
+    if dtype == "bf16":
+        rows = [Row(r.name, r.engine, r.peers, r.argv, rtol, why, r.needs, r.moe)
+                for r in rows if r.name in BF16_ROWS]
     return rows
+
+
+#: The rows whose peers also train in bf16 (autocast or a mixed-precision policy).
+BF16_ROWS = ("dp", "4d-z")
 
 
 def find_row(name: str, rows: list[Row]) -> Row:
@@ -163,10 +194,12 @@ def find_row(name: str, rows: list[Row]) -> Row:
 
 def train_argv(args) -> list[str]:
     """The training options of the contender's row (shared + the row's own)."""
-    row = find_row(args.worker, rows_for(args.ranks, args.micro_batch, _block_size(args)))
+    row = find_row(args.worker, rows_for(args.ranks, args.micro_batch, _block_size(args),
+                                         args.device, args.dtype))
     return ["--model", args.model, "--global-batch-size", str(args.global_batch),
             "--micro-batch-size", str(args.micro_batch), "--seed", str(args.seed),
-            "--steps", str(args.parity_steps + args.warmup + args.steps), *row.argv]
+            "--steps", str(args.parity_steps + args.warmup + args.steps),
+            "--device", args.device, "--dtype", args.dtype, *row.argv]
 
 
 def model_config(cfg, dataset):
@@ -280,6 +313,14 @@ def worker(args) -> int:
         times.append(time.perf_counter() - t0)
     slowest = c.max_over_ranks(times) if times else []
     rss = c.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # MiB
+    peak = None
+    if args.parity_steps and rank == 0:  # the MFU's denominator, once per contender
+        import torch
+
+        from training.core.flops import peak_flops
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if args.device == "cuda" else torch.device("cpu"))
+        peak = peak_flops(device)
     sent = c.gather(bytes_per_step if bytes_per_step is not None else -1.0)
     import torch.distributed as dist
     if dist.is_initialized():  # the peers' world, closed before the interpreter exits
@@ -288,7 +329,8 @@ def worker(args) -> int:
     if rank == 0:
         Path(args.out).write_text(json.dumps(
             {"losses": losses, "step_s": slowest, "rss_mib": rss,
-             "bytes_per_step": None if min(sent) < 0 else statistics.mean(sent)}))
+             "bytes_per_step": None if min(sent) < 0 else statistics.mean(sent),
+             "peak_flops": peak}))
     return 0
 
 
@@ -300,7 +342,7 @@ def launch(args, name: str, out: Path, *, parity: bool) -> dict:
            "--init-pruned", str(args.init_pruned), "--init-moe", str(args.init_moe),
            "--ranks", str(args.ranks), "--model", args.model,
            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype]
     cmd += ["--parity-steps", str(args.parity_steps if parity else 0),
             "--warmup", str(args.warmup), "--steps", str(args.steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
@@ -350,13 +392,9 @@ def save_initial_weights(args, rows: list[Row]) -> None:
     and the MoE GPT (args.init_moe)."""
     import torch
 
-    from training.core.data import load_dataset
     from training.models.gpt import GPT
-    from training.train_gpt import parse_args
-    base = ["--model", args.model, "--seed", str(args.seed)]
-    cfg = parse_args(base)
-    dataset = load_dataset(cfg.data, cfg.vocab_size)
-    state = GPT(model_config(cfg, dataset), seed=args.seed).state_dict()
+    mcfg, _ = _model_configs(args)
+    state = GPT(mcfg, seed=args.seed).state_dict()
     torch.save(state, args.init)
     if any(r.name == "samo" for r in rows):
         from training.samo.pruning import kept_count
@@ -368,14 +406,35 @@ def save_initial_weights(args, rows: list[Row]) -> None:
         torch.save({k: v * (v.abs() >= threshold) for k, v in state.items()},
                    args.init_pruned)
     if any(r.moe for r in rows):
-        from training.models.moe import MoEGPT, base_config
-        from training.train_moe import parse_args as moe_args
-        mc = moe_args(base + list(MOE_ARGV) + ["--micro-batch-size", str(args.micro_batch),
-                                               "--router-group-tokens",
-                                               str(args.micro_batch * _block_size(args))])
-        moe_cfg = base_config(mc.model, vocab_size=dataset.vocab_size)
-        torch.save(MoEGPT(moe_cfg, mc.moe_config(), seed=args.seed).state_dict(),
-                   args.init_moe)
+        from training.models.moe import MoEGPT
+        _, (moe_cfg, moe) = _model_configs(args, moe=True)
+        torch.save(MoEGPT(moe_cfg, moe, seed=args.seed).state_dict(), args.init_moe)
+
+
+def _model_configs(args, moe: bool = False) -> tuple:
+    """(the rows' GPT config, and with `moe` the ted row's (model config, MoE config)),
+    as the engines build them from ``--model`` and the dataset's vocabulary."""
+    from training.core.data import load_dataset
+    from training.train_gpt import parse_args
+    base = ["--model", args.model, "--seed", str(args.seed)]
+    cfg = parse_args(base)
+    dataset = load_dataset(cfg.data, cfg.vocab_size)
+    if not moe:
+        return model_config(cfg, dataset), None
+    from training.models.moe import base_config
+    from training.train_moe import parse_args as moe_args
+    mc = moe_args(base + list(MOE_ARGV) + ["--micro-batch-size", str(args.micro_batch),
+                                           "--router-group-tokens",
+                                           str(args.micro_batch * _block_size(args))])
+    return model_config(cfg, dataset), (base_config(mc.model, vocab_size=dataset.vocab_size),
+                                        mc.moe_config())
+
+
+def flops_per_token(args, row: Row) -> float:
+    """Model FLOPs of one trained token of the row's model (training/core/flops.py)."""
+    from training.core.flops import model_flops_per_token
+    mcfg, moe = _model_configs(args, moe=row.moe)
+    return model_flops_per_token(*moe) if row.moe else model_flops_per_token(mcfg)
 
 
 def plot(results: dict, rows: list[Row], path: Path, ranks: int) -> None:
@@ -417,9 +476,15 @@ def available(rows: list[Row]) -> tuple[list[Row], list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the dp and 4d-z rows on this node's GPUs, peers over NCCL")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="compute precision (default fp32 on cpu, bf16 on cuda); bf16 "
+                   "keeps the rows whose peers train in bf16 (dp, 4d-z)")
     p.add_argument("--rows", default=None, help="comma-separated rows (default: all): "
                    "dp, pipe, 4d-z, 4d-x, 4d-xz (4+ ranks), ted, samo")
-    p.add_argument("--model", default="mini")
+    p.add_argument("--model", default=None, help="training's --model (default mini; "
+                   "gpt2-xl on cuda)")
     p.add_argument("--global-batch", type=int, default=None,
                    help="samples per step (default 8 x --ranks)")
     p.add_argument("--micro-batch", type=int, default=8)
@@ -428,8 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per job")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--peer-backends", default="gloo,mcrdl",
-                   help="the torch.distributed backends of the peers run (default both)")
+    p.add_argument("--peer-backends", default=None,
+                   help="the torch.distributed backends of the peers run (default gloo,mcrdl "
+                   "on cpu; nccl on cuda)")
     p.add_argument("--parity-only", action="store_true",
                    help="only the parity step: one job per contender, no timed steps")
     p.add_argument("--png", default="engines.png")
@@ -441,12 +507,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--init-pruned", help=argparse.SUPPRESS)
     p.add_argument("--init-moe", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.dtype = args.dtype or ("bf16" if cuda else "fp32")
+    args.model = args.model or ("gpt2-xl" if cuda else "mini")
     if args.global_batch is None:
         args.global_batch = 8 * args.ranks
     if args.worker:
         return worker(args)
+    if cuda:
+        import torch
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not 1 <= args.ranks <= have:
+            p.error(f"--device cuda --ranks {args.ranks}: this node has {have} GPU(s) "
+                    "visible; use --ranks 1.." + str(have) if have else
+                    "--device cuda: no GPU visible (torch.cuda.is_available() is False)")
 
-    every = rows_for(args.ranks, args.micro_batch, _block_size(args))
+    every = rows_for(args.ranks, args.micro_batch, _block_size(args), args.device, args.dtype)
     if args.rows:
         wanted = args.rows.split(",")
         unknown = set(wanted) - {r.name for r in every}
@@ -454,9 +530,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--rows {args.rows}: no row {', '.join(sorted(unknown))} at "
                     f"{args.ranks} ranks; expected some of {', '.join(r.name for r in every)}")
         every = [r for r in every if r.name in wanted]
+    args.peer_backends = args.peer_backends or ("nccl" if cuda else "gloo,mcrdl")
     backends = set(args.peer_backends.split(","))
-    if backends - {"gloo", "mcrdl"}:
-        p.error(f"--peer-backends {args.peer_backends}: expected gloo, mcrdl or both")
+    allowed = {"nccl"} if cuda else {"gloo", "mcrdl"}
+    if backends - allowed:
+        p.error(f"--peer-backends {args.peer_backends}: expected "
+                f"{' or '.join(sorted(allowed))} with --device {args.device}")
     every = [Row(r.name, r.engine, tuple(x for x in r.peers if x.rsplit("-", 1)[1] in backends),
                  r.argv, r.rtol, r.why, r.needs, r.moe) for r in every]
     rows, notes = available(every)
@@ -493,16 +572,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [f"{p} ({why})" for v in verdicts.values() for p, why in v.items() if why]
         print("parity: " + ("every pair ok" if not bad else "NOT COMPARABLE: " + ", ".join(bad)))
         return 0
+    flops = {row.name: flops_per_token(args, row) for row in rows}
     results = {n: {"median": statistics.median(s), "min": min(s), "max": max(s),
                    "rounds": s, "peak_rss_mib": rss[n],
                    "bytes_per_step": checked[n]["bytes_per_step"]}
                for n, s in samples.items()}
-    print(f"\n{args.model} GPT, {args.ranks} ranks, global batch {args.global_batch} x "
-          f"{_block_size(args)} tokens, {args.steps} timed steps after {args.warmup}, "
-          f"{args.rounds} alternating rounds, OMP_NUM_THREADS=1, "
-          f"{time.perf_counter() - t_start:.0f} s")
+    for row in rows:  # model flop/s of the median, over the ranks' peak (MFU)
+        for name in (row.engine, *row.peers):
+            res, peak = results[name], checked[name]["peak_flops"]
+            res["model_flops_per_s"] = res["median"] * flops[row.name]
+            res["mfu"] = res["model_flops_per_s"] / (peak[0] * args.ranks)
+            res["peak"] = peak
+    peak, source = next(iter(checked.values()))["peak_flops"]
+    print(f"\n{args.model} GPT, {args.ranks} ranks ({args.device}, {args.dtype}), global batch "
+          f"{args.global_batch} x {_block_size(args)} tokens, {args.steps} timed steps after "
+          f"{args.warmup}, {args.rounds} alternating rounds, OMP_NUM_THREADS=1, "
+          f"{time.perf_counter() - t_start:.0f} s; MFU against {peak / 1e12:.3g} TFLOP/s "
+          f"per rank ({source})")
     print(f"{'contender':12} {'tokens/s':>9} {'min':>9} {'max':>9} {'vs best peer':>13} "
-          f"{'RSS/rank MiB':>14} {'MB/step/rank':>13}")
+          f"{'RSS/rank MiB':>14} {'MB/step/rank':>13} {'MFU':>7}")
     lines = []
     for row in rows:
         ok = [p for p in row.peers if verdicts[row.engine][p] is None]
@@ -516,7 +604,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sent = res["bytes_per_step"]
             print(f"{name:12} {res['median']:9.0f} {res['min']:9.0f} {res['max']:9.0f} "
                   f"{ratio:>13} {max(res['peak_rss_mib']):14.0f} "
-                  f"{'-' if sent is None else f'{sent / 1e6:.2f}':>13}")
+                  f"{'-' if sent is None else f'{sent / 1e6:.2f}':>13} "
+                  f"{res['mfu']:7.1%}")
         if best is None:
             lines.append(f"engines: {row.engine} not comparable (no peer passed parity: "
                          + "; ".join(f"{p}: {verdicts[row.engine][p]}" for p in row.peers)

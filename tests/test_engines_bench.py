@@ -99,3 +99,31 @@ def test_reduced_benchmark_runs_and_prints_its_table(tmp_path):
                          r"round .*, median \d+\.\d+$",
                          text, re.M), text
     assert png.stat().st_size > 0
+
+
+def test_bf16_rows_report_parity_and_mfu(tmp_path):
+    """--dtype bf16 (the path --device cuda takes, here on the CPU): the dense rows against
+    DDP under autocast and FSDP2 with a bf16 policy pass parity at the bf16 tolerance, and
+    the table gives each contender's MFU against the measured peak."""
+    mpiexec_or_skip()
+    out = _run(["--ranks", "2", "--rows", "dp,4d-z", "--dtype", "bf16", "--model", "tiny",
+                "--peer-backends", "gloo", "--rounds", "1", "--steps", "2", "--warmup", "0",
+                "--parity-steps", "3", "--png", str(tmp_path / "bf16.png")], tmp_path,
+               timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    for peer in ("ddp-gloo", "fsdp2-gloo"):
+        assert re.search(rf"^parity {peer}: max .*\(tolerance 0.005: bf16 .*: ok$", text,
+                         re.M), text
+    assert re.search(r"^tiny GPT, 2 ranks \(cpu, bf16\).*MFU against [\d.]+ TFLOP/s per rank "
+                     r"\(measured cpu GEMM rate\)$", text, re.M), text
+    for name in ("dp", "ddp-gloo", "4d-z", "fsdp2-gloo"):
+        m = re.search(rf"^{name} +\d+ .* (\d+\.\d)%$", text, re.M)
+        assert m and 0 < float(m.group(1)) < 100, text
+
+
+def test_cuda_without_a_gpu_says_so(tmp_path):
+    """The CPU suite's processes see no GPU (tests/conftest.py): --device cuda refuses
+    at once, saying why (tests/test_gpu.py runs it on a GPU)."""
+    out = _run(["--device", "cuda", "--ranks", "1"], tmp_path, timeout=120)
+    assert out.returncode == 2 and "--device cuda: no GPU visible" in out.stderr, out.stderr

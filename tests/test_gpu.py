@@ -124,3 +124,21 @@ def test_checkpoint_round_trip_on_gpu(name, tmp_path):
     losses = _losses(started, 4)
     assert "--init-from" in started and sorted(losses) == [1, 2, 3, 4], started
     assert all(math.isfinite(float(v)) and 0 < float(v) < 10 for v in losses.values()), started
+
+
+def test_engines_benchmark_on_one_gpu(tmp_path):
+    """benchmarks/engines.py --device cuda, reduced (the `small` GPT, one round): the dense
+    engines and their NCCL peers pass bf16 parity and report an MFU against the GPU's
+    bf16 peak. The full figure: python benchmarks/engines.py --device cuda --ranks 1."""
+    mpiexec_or_skip()
+    out = run_launcher([sys.executable, os.path.join(ROOT, "benchmarks", "engines.py"),
+                        "--device", "cuda", "--ranks", "1", "--model", "small",
+                        "--global-batch", "8", "--rounds", "1", "--steps", "3",
+                        "--warmup", "1", "--parity-steps", "3",
+                        "--png", str(tmp_path / "engines.png")],
+                       env=dict(os.environ, PYTHONPATH=pythonpath(ROOT)), timeout=900)
+    for peer in ("ddp-nccl", "fsdp2-nccl"):
+        assert re.search(rf"^parity {peer}: max .*: ok$", out, re.M), out
+    for name in ("dp", "ddp-nccl", "4d-z", "fsdp2-nccl"):
+        m = re.search(rf"^{name} +\d+ .* (\d+\.\d)%$", out, re.M)
+        assert m and 0 < float(m.group(1)) < 100, out
