@@ -123,7 +123,8 @@ def clip_by_global_norm(params, max_norm: float, world: int, group=None) -> None
     if max_norm <= 0:
         return
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64)
+    # on the gradients' device: NCCL reduces device tensors only
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for g in grads:
         if isinstance(g, DTensor):
             sharded = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements)

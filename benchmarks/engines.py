@@ -50,8 +50,9 @@ with ``OMP_NUM_THREADS=1``, so none inherits another's process state.
    contenders of a round ran minutes apart: on a loaded machine the steadier figure).
 
 On a GPU (``--device cuda``, R GPUs of one node, default ``--dtype bf16`` and the
-``gpt2-xl`` model, 1.6 B parameters, 8 x 1024 tokens per rank and step) the rows are
-``dp`` against DDP and ``4d-z`` against FSDP2, the peers over NCCL with bf16 compute and
+``gpt2-xl`` model, 1.5 B parameters with the default byte vocabulary, 8 x 1024 tokens
+per rank and step) the rows are ``dp`` against DDP and ``4d-z`` against FSDP2, the
+peers over NCCL with bf16 compute and
 fp32 master weights (DDP under ``torch.autocast``, FSDP2 with a ``MixedPrecisionPolicy``),
 the engines with ``--dtype bf16``. Every contender's model flop/s (Narayanan et al.'s
 formula, training/core/flops.py) is reported as a fraction of the device's bf16
@@ -286,6 +287,9 @@ for _b in ("gloo", "mcrdl"):
         f"2d-{_b}": _peer("_peers:dtensor", _b, "2d"),
         f"dsmoe-{_b}": _peer("_peers_deepspeed:moe", _b),
     }
+# --device cuda: the dense rows' peers over NCCL (rows_for)
+WORKERS |= {"ddp-nccl": _peer("_peers:ddp", "nccl"),
+            "fsdp2-nccl": _peer("_peers:dtensor", "nccl", "fsdp2")}
 
 
 def worker(args) -> int:
@@ -314,7 +318,7 @@ def worker(args) -> int:
     slowest = c.max_over_ranks(times) if times else []
     rss = c.gather(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # MiB
     peak = None
-    if args.parity_steps and rank == 0:  # the MFU's denominator, once per contender
+    if args.peak and rank == 0:  # the MFU's denominator, in each contender's first job
         import torch
 
         from training.core.flops import peak_flops
@@ -343,7 +347,7 @@ def launch(args, name: str, out: Path, *, parity: bool) -> dict:
            "--ranks", str(args.ranks), "--model", args.model,
            "--global-batch", str(args.global_batch), "--micro-batch", str(args.micro_batch),
            "--seed", str(args.seed), "--device", args.device, "--dtype", args.dtype]
-    cmd += ["--parity-steps", str(args.parity_steps if parity else 0),
+    cmd += ["--parity-steps", str(args.parity_steps if parity else 0), *["--peak"] * parity,
             "--warmup", str(args.warmup), "--steps", str(args.steps)]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(
@@ -503,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600, help="seconds per job")
     p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--init", help=argparse.SUPPRESS)
     p.add_argument("--init-pruned", help=argparse.SUPPRESS)
     p.add_argument("--init-moe", help=argparse.SUPPRESS)
@@ -514,6 +519,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.global_batch = 8 * args.ranks
     if args.worker:
         return worker(args)
+    if args.parity_steps < 1:
+        p.error(f"--parity-steps {args.parity_steps}: expected >= 1 (every pair is first "
+                "checked to compute the same losses; its timed rounds come after)")
     if cuda:
         import torch
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0

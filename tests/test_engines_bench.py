@@ -127,3 +127,24 @@ def test_cuda_without_a_gpu_says_so(tmp_path):
     at once, saying why (tests/test_gpu.py runs it on a GPU)."""
     out = _run(["--device", "cuda", "--ranks", "1"], tmp_path, timeout=120)
     assert out.returncode == 2 and "--device cuda: no GPU visible" in out.stderr, out.stderr
+
+
+def test_every_row_names_workers_that_exist():
+    """Each contender rows_for names, on either device and dtype at 1 to 8 ranks, is a
+    worker the launched job can run (a missing one fails only when its job starts, on
+    the machine the row is for)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import engines
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    for device, dtype in (("cpu", "fp32"), ("cpu", "bf16"), ("cuda", "bf16")):
+        for ranks in (1, 2, 4, 8):
+            for row in engines.rows_for(ranks, 8, 64, device, dtype):
+                for name in (row.engine, *row.peers):
+                    assert name in engines.WORKERS, (device, dtype, ranks, name)
+
+
+def test_parity_steps_zero_is_refused(tmp_path):
+    out = _run(["--ranks", "2", "--rows", "dp", "--parity-steps", "0"], tmp_path, timeout=120)
+    assert out.returncode == 2 and "--parity-steps 0: expected >= 1" in out.stderr, out.stderr

@@ -31,7 +31,7 @@ from .engine import PipelineEngine, partition
 
 
 def comm_backends(cfg: Options, device: torch.device) -> list[str]:
-    """The backends a train_gpt run initializes: --backends; else, on a CPU node whose
+    """The backends a train_gpt run initializes: --backends; else, on one CPU node whose
     ranks outnumber its cores (mcrdl.launch.oversubscribed) where the pipeline sends
     messages (G_inter > 1) and no --p2p-backend is given, mpi for the collectives and
     gloo for the pipeline's messages when both exist; else runtime.init_comm's default
@@ -40,17 +40,20 @@ def comm_backends(cfg: Options, device: torch.device) -> list[str]:
     its last backward: with ranks sharing cores, that polling takes the CPU of the rank
     computing (mini GPT, G_inter=4 on 2 cores: 202 ms a step with gloo's messages, 241
     with mpi's); with a core per rank it costs nothing and mpi's messages are the
-    faster (G_inter=2 on 2 cores: 88 ms against 94-96). The rule reads only this node's
-    launch and CPUs, the same on its every rank. A layout still to choose (--layout
+    faster (G_inter=2 on 2 cores: 88 ms against 94-96). The rule reads this node's
+    launch and CPUs before any communication, so it applies to a one-node launch only:
+    on several nodes each could answer otherwise, and every rank must initialize the
+    same backends. A layout still to choose (--layout
     auto) gets the default: a data-parallel trial inside a job with gloo initialized
     measured 126-138 ms a step against 93-96 ms with mpi alone (4 ranks, mini GPT)."""
     if cfg.backends:
         return cfg.backends.split(",")
     usable = mcrdl.available_backends()
     messages = getattr(cfg, "G_inter", 1) > 1 and getattr(cfg, "layout", "manual") != "auto"
+    launch = detect_launch()
     if device.type != "cuda" and messages and not cfg.p2p_backend \
-            and "mpi" in usable and "gloo" in usable \
-            and oversubscribed(detect_launch().local_size, node_cores_for_ranks()):
+            and "mpi" in usable and "gloo" in usable and launch.local_size == launch.size \
+            and oversubscribed(launch.local_size, node_cores_for_ranks()):
         return ["mpi", "gloo"]
     return []
 
