@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/engines.py --ranks 2                  # every row, 3 rounds, table + PNG
-    python benchmarks/engines.py --ranks 4 --rows dp,pipe,4d-xz
+    python benchmarks/engines.py --ranks 4                  # the 4-rank rows, 2 rounds
+    python benchmarks/engines.py --ranks 4 --rows dp,pipe,4d-xz --rounds 3
     python benchmarks/engines.py --ranks 2 --steps 2 --warmup 0 --rounds 1 --parity-steps 2
 
 Rows (``rows_for``): one mcrdl engine, its layout at ``--ranks`` R, and its peers, each
@@ -48,6 +49,12 @@ with ``OMP_NUM_THREADS=1``, so none inherits another's process state.
    chart; one final line per engine ``engines: <engine> <ratio>x best peer (<peer>)``
    followed by the engine's ratio to the best peer of each round and their median (the
    contenders of a round ran minutes apart: on a loaded machine the steadier figure).
+
+At 4 ranks and more the default rows are those of ``ROWS_AT_4`` (4d-z and 4d-x run at 2
+ranks; 4d-xz composes them) and the default is 2 rounds: on the 2-core machine a job
+of 4 ranks takes ~10 s before its first step (4 processes sharing 2 cores import torch,
+and torch's optimizer imports its compiler on first use; the stdlib corpus is read),
+which bounds the command, not the steps: 3 rounds of these rows take 13 minutes.
 
 On a GPU (``--device cuda``, R GPUs of one node, default ``--dtype bf16`` and the
 ``gpt2-xl`` model, 1.5 B parameters with the default byte vocabulary, 8 x 1024 tokens
@@ -182,6 +189,8 @@ def rows_for(ranks: int, micro_batch: int, block_size: int, device: str = "cpu",
     return rows
 
 
+#: The default rows at 4 ranks and more (module doc).
+ROWS_AT_4 = ("dp", "pipe", "4d-xz", "ted", "samo")
 #: The rows whose peers also train in bf16 (autocast or a mixed-precision policy).
 BF16_ROWS = ("dp", "4d-z")
 
@@ -485,8 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="compute precision (default fp32 on cpu, bf16 on cuda); bf16 "
                    "keeps the rows whose peers train in bf16 (dp, 4d-z)")
-    p.add_argument("--rows", default=None, help="comma-separated rows (default: all): "
-                   "dp, pipe, 4d-z, 4d-x, 4d-xz (4+ ranks), ted, samo")
+    p.add_argument("--rows", default=None, help="comma-separated rows: dp, pipe, 4d-z, "
+                   "4d-x, 4d-xz (4+ ranks), ted, samo (default: all below 4 ranks, else "
+                   f"{','.join(ROWS_AT_4)})")
     p.add_argument("--model", default=None, help="training's --model (default mini; "
                    "gpt2-xl on cuda)")
     p.add_argument("--global-batch", type=int, default=None,
@@ -496,7 +506,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--parity-steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=10, help="timed steps per job")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating rounds (default 3; 2 at 4 ranks and more)")
     p.add_argument("--peer-backends", default=None,
                    help="the torch.distributed backends of the peers run (default gloo,mcrdl "
                    "on cpu; nccl on cuda)")
@@ -517,6 +528,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.model = args.model or ("gpt2-xl" if cuda else "mini")
     if args.global_batch is None:
         args.global_batch = 8 * args.ranks
+    if args.rounds is None:
+        args.rounds = 2 if args.ranks >= 4 else 3
     if args.worker:
         return worker(args)
     if args.parity_steps < 1:
@@ -531,6 +544,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "--device cuda: no GPU visible (torch.cuda.is_available() is False)")
 
     every = rows_for(args.ranks, args.micro_batch, _block_size(args), args.device, args.dtype)
+    if args.rows is None and args.ranks >= 4 and not cuda:
+        args.rows = ",".join(r.name for r in every if r.name in ROWS_AT_4)
     if args.rows:
         wanted = args.rows.split(",")
         unknown = set(wanted) - {r.name for r in every}
