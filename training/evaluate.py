@@ -36,7 +36,6 @@ import torch.nn.functional as F
 
 from mcrdl.launch import detect as detect_launch
 
-from . import train_gpt, train_moe
 from .core import checkpoint as ckpt
 from .core import options
 from .core.data import eval_windows, load_dataset
@@ -48,6 +47,7 @@ from .core.topology import GridError
 from .models import families
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
+from .plan import auto
 from .plan.auto import LayoutOptions
 from .samo.options import SamoOptions
 from .ted.options import MoETrainConfig
@@ -280,8 +280,7 @@ def auto_layout(cfg):
     """--layout auto: the options with the layout the trainers' planner chooses (a
     checkpoint source, loaded as a resume, keeps the layout it was saved on).
     Collective over the world."""
-    command = train_moe if isinstance(cfg, MoETrainConfig) else train_gpt
-    chosen, _ = command.auto_layout(cfg)
+    chosen, _ = auto.auto_layout(cfg)
     chosen.source, chosen.window = cfg.source, cfg.window
     return chosen
 

@@ -23,14 +23,13 @@ stage and saves the loss curve as a PNG.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mcrdl.launch import detect as detect_launch
 
-from .core import options, report, runtime
+from .core import options, report
 from .core.report import TrainResult
 from .core.run_options import DataOptions, ModelOptions, OptimizerOptions, RunOptions
 from .core.runner import run_command, train_loop
@@ -40,8 +39,8 @@ from .models.gpt import GPTConfig
 from .models.llama import LlamaConfig
 from .parallel4d.options import TensorOptions
 from .pipeline.options import PipelineOptions
-from .pipeline.trainer import Trainer, comm_backends
-from .plan.auto import LayoutOptions, choose_layout
+from .pipeline.trainer import Trainer
+from .plan.auto import LayoutOptions, auto_layout
 from .samo.options import SamoOptions
 
 
@@ -70,17 +69,6 @@ def parse_args(argv: Sequence[str] | None = None, *,
     also checked against a world of that many ranks."""
     return options.parse_args(TrainConfig, argv, prog="python -m training.train_gpt",
                              description=__doc__, world_size=world_size)
-
-
-def auto_layout(cfg: Any, build: Callable[[Any], Any] | None = None) -> tuple[Any, dict]:
-    """Collective over the world: mcrdl initialized as this command does, then the
-    options `cfg` (``--layout auto``; train_gpt's or evaluate's) with the layout the
-    planner chose among the --engine's, and the record of the choice; `build(cfg)`: a
-    trainer, for ``--layout-trials``."""
-    device = runtime.pick_device(cfg.device)
-    runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
-    engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine, ("pipeline", "4d"))
-    return choose_layout(cfg, engines=engines, build=build)
 
 
 def run(cfg: TrainConfig, **trainer_options) -> TrainResult:

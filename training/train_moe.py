@@ -33,19 +33,17 @@ moe.pt`` starts a run of any layout from it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mcrdl
 from mcrdl.launch import detect as detect_launch
 
-from .core import options, report, runtime
-from .core.backends import Backends
+from .core import options, report
 from .core.report import TrainResult
 from .core.runner import run_command, train_loop
-from .plan.auto import LayoutOptions, choose_layout
+from .plan.auto import LayoutOptions, auto_layout
 from .ted.options import MoETrainConfig
 
 
@@ -91,16 +89,6 @@ def print_comm(rows: list[dict], steps: int) -> None:
     for r in rows:
         print(f"{r['op']:<18} {r['backend']:<8} {r['group_size']:>5} "
               f"{r['calls_per_step']:>9.1f} {r['bytes_per_step']:>14,.0f}")
-
-
-def auto_layout(cfg: Any, build: Callable[[Any], Any] | None = None) -> tuple[Any, dict]:
-    """Collective over the world: mcrdl initialized as this command does, then the
-    options `cfg` (``--layout auto``; train_moe's or evaluate's) with the TED layout the
-    planner chose, and the record of the choice; `build(cfg)`: a trainer, for
-    ``--layout-trials``."""
-    runtime.init_comm(Backends.parse(cfg.backends).init, runtime.pick_device(cfg.device),
-                      cfg.timeout, nccl_with_given=True)
-    return choose_layout(cfg, engines=("ted",), build=build)
 
 
 def run(cfg: MoETrainConfig, **trainer_options) -> TrainResult:

@@ -38,10 +38,14 @@ from mcrdl.api import current_runtime
 from mcrdl.launch import detect as detect_launch
 from mcrdl.tuning.model import coefficients
 
+from ..core import runtime
+from ..core.backends import Backends
 from ..core.checkpoint import resume_path
 from ..core.flops import measured_peak, peak_flops
 from ..core.options import Options, flag, option
 from ..core.topology import GridError
+from ..pipeline.trainer import comm_backends
+from ..ted.options import MoETrainConfig
 from .memory import gib, parse_bytes
 from .network import Machine, PlanError
 from .planner import Candidate, Plan, Problem, explain_infeasible, plan
@@ -259,6 +263,24 @@ def _resumed_layout(cfg: Any) -> tuple[dict[str, int] | None, dict | None]:
     return ({k: train[k] for k in _degree_names(cfg) if k in train} or None,
             (earlier.get("chosen") if earlier.get("source") == "checkpoint" else earlier)
             if isinstance(earlier, dict) else None)
+
+
+def auto_layout(cfg: Any, build: Callable[[Any], Any] | None = None) -> tuple[Any, dict]:
+    """Collective over the world: mcrdl initialized as the command of `cfg` does (train_moe's
+    options: its --backends, nccl beside them on a GPU; train_gpt's or evaluate's: the
+    pipeline's comm_backends), then ``choose_layout`` among that command's engines (TED;
+    or --engine's, the pipeline and 4D by default). `build(cfg)`: a trainer, for
+    ``--layout-trials``."""
+    device = runtime.pick_device(cfg.device)
+    if isinstance(cfg, MoETrainConfig):
+        runtime.init_comm(Backends.parse(cfg.backends).init, device, cfg.timeout,
+                          nccl_with_given=True)
+        engines: tuple[str, ...] = ("ted",)
+    else:
+        runtime.init_comm(comm_backends(cfg, device), device, cfg.timeout)
+        engines = {"4d": ("4d",), "pipeline": ("pipeline",)}.get(cfg.engine,
+                                                                  ("pipeline", "4d"))
+    return choose_layout(cfg, engines=engines, build=build)
 
 
 def choose_layout(cfg: Any, *, engines: tuple[str, ...],
