@@ -83,13 +83,22 @@ def test_object_collectives_out_of_step(merged):
 def _check_timeouts(out: str, limit: float, backends=BOTH) -> None:
     """Ranks 1 and 2 timed out on each backend in turn, not before the timeout (a
     ceiling of 10x it only catches a hang), and the backend then refused calls; every
-    rank finalized."""
+    rank finalized. On gloo one of the two may instead see its op fail with the
+    connection closed by the other, whose own timeout fired first (docs/api.md "Work"):
+    one of them timed out."""
     for backend in backends:
+        timed_out = 0
         for r in (1, 2):
             m = re.search(rf"rank {r}: {backend}: CommTimeoutError after ([\d.]+) s", out)
-            assert m, out
-            assert limit * 0.99 <= float(m.group(1)) < 10 * limit, m.group(0)
+            if m:
+                assert limit * 0.99 <= float(m.group(1)) < 10 * limit, m.group(0)
+                timed_out += 1
+            else:
+                m = re.search(rf"rank {r}: {backend}: peer closed after ([\d.]+) s", out)
+                assert m and backend == "gloo", out
+                assert float(m.group(1)) < 10 * limit, m.group(0)
             assert f"rank {r}: {backend}: next op refused: BackendUnavailableError" in out
+        assert timed_out >= 1, out
     for r in range(3):
         assert f"rank {r}: finalized" in out
 

@@ -92,6 +92,11 @@ class LibraryWait:
         self._waiter: ThreadedWait | None = None
 
     def _raise(self, exc: Exception, timeout: float):
+        """The library's error of a posted op as mcrdl's; either way the backend refuses
+        new ops after it: the op may have completed on some ranks of the group and not
+        on others, and Gloo closes a pair's connection when an op on it fails. So a rank
+        whose peer's own timeout fired first sees its op fail with the connection closed
+        by that peer (an MCRDLError saying so), not a timeout of its own."""
         text = str(exc)
         what = (f"{self.op} on backend '{self._owner.name}' (group {self.group}, "
                 f"sequence number {self.seq})")
@@ -101,7 +106,12 @@ class LibraryWait:
                    f"{text.strip()}")
             self._owner.failed = msg
             raise CommTimeoutError(msg) from None
-        raise MCRDLError(f"{what} failed: {text.strip()}") from None
+        msg = f"{what} failed: {text.strip()}"
+        if "closed by peer" in text or "reset by peer" in text:
+            msg += (" (a peer gave up on this op, e.g. its own timeout fired first, or "
+                    "ended)")
+        self._owner.failed = msg
+        raise MCRDLError(msg) from None
 
     def _still_pending(self, limit: float) -> CommTimeoutError:
         return CommTimeoutError(

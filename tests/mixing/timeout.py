@@ -45,10 +45,16 @@ def one_rank_missing(backend: str) -> None:
             work = mcrdl.all_reduce(backend, torch.ones(4), async_op=True)
             work.wait()
         raise AssertionError(f"all_reduce on {backend} without rank 0 returned")
-    except mcrdl.CommTimeoutError as e:
+    except mcrdl.MCRDLError as e:
         took = time.monotonic() - start
-        msg = str(e)
+        msg, error = str(e), type(e)
         assert took < 10 * limit, took  # a hang guard (test_mixing.py checks not early)
+    if error is not mcrdl.CommTimeoutError:
+        # Gloo: the other waiting rank's own timeout fired first and its failed op closed
+        # their connection (docs/api.md "Work"); test_mixing.py checks that one timed out
+        assert backend == "gloo" and "closed by peer" in msg, msg
+        print(f"rank {rank}: {backend}: peer closed after {took:.2f} s: {msg}", flush=True)
+    else:
         # pccl's all_reduce is one C++ op: it is numbered and named like the others'
         parts = (("never called it", "world rank(s) [0]", "sequence number 2") if debug
                  else ("sequence number",) if fusion else ("sequence number 2",))
@@ -62,9 +68,9 @@ def one_rank_missing(backend: str) -> None:
         try:
             work.wait()
             raise AssertionError(f"a second wait on {backend} returned")
-        except mcrdl.CommTimeoutError as e:
+        except mcrdl.MCRDLError as e:
             again = time.monotonic() - start
-            assert str(e) == msg, (msg, str(e))
+            assert type(e) is error and str(e) == msg, (msg, str(e))
             if backend == "mpi":  # still in flight: it waits again, and could complete
                 assert limit <= again < 10 * limit and not work.is_completed(), again
             else:  # failed for good: at once, not after waiting out another timeout
