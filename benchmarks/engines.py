@@ -279,9 +279,9 @@ def _peer(factory: str, *a, **kw) -> Callable:
 WORKERS: dict[str, Callable] = {
     "dp": engine_gpt(["--G-data", "R"]),
     "pipe": engine_gpt(["--G-inter", "R"]),
-    "4d-z": engine_gpt(["--G-z", "R"]),
-    "4d-x": engine_gpt(["--G-x", "R"]),
-    "4d-xz": engine_gpt(["--G-x", "2", "--G-z", "R/2"]),
+    "4d-z": engine_gpt(["--G-z", "R", "--engine", "4d"]),  # the 4D engine at 1 rank too
+    "4d-x": engine_gpt(["--G-x", "R", "--engine", "4d"]),
+    "4d-xz": engine_gpt(["--G-x", "2", "--G-z", "R/2", "--engine", "4d"]),
     "ted": engine_ted,
     "samo": engine_gpt(["--G-data", "R", "--samo"], init="init_pruned"),
 }
