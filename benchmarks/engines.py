@@ -406,7 +406,7 @@ def save_initial_weights(args, rows: list[Row]) -> None:
     import torch
 
     from training.models.gpt import GPT
-    mcfg, _ = _model_configs(args)
+    mcfg, moe_configs = _model_configs(args, moe=any(r.moe for r in rows))
     state = GPT(mcfg, seed=args.seed).state_dict()
     torch.save(state, args.init)
     if any(r.name == "samo" for r in rows):
@@ -420,7 +420,7 @@ def save_initial_weights(args, rows: list[Row]) -> None:
                    args.init_pruned)
     if any(r.moe for r in rows):
         from training.models.moe import MoEGPT
-        _, (moe_cfg, moe) = _model_configs(args, moe=True)
+        moe_cfg, moe = moe_configs
         torch.save(MoEGPT(moe_cfg, moe, seed=args.seed).state_dict(), args.init_moe)
 
 
@@ -443,11 +443,13 @@ def _model_configs(args, moe: bool = False) -> tuple:
                                         mc.moe_config())
 
 
-def flops_per_token(args, row: Row) -> float:
-    """Model FLOPs of one trained token of the row's model (training/core/flops.py)."""
+def flops_per_token(args, rows: list[Row]) -> dict[str, float]:
+    """Per row, the model FLOPs of one trained token of its model
+    (training/core/flops.py)."""
     from training.core.flops import model_flops_per_token
-    mcfg, moe = _model_configs(args, moe=row.moe)
-    return model_flops_per_token(*moe) if row.moe else model_flops_per_token(mcfg)
+    mcfg, moe_configs = _model_configs(args, moe=any(r.moe for r in rows))
+    return {r.name: model_flops_per_token(*moe_configs) if r.moe
+            else model_flops_per_token(mcfg) for r in rows}
 
 
 def plot(results: dict, rows: list[Row], path: Path, ranks: int) -> None:
@@ -595,7 +597,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bad = [f"{p} ({why})" for v in verdicts.values() for p, why in v.items() if why]
         print("parity: " + ("every pair ok" if not bad else "NOT COMPARABLE: " + ", ".join(bad)))
         return 0
-    flops = {row.name: flops_per_token(args, row) for row in rows}
+    flops = flops_per_token(args, rows)
     results = {n: {"median": statistics.median(s), "min": min(s), "max": max(s),
                    "rounds": s, "peak_rss_mib": rss[n],
                    "bytes_per_step": checked[n]["bytes_per_step"]}
