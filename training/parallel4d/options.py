@@ -10,6 +10,9 @@ from ..core.options import Options, flag, option
 from ..core.run_options import check_backend_names, check_backends_usable
 from ..core.topology import Axis
 
+#: The 4D engine's fused gradient all_reduce buckets without --bucket-mib (MiB).
+FUSED_BUCKET_MIB = 4.0
+
 
 @dataclass
 class TensorOptions(Options):

@@ -36,6 +36,7 @@ from ..models.families import describe, family_of, model_shape
 from ..models.init_source import read_init
 from ..tensor_parallel.comm import AxisComm, GatherSchedule, Overlap, Recorder, TensorComms
 from .model import GPT4D, IGNORE_INDEX
+from .options import FUSED_BUCKET_MIB
 from .perf_model.step import Grid4D, TrainingStep, check_grid
 
 GRID_AXES = (Axis.X, Axis.Y, Axis.Z, Axis.DATA)
@@ -146,7 +147,7 @@ class Trainer4D:
         self.engine = _NoEvents()
         #: elements per fused gradient all_reduce (--bucket-mib)
         element_bytes = torch.finfo(dtype).bits // 8
-        mib = 4.0 if cfg.bucket_mib is None else cfg.bucket_mib
+        mib = FUSED_BUCKET_MIB if cfg.bucket_mib is None else cfg.bucket_mib
         self.bucket_elements = max(1, int(mib * 2**20) // element_bytes)
         self.step = 0
         #: the record of --layout auto (set by train_loop), kept in checkpoint manifests

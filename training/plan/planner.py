@@ -42,6 +42,7 @@ from ..core.optim import bucket_bytes
 from ..models.gpt import GPTConfig
 from ..models.llama import LlamaConfig
 from ..models.moe import MoEConfig
+from ..parallel4d.options import FUSED_BUCKET_MIB
 from ..parallel4d.perf_model import Grid4D, TrainingStep, constraint_violations, grids, predict
 from ..ted.cost_model import step_comm
 from ..ted.model import TEDLayout
@@ -49,8 +50,8 @@ from . import memory
 from .network import Machine, PlanError
 
 ENGINES = ("4d", "pipeline", "ted")
-#: The 4D engine's fused gradient all_reduce buckets (4 MiB without --bucket-mib).
-BUCKET_BYTES = 4 << 20
+#: The 4D engine's fused gradient all_reduce buckets without --bucket-mib.
+BUCKET_BYTES = int(FUSED_BUCKET_MIB * 2**20)
 
 
 @dataclass(frozen=True)
